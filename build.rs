@@ -1,0 +1,208 @@
+//! Compiles the CUDA kernels in `kernels/*.cu` into one fatbin,
+//! `$OUT_DIR/ep_kernels.fatbin`, which `src/runtime/cuda.rs` embeds and
+//! loads through the driver API at run time. Nothing CUDA is linked.
+//!
+//! Two nvcc steps, so that all kernels end up in ONE module (one
+//! `cuModuleLoadData`) while each `.cu` file stays its own translation unit:
+//!   1. each `.cu` -> relocatable device code (`-rdc=true -fatbin`),
+//!   2. all of those -> device link (`-dlink -fatbin`) -> one fatbin with one
+//!      linked cubin (SASS) per target architecture.
+//!
+//! Environment:
+//! - `NVCC`: the nvcc to use. Otherwise `$CUDA_HOME/bin/nvcc`, then `nvcc` on
+//!   PATH, then the one `scripts/install-cuda-tools.sh` put in `.venv/`.
+//! - `EP_CUDA_ARCHS`: comma list of targets, such as `90a,100a`. Default:
+//!   `90a` (Hopper), plus `100a` (Blackwell) when this nvcc knows it.
+
+use std::env;
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn main() {
+    println!("cargo:rerun-if-changed=kernels");
+    for var in ["NVCC", "CUDA_HOME", "EP_CUDA_ARCHS"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    if let Err(message) = build() {
+        // Cargo shows a failed build script's stderr in full.
+        eprintln!("building the CUDA kernels failed:\n{message}");
+        std::process::exit(1);
+    }
+}
+
+fn build() -> Result<(), String> {
+    let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").map_err(|e| e.to_string())?);
+    let out_dir = PathBuf::from(env::var("OUT_DIR").map_err(|e| e.to_string())?);
+    let kernels_dir = manifest_dir.join("kernels");
+
+    let nvcc = find_nvcc(&manifest_dir)?;
+    let archs = target_archs(&nvcc)?;
+    let gencode: Vec<String> = archs
+        .iter()
+        .map(|arch| format!("-gencode=arch=compute_{arch},code=sm_{arch}"))
+        .collect();
+
+    let sources = cuda_sources(&kernels_dir)?;
+    let objects_dir = out_dir.join("kernels");
+    std::fs::create_dir_all(&objects_dir).map_err(|e| format!("{}: {e}", objects_dir.display()))?;
+
+    // Step 1, all files at once: nvcc is single-threaded and slow.
+    let include_dir = kernels_dir.join("include");
+    let compiles: Vec<(Command, PathBuf)> = sources
+        .iter()
+        .map(|source| {
+            let stem = source.file_stem().unwrap_or(OsStr::new("kernel"));
+            let object = objects_dir.join(stem).with_extension("rdc.fatbin");
+            let mut cmd = Command::new(&nvcc);
+            cmd.args(["-rdc=true", "-fatbin", "-std=c++17", "-O3", "-lineinfo"])
+                .arg("--expt-relaxed-constexpr")
+                .arg("-I")
+                .arg(&include_dir)
+                .args(&gencode)
+                .arg(source)
+                .arg("-o")
+                .arg(&object);
+            (cmd, object)
+        })
+        .collect();
+    let objects = std::thread::scope(|scope| {
+        let running: Vec<_> = compiles
+            .into_iter()
+            .map(|(mut cmd, object)| scope.spawn(move || run(&mut cmd).map(|()| object)))
+            .collect();
+        running
+            .into_iter()
+            .map(|handle| handle.join().expect("an nvcc thread panicked"))
+            .collect::<Result<Vec<PathBuf>, String>>()
+    })?;
+
+    // Step 2: one device link for all of them.
+    let fatbin = out_dir.join("ep_kernels.fatbin");
+    let mut link = Command::new(&nvcc);
+    link.args(["-dlink", "-fatbin"])
+        .args(&gencode)
+        .args(&objects)
+        .arg("-o")
+        .arg(&fatbin);
+    run(&mut link)
+}
+
+/// Runs one nvcc command. On failure the error holds the command line and
+/// nvcc's whole output; on success its warnings are passed on to cargo.
+fn run(cmd: &mut Command) -> Result<(), String> {
+    let output = cmd
+        .output()
+        .map_err(|e| format!("could not start {cmd:?}: {e}"))?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    if !output.status.success() {
+        return Err(format!(
+            "command failed ({}):\n  {cmd:?}\n{stdout}{stderr}",
+            output.status
+        ));
+    }
+    for line in stdout.lines().chain(stderr.lines()) {
+        println!("cargo:warning=nvcc: {line}");
+    }
+    Ok(())
+}
+
+/// The nvcc to use; see the file comment for the order.
+fn find_nvcc(manifest_dir: &Path) -> Result<PathBuf, String> {
+    if let Some(nvcc) = env::var_os("NVCC") {
+        return Ok(PathBuf::from(nvcc));
+    }
+    if let Some(cuda_home) = env::var_os("CUDA_HOME") {
+        let nvcc = PathBuf::from(cuda_home).join("bin/nvcc");
+        if nvcc.is_file() {
+            return Ok(nvcc);
+        }
+    }
+    if let Some(path) = env::var_os("PATH") {
+        if let Some(nvcc) = env::split_paths(&path)
+            .map(|dir| dir.join("nvcc"))
+            .find(|nvcc| nvcc.is_file())
+        {
+            return Ok(nvcc);
+        }
+    }
+    if let Some(nvcc) = venv_nvcc(manifest_dir) {
+        return Ok(nvcc);
+    }
+    Err(
+        "no nvcc found (tried $NVCC, $CUDA_HOME/bin/nvcc, PATH and .venv/).\n\
+         Run scripts/install-cuda-tools.sh to install CUDA 13.0's nvcc into .venv/, \
+         or set NVCC to an nvcc of CUDA 13.0."
+            .to_string(),
+    )
+}
+
+/// The nvcc of NVIDIA's PyPI wheels, as installed by
+/// `scripts/install-cuda-tools.sh`:
+/// `.venv/lib/python3.X/site-packages/nvidia/cu13/bin/nvcc`. The wheels lay
+/// the tool chain out like a CUDA toolkit (bin/, nvvm/, include/, lib/) and
+/// ship an `nvcc.profile` that points nvcc at cicc, libdevice and the
+/// headers (cccl included) relative to itself, so this nvcc needs no extra
+/// flags or environment.
+fn venv_nvcc(manifest_dir: &Path) -> Option<PathBuf> {
+    let lib = manifest_dir.join(".venv/lib");
+    std::fs::read_dir(lib)
+        .ok()?
+        .filter_map(|entry| entry.ok())
+        .map(|entry| entry.path().join("site-packages/nvidia/cu13/bin/nvcc"))
+        .find(|nvcc| nvcc.is_file())
+}
+
+/// The `sm_` targets to build SASS for: `EP_CUDA_ARCHS`, or the default.
+fn target_archs(nvcc: &Path) -> Result<Vec<String>, String> {
+    if let Ok(list) = env::var("EP_CUDA_ARCHS") {
+        let archs: Vec<String> = list
+            .split(',')
+            .map(|arch| arch.trim().to_string())
+            .filter(|arch| !arch.is_empty())
+            .collect();
+        let valid = |arch: &String| arch.bytes().all(|b| b.is_ascii_alphanumeric());
+        if archs.is_empty() || !archs.iter().all(valid) {
+            return Err(format!(
+                "EP_CUDA_ARCHS={list:?}: expected a comma list such as 90a,100a"
+            ));
+        }
+        return Ok(archs);
+    }
+    // Hopper always; Blackwell when nvcc lists it (CUDA 12.8 and later do).
+    let mut archs = vec!["90a".to_string()];
+    let output = Command::new(nvcc)
+        .arg("--list-gpu-arch")
+        .output()
+        .map_err(|e| format!("could not run {}: {e}", nvcc.display()))?;
+    if !output.status.success() {
+        return Err(format!(
+            "{} --list-gpu-arch failed ({}):\n{}",
+            nvcc.display(),
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    let listed = String::from_utf8_lossy(&output.stdout);
+    if listed.split_whitespace().any(|arch| arch == "compute_100") {
+        archs.push("100a".to_string());
+    }
+    Ok(archs)
+}
+
+/// Every `kernels/*.cu`, sorted so the build is reproducible.
+fn cuda_sources(kernels_dir: &Path) -> Result<Vec<PathBuf>, String> {
+    let entries =
+        std::fs::read_dir(kernels_dir).map_err(|e| format!("{}: {e}", kernels_dir.display()))?;
+    let mut sources: Vec<PathBuf> = entries
+        .filter_map(|entry| entry.ok())
+        .map(|entry| entry.path())
+        .filter(|path| path.extension() == Some(OsStr::new("cu")))
+        .collect();
+    sources.sort();
+    if sources.is_empty() {
+        return Err(format!("no .cu files in {}", kernels_dir.display()));
+    }
+    Ok(sources)
+}

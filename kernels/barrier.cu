@@ -1,0 +1,68 @@
+// A barrier across the ranks of one node, run on the GPUs themselves, so it
+// is ordered with the kernels around it on the stream.
+//
+// Memory: every rank owns a signal array of `world` ints in symmetric memory
+// (memory every peer GPU can write through a mapping), zeroed once when the
+// buffers are set up and never again. peer_signals[p] is the address, valid
+// on this GPU, of rank p's array; peer_signals[rank] is this rank's own.
+// Slot [q] of rank p's array is written by rank q only.
+//
+// Protocol for the barrier with number `epoch`:
+//   1. for every rank p (this one too): store `epoch` into slot [rank] of
+//      p's array, as a release store;
+//   2. wait until every slot of this rank's own array has reached `epoch`,
+//      with acquire loads.
+// When step 2 finishes, every rank has finished step 1, so every rank has
+// reached the barrier. Because the stores are releases and the loads are
+// acquires, whatever a rank wrote before the barrier (its earlier kernels on
+// this stream included: stream order puts them before this kernel, and a
+// release publishes everything its thread has observed) is visible to every
+// rank after it. So a rank may write into a peer's buffer, barrier, and the
+// peer may read.
+//
+// Why epochs that grow instead of flags that are reset: no slot is ever
+// cleared, so no reset can race with a fast peer that is already signalling
+// the next barrier. A rank can be at most one barrier ahead of a slow one
+// (it cannot pass barrier k + 1 before the slow one signals k + 1), so a slot
+// can hold `epoch` or `epoch + 1` when it is read, and "reached" (>=) is true
+// for both. The host passes 1 for the first barrier and one more for each
+// later one, the same sequence on every rank; the comparison (ep_reached)
+// survives the int wrapping around.
+//
+// Launch: one block of at least `world` threads (a multiple of 32, e.g. 32
+// for world <= 32, 64 for world <= 64). Thread p signals and waits for rank p;
+// the other threads do nothing.
+//
+// Failure: a wait that passes its deadline (timeout_ns after the thread
+// starts waiting) records EP_STATUS_TIMEOUT with rank = the peer that did not
+// arrive and detail = the value its slot held; a raised *abort_flag records
+// EP_STATUS_ABORTED. Either way the kernel returns and the stream goes on;
+// the epochs of the ranks are then out of step, so the host must treat the
+// group as broken. Argument errors (1 <= world <= blockDim.x,
+// 0 <= rank < world) record EP_STATUS_INVALID_ARGUMENT and signal nothing.
+#include "ep_device.cuh"
+
+extern "C" __global__ void ep_barrier_kernel(int** peer_signals, int rank, int world, int epoch,
+                                             uint64_t timeout_ns, const int* abort_flag,
+                                             EpDeviceStatus* status) {
+    if (world < 1 || world > static_cast<int>(blockDim.x) || rank < 0 || rank >= world) {
+        if (threadIdx.x == 0) {
+            ep_record_error(status, EP_STATUS_INVALID_ARGUMENT, -1, EP_PHASE_BARRIER, 0);
+        }
+        return;
+    }
+    const int peer = threadIdx.x;
+    if (peer >= world) {
+        return;
+    }
+
+    // Step 1: tell `peer` that this rank has arrived.
+    ep_st_release_sys(peer_signals[peer] + rank, epoch);
+
+    // Step 2: wait for `peer` to arrive here. A thread that fails returns;
+    // its siblings notice the recorded error on their next check and return
+    // as well (see ep_wait_until_ge).
+    const int* my_slot_for_peer = peer_signals[rank] + peer;
+    ep_wait_until_ge(my_slot_for_peer, epoch, ep_deadline_after(timeout_ns), abort_flag, status,
+                     peer, EP_PHASE_BARRIER);
+}

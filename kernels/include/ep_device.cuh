@@ -1,0 +1,187 @@
+// Device-side helpers shared by every ep kernel: memory-ordered loads and
+// stores at system scope, a nanosecond clock, error reporting to the host,
+// and a bounded wait that never hangs the GPU.
+//
+// Why system scope (".sys") everywhere: the flags these helpers touch are
+// written by other GPUs (over NVLink, through peer mappings) or by the host
+// (host-mapped memory). ".gpu" scope would only order accesses among the
+// threads of this GPU; ".sys" is the scope that includes other devices and
+// the CPU.
+//
+// Why kernels never __trap(): a trap poisons the whole CUDA context, and the
+// context is the caller's (PyTorch's, say). A kernel that cannot finish
+// records what happened in an EpDeviceStatus and returns; the host reads the
+// status after the stream synchronizes and turns it into an error.
+#pragma once
+
+#include <stdint.h>
+
+// ---------------------------------------------------------------------------
+// Status reported to the host
+// ---------------------------------------------------------------------------
+
+// Values of EpDeviceStatus::code. Mirrored in src/runtime/cuda.rs.
+#define EP_STATUS_OK 0
+// A bounded wait passed its deadline.
+#define EP_STATUS_TIMEOUT 1
+// The host raised the abort flag while a kernel waited.
+#define EP_STATUS_ABORTED 2
+// The layout kernel met an expert id outside [-1, num_experts).
+#define EP_STATUS_INVALID_EXPERT 3
+// A kernel was launched with arguments it cannot work with (see each kernel).
+#define EP_STATUS_INVALID_ARGUMENT 4
+
+// Values of EpDeviceStatus::phase: which kernel recorded the error.
+// Mirrored in src/runtime/cuda.rs.
+#define EP_PHASE_LAYOUT 1
+#define EP_PHASE_BARRIER 2
+
+// The first error a rank's kernels hit. It lives in host-mapped memory
+// (cuMemHostAlloc with DEVICEMAP), one per rank, zeroed by the host.
+//
+// Only the first error is kept: `code` is claimed with an atomicCAS from
+// EP_STATUS_OK, and only the thread that wins writes the other fields. The
+// host must read the fields after the kernel has finished (after a stream
+// synchronize); while a kernel is still running only a non-zero `code` is
+// meaningful, the other fields may not have arrived yet.
+struct EpDeviceStatus {
+    int code;    // EP_STATUS_*
+    int rank;    // the rank a failed wait was waiting for; -1 if none
+    int phase;   // EP_PHASE_*
+    int detail;  // timeout/abort: the last value seen; invalid expert: the
+                 // flat index token * topk + slot; invalid argument: 0
+};
+
+// ---------------------------------------------------------------------------
+// Memory-ordered accesses at system scope (inline PTX)
+// ---------------------------------------------------------------------------
+
+// Acquire load: no later load or store of this thread may be performed
+// before it. Pairs with ep_st_release_sys: once the value written by a
+// release store is seen, everything the writer wrote before it is visible.
+__device__ __forceinline__ int ep_ld_acquire_sys(const int* addr) {
+    int value;
+    asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(value) : "l"(addr) : "memory");
+    return value;
+}
+
+// Relaxed load: no ordering, but a fresh value each call (the compiler may
+// neither cache it in a register nor drop it). For flags that carry no data,
+// such as the abort flag.
+__device__ __forceinline__ int ep_ld_relaxed_sys(const int* addr) {
+    int value;
+    asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(value) : "l"(addr) : "memory");
+    return value;
+}
+
+// Release store: every load and store this thread did before it (and every
+// write it has observed, the PTX model is cumulative) is visible to a thread
+// that acquire-loads the stored value.
+__device__ __forceinline__ void ep_st_release_sys(int* addr, int value) {
+    asm volatile("st.release.sys.global.s32 [%0], %1;" : : "l"(addr), "r"(value) : "memory");
+}
+
+// Relaxed atomic add at system scope; returns the old value. Atomic with
+// respect to other GPUs' atomics on the same word, but orders nothing else:
+// follow it with a release store (or precede it with a fence) when it
+// publishes data.
+__device__ __forceinline__ int ep_atomic_add_relaxed_sys(int* addr, int value) {
+    int old;
+    asm volatile("atom.relaxed.sys.global.add.s32 %0, [%1], %2;"
+                 : "=r"(old)
+                 : "l"(addr), "r"(value)
+                 : "memory");
+    return old;
+}
+
+// ---------------------------------------------------------------------------
+// Time
+// ---------------------------------------------------------------------------
+
+// The GPU's global timer in nanoseconds. It ticks in real time, the same on
+// every SM (unlike clock64, which counts this SM's cycles), though on some
+// GPUs it only advances every microsecond or so: fine for timeouts.
+__device__ __forceinline__ uint64_t ep_globaltimer_ns() {
+    uint64_t now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    return now;
+}
+
+// The global-timer value `timeout_ns` from now, saturating instead of
+// wrapping, so a huge timeout means "practically never" and not "already".
+__device__ __forceinline__ uint64_t ep_deadline_after(uint64_t timeout_ns) {
+    uint64_t now = ep_globaltimer_ns();
+    return timeout_ns > UINT64_MAX - now ? UINT64_MAX : now + timeout_ns;
+}
+
+// ---------------------------------------------------------------------------
+// Errors and bounded waits
+// ---------------------------------------------------------------------------
+
+// Records an error unless one is already recorded (the first one wins).
+__device__ __forceinline__ void ep_record_error(EpDeviceStatus* status, int code, int rank,
+                                                int phase, int detail) {
+    // The CAS is at system scope because the host reads this word too; for
+    // host-mapped memory the GPU's atomics are atomic among this GPU's
+    // threads, which is all the "first one wins" rule needs (each rank has
+    // its own status).
+    if (atomicCAS_system(&status->code, EP_STATUS_OK, code) == EP_STATUS_OK) {
+        volatile EpDeviceStatus* s = status;
+        s->rank = rank;
+        s->phase = phase;
+        s->detail = detail;
+        // Push the three fields out to host memory before the kernel exits.
+        __threadfence_system();
+    }
+}
+
+// True when `value` has reached `target`, for counters that only grow.
+// Compared through the signed difference rather than `value >= target`, so
+// the test stays right when a counter wraps past INT_MAX (a barrier epoch
+// after 2^31 barriers): it only needs the two within 2^31 of each other.
+__device__ __forceinline__ bool ep_reached(int value, int target) {
+    return static_cast<int>(static_cast<unsigned>(value) - static_cast<unsigned>(target)) >= 0;
+}
+
+// How many spins a wait does between two looks at the clock, the abort flag
+// and the status. The abort flag and the status are in host memory, a
+// round trip over PCIe each (about a microsecond): checking them on every
+// spin would slow down noticing the flag we are actually waiting for.
+#define EP_WAIT_CHECK_EVERY 64
+
+// Spins until the int at `addr` reaches `target` (see ep_reached), with
+// acquire semantics: when it returns true, whatever the writer did before
+// its release store is visible to this thread.
+//
+// Returns false, without waiting further, when
+//   - the host set `*abort_flag` to non-zero: records EP_STATUS_ABORTED;
+//   - the global timer passed `deadline_ns`: records EP_STATUS_TIMEOUT;
+//   - `status` already holds an error (another thread of this rank failed,
+//     or an earlier kernel did and the host has not cleared it): records
+//     nothing, the first error stays.
+// `rank` and `phase` go into the record: the rank whose signal this wait is
+// for, and the kernel's EP_PHASE_*. The caller must then leave the kernel.
+__device__ __forceinline__ bool ep_wait_until_ge(const int* addr, int target, uint64_t deadline_ns,
+                                                 const int* abort_flag, EpDeviceStatus* status,
+                                                 int rank, int phase) {
+    for (uint32_t spin = 0;; ++spin) {
+        int value = ep_ld_acquire_sys(addr);
+        if (ep_reached(value, target)) {
+            return true;
+        }
+        if (spin % EP_WAIT_CHECK_EVERY != 0) {
+            continue;
+        }
+        if (ep_ld_relaxed_sys(abort_flag) != 0) {
+            ep_record_error(status, EP_STATUS_ABORTED, rank, phase, value);
+            return false;
+        }
+        if (ep_ld_relaxed_sys(&status->code) != EP_STATUS_OK) {
+            return false;
+        }
+        if (ep_globaltimer_ns() >= deadline_ns) {
+            ep_record_error(status, EP_STATUS_TIMEOUT, rank, phase, value);
+            return false;
+        }
+    }
+}

@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# Regenerates include/ep.h from src/capi with cbindgen (through the header test).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EP_UPDATE_HEADER=1 cargo test --release --test header header_is_up_to_date

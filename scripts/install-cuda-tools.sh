@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Installs the CUDA 13.0 compiler tool chain (nvcc, cicc, ptxas, headers,
+# libdevice) from NVIDIA's PyPI wheels into <repo root>/.venv, so the kernels
+# build on a machine without a CUDA toolkit and without a GPU.
+#
+# The versions are pinned to 13.0: the GPU driver the kernels run under is
+# CUDA 13.0, and a newer nvcc emits code (PTX ISA / fatbin versions) that an
+# older driver refuses to load.
+#
+# Idempotent: a second run finds the marker file and a working nvcc and
+# does nothing. build.rs finds the venv's nvcc by itself; set NVCC to use
+# another one.
+set -euo pipefail
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="$repo_root/.venv"
+marker="$venv/.cuda-tools-13.0.88"
+
+# The wheels put the tool chain under site-packages/nvidia/cu13/.
+find_nvcc() {
+    local found
+    found=$(find "$venv/lib" -path '*/site-packages/nvidia/cu13/bin/nvcc' -type f 2>/dev/null | head -n 1)
+    [[ -n "$found" ]] && echo "$found"
+}
+
+if [[ -f "$marker" ]] && nvcc_path=$(find_nvcc) && "$nvcc_path" --version >/dev/null 2>&1; then
+    echo "CUDA tools already installed: $nvcc_path"
+    exit 0
+fi
+
+if [[ ! -x "$venv/bin/python" ]]; then
+    python3 -m venv "$venv" || {
+        echo "error: python3 -m venv failed (on Debian/Ubuntu: apt-get install python3-venv)" >&2
+        exit 1
+    }
+fi
+
+"$venv/bin/python" -m pip install --quiet \
+    nvidia-cuda-nvcc==13.0.88 \
+    nvidia-cuda-runtime==13.0.88 \
+    nvidia-cuda-cccl==13.0.85 \
+    nvidia-cuda-crt==13.0.88 \
+    nvidia-nvvm==13.0.88
+
+nvcc_path=$(find_nvcc) || {
+    echo "error: the nvidia-cuda-nvcc wheel installed no nvcc under $venv" >&2
+    exit 1
+}
+"$nvcc_path" --version >/dev/null
+touch "$marker"
+echo "CUDA tools installed: $nvcc_path"

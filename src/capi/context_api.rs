@@ -1,0 +1,237 @@
+//! Library-wide functions and the context's life cycle.
+
+use super::entry::{deref, init_versioned, last_error_ptr, read_versioned, run, write_out};
+use super::types::*;
+use crate::error::{Error, Result};
+use crate::reference::Dtype;
+use crate::runtime::bootstrap;
+use crate::runtime::config::{BackendKind, Config, ConfigRequest};
+use crate::runtime::context::Context;
+use crate::runtime::{gpu, host};
+use std::ffi::c_char;
+
+/// Writes `EP_API_VERSION` of the loaded library to `*version`.
+#[no_mangle]
+pub unsafe extern "C" fn ep_get_version(version: *mut u32) -> ep_status_t {
+    run("ep_get_version", || {
+        write_out(version, "version", EP_API_VERSION)
+    })
+}
+
+/// A static, human-readable name of a status code. Never NULL.
+#[no_mangle]
+pub extern "C" fn ep_get_error_string(status: ep_status_t) -> *const c_char {
+    let text: &'static [u8] = match status {
+        EP_SUCCESS => b"success\0",
+        EP_ERR_INVALID_ARGUMENT => b"invalid argument\0",
+        EP_ERR_NULL_POINTER => b"null pointer\0",
+        EP_ERR_UNSUPPORTED => b"unsupported\0",
+        EP_ERR_OUT_OF_MEMORY => b"out of memory\0",
+        EP_ERR_CUDA_UNAVAILABLE => b"CUDA unavailable\0",
+        EP_ERR_CUDA => b"CUDA error\0",
+        EP_ERR_TIMEOUT => b"timeout\0",
+        EP_IN_PROGRESS => b"in progress\0",
+        EP_ERR_ABORTED => b"aborted\0",
+        EP_ERR_INTERNAL => b"internal error\0",
+        EP_ERR_SYSTEM => b"system error\0",
+        EP_ERR_REMOTE => b"remote error\0",
+        _ => b"unknown status code\0",
+    };
+    text.as_ptr() as *const c_char
+}
+
+/// The message of the last failed call on the calling thread ("" if none),
+/// naming the function and the cause. Valid until the next failing call on
+/// this thread; never NULL.
+#[no_mangle]
+pub extern "C" fn ep_get_last_error() -> *const c_char {
+    last_error_ptr()
+}
+
+/// Fills `*config` with the defaults and its header.
+#[no_mangle]
+pub unsafe extern "C" fn ep_config_init(config: *mut ep_config_t) -> ep_status_t {
+    run("ep_config_init", || init_versioned(config))
+}
+
+/// Makes a new unique id and starts its rendezvous service: a background
+/// thread of the calling process, which must stay alive until every rank's
+/// `ep_ctx_create` has returned. Call it on one rank and send the id to the
+/// others. Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn ep_get_unique_id(id: *mut ep_unique_id_t) -> ep_status_t {
+    run("ep_get_unique_id", || {
+        if id.is_null() {
+            return Err(Error::null("id"));
+        }
+        let internal = bootstrap::create_unique_id()?;
+        write_out(id, "id", ep_unique_id_t { internal })
+    })
+}
+
+fn backend_kind(requested: i32) -> Result<BackendKind> {
+    match requested {
+        EP_BACKEND_GPU => Ok(BackendKind::Gpu),
+        EP_BACKEND_HOST => Ok(BackendKind::Host),
+        EP_BACKEND_AUTO => match std::env::var("EP_BACKEND").as_deref() {
+            Err(_) | Ok("") | Ok("gpu") => Ok(BackendKind::Gpu),
+            Ok("host") => Ok(BackendKind::Host),
+            Ok(other) => Err(Error::invalid(format!(
+                "EP_BACKEND={other}: expected `gpu` or `host`"
+            ))),
+        },
+        other => Err(Error::invalid(format!(
+            "backend = {other} is not an EP_BACKEND_* value"
+        ))),
+    }
+}
+
+pub(crate) fn dtype(name: &str, value: i32) -> Result<Dtype> {
+    match value {
+        EP_DTYPE_BF16 => Ok(Dtype::Bf16),
+        EP_DTYPE_FP8_E4M3 => Ok(Dtype::Fp8E4m3),
+        other => Err(Error::invalid(format!(
+            "{name} = {other} is not an EP_DTYPE_* value"
+        ))),
+    }
+}
+
+/// Reads and validates a caller's config for one rank.
+unsafe fn config_of(
+    config: *const ep_config_t,
+    world: i32,
+    rank: i32,
+    device: i32,
+) -> Result<Config> {
+    let c = read_versioned(config)?;
+    Config::new(&ConfigRequest {
+        world,
+        rank,
+        device,
+        max_tokens_per_rank: c.max_tokens_per_rank,
+        hidden: c.hidden,
+        topk: c.topk,
+        num_experts: c.num_experts,
+        token_dtype: dtype("token_dtype", c.token_dtype)?,
+        backend: backend_kind(c.backend)?,
+        num_sms: c.num_sms,
+        timeout_ms: c.timeout_ms,
+        ll_max_tokens_per_rank: c.ll_max_tokens_per_rank,
+    })
+}
+
+/// Creates the context of rank `rank` of `world_size`, on CUDA device
+/// `device` (ignored by the host backend), joining the other ranks through
+/// the unique id. Blocks until every rank has joined, or fails with
+/// `EP_ERR_TIMEOUT` after `config->timeout_ms`. Every rank must pass the same
+/// config. On the GPU backend, works on the device's primary context and
+/// leaves the calling thread's current context as it was. Thread-safe for
+/// distinct contexts.
+#[no_mangle]
+pub unsafe extern "C" fn ep_ctx_create(
+    ctx: *mut *mut ep_ctx_t,
+    world_size: i32,
+    id: ep_unique_id_t,
+    rank: i32,
+    device: i32,
+    config: *const ep_config_t,
+) -> ep_status_t {
+    run("ep_ctx_create", || {
+        if ctx.is_null() {
+            return Err(Error::null("ctx"));
+        }
+        *ctx = std::ptr::null_mut();
+        let cfg = config_of(config, world_size, rank, device)?;
+        let inner = Context::create(cfg, &id.internal)?;
+        *ctx = Box::into_raw(Box::new(ep_ctx_t { inner }));
+        Ok(())
+    })
+}
+
+/// Frees a context and its buffers. The caller makes sure no work that uses
+/// them is still running (synchronize its streams first). NULL is a no-op.
+#[no_mangle]
+pub unsafe extern "C" fn ep_ctx_destroy(ctx: *mut ep_ctx_t) -> ep_status_t {
+    run("ep_ctx_destroy", || {
+        if !ctx.is_null() {
+            drop(Box::from_raw(ctx));
+        }
+        Ok(())
+    })
+}
+
+/// Makes every waiting call and in-flight kernel of this context give up:
+/// they end with `EP_ERR_ABORTED`, and so does every later call. Any thread,
+/// any time; the context must still be destroyed.
+#[no_mangle]
+pub unsafe extern "C" fn ep_ctx_abort(ctx: *mut ep_ctx_t) -> ep_status_t {
+    run("ep_ctx_abort", || {
+        deref(ctx, "ctx")?.inner.abort();
+        Ok(())
+    })
+}
+
+/// Writes to `*status` the error raised by enqueued work, such as a
+/// device-side timeout (`EP_ERR_TIMEOUT`; `ep_get_last_error` then names the
+/// rank and phase that stalled), or `EP_SUCCESS`. Any thread, any time.
+#[no_mangle]
+pub unsafe extern "C" fn ep_ctx_get_async_error(
+    ctx: *mut ep_ctx_t,
+    status: *mut ep_status_t,
+) -> ep_status_t {
+    run("ep_ctx_get_async_error", || {
+        let context = &deref(ctx, "ctx")?.inner;
+        let result = context.async_error();
+        let code = run("ep_ctx_get_async_error", || result);
+        write_out(status, "status", code)
+    })
+}
+
+/// Writes this context's rank, world size, local expert count and backend
+/// (`EP_BACKEND_GPU` or `EP_BACKEND_HOST`); any output may be NULL.
+#[no_mangle]
+pub unsafe extern "C" fn ep_ctx_get_info(
+    ctx: *const ep_ctx_t,
+    rank: *mut i32,
+    world_size: *mut i32,
+    num_local_experts: *mut i32,
+    backend: *mut i32,
+) -> ep_status_t {
+    run("ep_ctx_get_info", || {
+        let cfg = deref(ctx, "ctx")?.inner.config();
+        let backend_code = match cfg.backend {
+            BackendKind::Gpu => EP_BACKEND_GPU,
+            BackendKind::Host => EP_BACKEND_HOST,
+        };
+        let outputs = [
+            (rank, cfg.rank as i32),
+            (world_size, cfg.world() as i32),
+            (num_local_experts, cfg.local_experts() as i32),
+            (backend, backend_code),
+        ];
+        for (ptr, value) in outputs {
+            if !ptr.is_null() {
+                *ptr = value;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Bytes of communication buffer one rank allocates for `config` with
+/// `world_size` ranks, on the backend the config selects.
+#[no_mangle]
+pub unsafe extern "C" fn ep_get_buffer_size_hint(
+    config: *const ep_config_t,
+    world_size: i32,
+    bytes: *mut usize,
+) -> ep_status_t {
+    run("ep_get_buffer_size_hint", || {
+        let cfg = config_of(config, world_size, 0, 0)?;
+        let size = match cfg.backend {
+            BackendKind::Host => host::buffer_bytes(&cfg),
+            BackendKind::Gpu => gpu::buffer_bytes(&cfg),
+        };
+        write_out(bytes, "bytes", size)
+    })
+}

@@ -1,0 +1,390 @@
+//! The operations: layout, normal-mode dispatch and combine, low-latency
+//! dispatch and combine, and the fused megakernels. Each one is enqueued on
+//! `stream` and returns; one thread at a time per context.
+
+use super::context_api::dtype;
+use super::entry::{deref, read_versioned, run, write_out};
+use super::types::*;
+use crate::error::{Error, Result};
+use crate::reference::normal::worst_case_rows;
+use crate::runtime::context::Context;
+use crate::runtime::ops::{
+    CombineOp, DispatchOp, ExpertMajorOut, LayoutOp, LlCombineOp, LlDispatchOp, Phases,
+    SourceOrderOut,
+};
+use std::os::raw::c_void;
+
+unsafe fn context<'a>(ctx: *const ep_ctx_t) -> Result<&'a Context> {
+    Ok(&deref(ctx, "ctx")?.inner)
+}
+
+fn count(name: &str, value: i32) -> Result<usize> {
+    usize::try_from(value).map_err(|_| Error::invalid(format!("{name} = {value} is negative")))
+}
+
+/// Computes, for `num_tokens` tokens routed by `topk_idx` (`[num_tokens,
+/// topk]`, -1 = no expert): tokens per rank (`[world_size]`), tokens per
+/// expert (`[num_experts]`, counting (token, slot) pairs) and whether each
+/// token goes to each rank (`[num_tokens, world_size]`, 0 or 1). An expert id
+/// out of range is an error (on the GPU, reported by
+/// `ep_ctx_get_async_error` and the next call), never used as an address.
+#[no_mangle]
+pub unsafe extern "C" fn ep_get_dispatch_layout(
+    ctx: *mut ep_ctx_t,
+    topk_idx: *const i32,
+    num_tokens: i32,
+    num_tokens_per_rank: *mut i32,
+    num_tokens_per_expert: *mut i32,
+    is_token_in_rank: *mut u8,
+    stream: ep_stream_t,
+) -> ep_status_t {
+    run("ep_get_dispatch_layout", || {
+        let context = context(ctx)?;
+        let mut op = LayoutOp::new(context.config(), count("num_tokens", num_tokens)?, topk_idx)?;
+        op.tokens_per_rank = num_tokens_per_rank;
+        op.tokens_per_expert = num_tokens_per_expert;
+        op.is_token_in_rank = is_token_in_rank;
+        context.layout(&op, stream as *mut c_void)
+    })
+}
+
+/// Worst-case output rows of one normal-mode dispatch on this context: the
+/// source-order rows (`recv_capacity`) and the expert-major rows with the
+/// given alignment (`expert_capacity`). Either output may be NULL.
+#[no_mangle]
+pub unsafe extern "C" fn ep_get_dispatch_capacity(
+    ctx: *const ep_ctx_t,
+    expert_alignment: i32,
+    recv_rows: *mut i32,
+    expert_rows: *mut i32,
+) -> ep_status_t {
+    run("ep_get_dispatch_capacity", || {
+        let cfg = context(ctx)?.config();
+        let alignment = count("expert_alignment", expert_alignment)?.max(1);
+        let (recv, expert) = worst_case_rows(cfg.topo, cfg.max_tokens, alignment);
+        let fits = |rows: usize| {
+            i32::try_from(rows).map_err(|_| Error::invalid("capacity exceeds INT32_MAX rows"))
+        };
+        if !recv_rows.is_null() {
+            *recv_rows = fits(recv)?;
+        }
+        if !expert_rows.is_null() {
+            *expert_rows = fits(expert)?;
+        }
+        Ok(())
+    })
+}
+
+/// Fills `*args` with the defaults (no outputs, BF16) and its header.
+#[no_mangle]
+pub unsafe extern "C" fn ep_dispatch_args_init(args: *mut ep_dispatch_args_t) -> ep_status_t {
+    run("ep_dispatch_args_init", || {
+        super::entry::init_versioned(args)
+    })
+}
+
+/// Fills `*args` with the defaults (source order) and its header.
+#[no_mangle]
+pub unsafe extern "C" fn ep_combine_args_init(args: *mut ep_combine_args_t) -> ep_status_t {
+    run("ep_combine_args_init", || {
+        super::entry::init_versioned(args)
+    })
+}
+
+/// Fills `*args` with the defaults (FP8 output, both phases) and its header.
+#[no_mangle]
+pub unsafe extern "C" fn ep_ll_dispatch_args_init(args: *mut ep_ll_dispatch_args_t) -> ep_status_t {
+    run("ep_ll_dispatch_args_init", || {
+        super::entry::init_versioned(args)
+    })
+}
+
+/// Fills `*args` with the defaults (both phases) and its header.
+#[no_mangle]
+pub unsafe extern "C" fn ep_ll_combine_args_init(args: *mut ep_ll_combine_args_t) -> ep_status_t {
+    run("ep_ll_combine_args_init", || {
+        super::entry::init_versioned(args)
+    })
+}
+
+/// Fills `*args` with the defaults and its header.
+#[no_mangle]
+pub unsafe extern "C" fn ep_mega_args_init(args: *mut ep_mega_args_t) -> ep_status_t {
+    run("ep_mega_args_init", || super::entry::init_versioned(args))
+}
+
+/// Creates a routing handle for `ctx`; free it with `ep_handle_destroy`.
+#[no_mangle]
+pub unsafe extern "C" fn ep_handle_create(
+    ctx: *mut ep_ctx_t,
+    handle: *mut *mut ep_handle_t,
+) -> ep_status_t {
+    run("ep_handle_create", || {
+        let context = context(ctx)?;
+        let inner = context.new_handle()?;
+        write_out(
+            handle,
+            "handle",
+            Box::into_raw(Box::new(ep_handle_t { inner })),
+        )
+    })
+}
+
+/// Frees a handle (no work using it may still be running). NULL is a no-op.
+#[no_mangle]
+pub unsafe extern "C" fn ep_handle_destroy(handle: *mut ep_handle_t) -> ep_status_t {
+    run("ep_handle_destroy", || {
+        if !handle.is_null() {
+            drop(Box::from_raw(handle));
+        }
+        Ok(())
+    })
+}
+
+fn dispatch_op(a: &ep_dispatch_args_t) -> Result<DispatchOp> {
+    if a.flags & !(EP_DISPATCH_NO_HOST_SYNC | EP_DISPATCH_REUSE_LAYOUT) != 0 {
+        return Err(Error::invalid(format!(
+            "unknown dispatch flags 0x{:x}",
+            a.flags
+        )));
+    }
+    let recv = (!a.recv_x.is_null())
+        .then(|| -> Result<SourceOrderOut> {
+            Ok(SourceOrderOut {
+                capacity: count("recv_capacity", a.recv_capacity)?,
+                x: a.recv_x as *mut u8,
+                scales: a.recv_x_scales,
+                topk_idx: a.recv_topk_idx,
+                topk_weights: a.recv_topk_weights,
+                src_info: a.recv_src_info,
+                num_rows: a.recv_num_tokens,
+            })
+        })
+        .transpose()?;
+    let expert = (!a.expert_x.is_null())
+        .then(|| -> Result<ExpertMajorOut> {
+            Ok(ExpertMajorOut {
+                capacity: count("expert_capacity", a.expert_capacity)?,
+                alignment: count("expert_alignment", a.expert_alignment)?.max(1),
+                x: a.expert_x as *mut u8,
+                scales: a.expert_x_scales,
+                weights: a.expert_weights,
+                src_row: a.expert_src_row,
+                offsets: a.expert_offsets,
+                counts: a.expert_counts,
+            })
+        })
+        .transpose()?;
+    Ok(DispatchOp {
+        num_tokens: count("num_tokens", a.num_tokens)?,
+        dtype: dtype("dtype", a.dtype)?,
+        no_host_sync: a.flags & EP_DISPATCH_NO_HOST_SYNC != 0,
+        reuse_layout: a.flags & EP_DISPATCH_REUSE_LAYOUT != 0,
+        x: a.x as *const u8,
+        x_scales: a.x_scales,
+        topk_idx: a.topk_idx,
+        topk_weights: a.topk_weights,
+        recv,
+        expert,
+        host_recv_num_rows: a.host_recv_num_tokens,
+        host_expert_counts: a.host_expert_counts,
+    })
+}
+
+/// Normal-mode dispatch: sends this rank's tokens to the ranks of their
+/// experts and writes what this rank receives (see `ep_dispatch_args_t`),
+/// recording the layout in `handle` for `ep_combine`. Unless
+/// `EP_DISPATCH_NO_HOST_SYNC`, waits for the counts and writes the `host_*`
+/// outputs before returning. Every rank of the context must call it.
+#[no_mangle]
+pub unsafe extern "C" fn ep_dispatch(
+    ctx: *mut ep_ctx_t,
+    args: *const ep_dispatch_args_t,
+    handle: *mut ep_handle_t,
+    stream: ep_stream_t,
+) -> ep_status_t {
+    run("ep_dispatch", || {
+        let context = context(ctx)?;
+        let op = dispatch_op(&read_versioned(args)?)?;
+        let handle = handle.as_mut().ok_or_else(|| Error::null("handle"))?;
+        context.dispatch(&op, &mut handle.inner, stream as *mut c_void)
+    })
+}
+
+fn combine_op(a: &ep_combine_args_t) -> Result<CombineOp> {
+    let expert_major = match a.input_layout {
+        EP_COMBINE_SOURCE_ORDER => false,
+        EP_COMBINE_EXPERT_MAJOR => true,
+        other => {
+            return Err(Error::invalid(format!(
+                "input_layout = {other} is not an EP_COMBINE_* value"
+            )))
+        }
+    };
+    Ok(CombineOp {
+        expert_major,
+        x: a.x as *const u8,
+        out: a.out as *mut u8,
+    })
+}
+
+/// Normal-mode combine: returns rows to the ranks their tokens came from and
+/// sums them per token (see `ep_combine_args_t`), using the layout in
+/// `handle`. Every rank of the context must call it.
+#[no_mangle]
+pub unsafe extern "C" fn ep_combine(
+    ctx: *mut ep_ctx_t,
+    args: *const ep_combine_args_t,
+    handle: *const ep_handle_t,
+    stream: ep_stream_t,
+) -> ep_status_t {
+    run("ep_combine", || {
+        let context = context(ctx)?;
+        let op = combine_op(&read_versioned(args)?)?;
+        let handle = deref(handle, "handle")?;
+        context.combine(&op, &handle.inner, stream as *mut c_void)
+    })
+}
+
+fn check_ll_flags(flags: u32, allowed: u32) -> Result<Phases> {
+    if flags & !allowed != 0 {
+        return Err(Error::invalid(format!(
+            "unknown low-latency flags 0x{:x}",
+            flags & !allowed
+        )));
+    }
+    Phases::from_flags(flags & EP_LL_SEND_ONLY != 0, flags & EP_LL_RECV_ONLY != 0)
+}
+
+/// Low-latency dispatch: quantizes (FP8) and sends this rank's tokens to the
+/// ranks of their experts, and writes the masked layout this rank receives
+/// (see `ep_ll_dispatch_args_t`). No host synchronisation; capturable in a
+/// CUDA graph. With `EP_LL_SEND_ONLY` it returns after the send phase; the
+/// same call with `EP_LL_RECV_ONLY` completes it, and no other operation of
+/// the context may come between them. Every rank of the context must call it.
+#[no_mangle]
+pub unsafe extern "C" fn ep_ll_dispatch(
+    ctx: *mut ep_ctx_t,
+    args: *const ep_ll_dispatch_args_t,
+    stream: ep_stream_t,
+) -> ep_status_t {
+    run("ep_ll_dispatch", || {
+        let context = context(ctx)?;
+        let a = read_versioned(args)?;
+        let phases = check_ll_flags(
+            a.flags,
+            EP_LL_SEND_ONLY | EP_LL_RECV_ONLY | EP_LL_UE8M0_SCALES,
+        )?;
+        let op = LlDispatchOp {
+            num_tokens: count("num_tokens", a.num_tokens)?,
+            out_dtype: dtype("out_dtype", a.out_dtype)?,
+            ue8m0: a.flags & EP_LL_UE8M0_SCALES != 0,
+            phases,
+            x: a.x as *const u8,
+            topk_idx: a.topk_idx,
+            topk_weights: a.topk_weights,
+            recv_x: a.recv_x as *mut u8,
+            recv_scales: a.recv_x_scales,
+            recv_count: a.recv_count,
+            recv_src_info: a.recv_src_info,
+            recv_layout_range: a.recv_layout_range,
+        };
+        context.ll_dispatch(&op, stream as *mut c_void)
+    })
+}
+
+/// Low-latency combine: returns expert outputs to the ranks their tokens came
+/// from and writes the weighted sums (see `ep_ll_combine_args_t`). Same phase
+/// rules as `ep_ll_dispatch`. Every rank of the context must call it.
+#[no_mangle]
+pub unsafe extern "C" fn ep_ll_combine(
+    ctx: *mut ep_ctx_t,
+    args: *const ep_ll_combine_args_t,
+    stream: ep_stream_t,
+) -> ep_status_t {
+    run("ep_ll_combine", || {
+        let context = context(ctx)?;
+        let a = read_versioned(args)?;
+        let phases = check_ll_flags(a.flags, EP_LL_SEND_ONLY | EP_LL_RECV_ONLY | EP_LL_ZERO_COPY)?;
+        let op = LlCombineOp {
+            num_tokens: count("num_tokens", a.num_tokens)?,
+            phases,
+            zero_copy: a.flags & EP_LL_ZERO_COPY != 0,
+            x: a.x as *const u8,
+            topk_idx: a.topk_idx,
+            topk_weights: a.topk_weights,
+            src_info: a.src_info,
+            layout_range: a.layout_range,
+            out: a.out as *mut u8,
+        };
+        context.ll_combine(&op, stream as *mut c_void)
+    })
+}
+
+/// The library's low-latency combine send buffer, `[local_experts, W * M,
+/// hidden]` BF16 (`*bytes` long): expert outputs written there in the masked
+/// layout need no copy when combined with `EP_LL_ZERO_COPY`. Owned by the
+/// context; valid until it is destroyed; written by the next `ep_ll_combine`.
+#[no_mangle]
+pub unsafe extern "C" fn ep_ll_get_combine_buffer(
+    ctx: *mut ep_ctx_t,
+    buffer: *mut *mut c_void,
+    bytes: *mut usize,
+) -> ep_status_t {
+    run("ep_ll_get_combine_buffer", || {
+        let context = context(ctx)?;
+        if buffer.is_null() {
+            return Err(Error::null("buffer"));
+        }
+        let (ptr, len) = context.ll_combine_buffer()?;
+        *buffer = ptr as *mut c_void;
+        if !bytes.is_null() {
+            *bytes = len;
+        }
+        Ok(())
+    })
+}
+
+fn mega_unsupported(args: *const ep_mega_args_t) -> Result<()> {
+    // SAFETY: `read_versioned` reads only the bytes the header announces.
+    let a = unsafe { read_versioned(args)? };
+    dispatch_op(&a.dispatch)?;
+    combine_op(&a.combine)?;
+    Err(Error::unsupported(
+        "the fused dispatch+GEMM and GEMM+combine kernels are not available in this release",
+    ))
+}
+
+/// Fused dispatch + grouped GEMM (see `ep_mega_args_t`). Returns
+/// `EP_ERR_UNSUPPORTED` in this release, after checking its arguments.
+#[no_mangle]
+pub unsafe extern "C" fn ep_mega_dispatch_gemm(
+    ctx: *mut ep_ctx_t,
+    args: *const ep_mega_args_t,
+    handle: *mut ep_handle_t,
+    stream: ep_stream_t,
+) -> ep_status_t {
+    let _ = stream;
+    run("ep_mega_dispatch_gemm", || {
+        context(ctx)?;
+        deref(handle, "handle")?;
+        mega_unsupported(args)
+    })
+}
+
+/// Fused grouped GEMM + combine (see `ep_mega_args_t`). Returns
+/// `EP_ERR_UNSUPPORTED` in this release, after checking its arguments.
+#[no_mangle]
+pub unsafe extern "C" fn ep_mega_gemm_combine(
+    ctx: *mut ep_ctx_t,
+    args: *const ep_mega_args_t,
+    handle: *const ep_handle_t,
+    stream: ep_stream_t,
+) -> ep_status_t {
+    let _ = stream;
+    run("ep_mega_gemm_combine", || {
+        context(ctx)?;
+        deref(handle, "handle")?;
+        mega_unsupported(args)
+    })
+}

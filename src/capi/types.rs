@@ -1,0 +1,395 @@
+//! Every `#[repr(C)]` type, handle and constant of the public header.
+//!
+//! Conventions (see README.md, "API conventions"):
+//! - Every struct the caller passes starts with `struct_size`, `magic` and
+//!   `version`. Fill them with the matching `ep_*_init` function (or the
+//!   `EP_*_MAGIC` constant, `sizeof` and `EP_API_VERSION`). A struct from an
+//!   older, smaller release is accepted down to its `EP_*_MIN_SIZE`; the fields
+//!   it lacks take the defaults of its `ep_*_init`. A wrong magic, a size below
+//!   the minimum or above this release's `sizeof` is rejected.
+//! - Pointers named `host_*` are host memory. Every other data pointer is
+//!   device memory of the context's GPU on the GPU backend, and host memory on
+//!   the host backend. Tokens are row-major, one row of `hidden` elements each.
+//! - Operations enqueue work on the caller's stream and return; outputs are
+//!   ready when the stream reaches that point. The host backend computes
+//!   synchronously and ignores the stream.
+#![allow(non_camel_case_types)]
+
+use std::os::raw::c_void;
+
+/// Status code returned by every function. `EP_SUCCESS` is zero.
+pub type ep_status_t = i32;
+
+/// The operation succeeded.
+pub const EP_SUCCESS: ep_status_t = 0;
+/// An argument is out of range or inconsistent with the configuration.
+pub const EP_ERR_INVALID_ARGUMENT: ep_status_t = 1;
+/// A required pointer argument is NULL.
+pub const EP_ERR_NULL_POINTER: ep_status_t = 2;
+/// The operation is not available on this backend, device or build.
+pub const EP_ERR_UNSUPPORTED: ep_status_t = 3;
+/// A host or device allocation failed.
+pub const EP_ERR_OUT_OF_MEMORY: ep_status_t = 4;
+/// The GPU backend was asked for, but no CUDA driver or GPU is usable.
+pub const EP_ERR_CUDA_UNAVAILABLE: ep_status_t = 5;
+/// A CUDA driver call or a kernel launch failed.
+pub const EP_ERR_CUDA: ep_status_t = 6;
+/// A peer rank did not answer in time (bootstrap or a device-side wait).
+pub const EP_ERR_TIMEOUT: ep_status_t = 7;
+/// The operation was enqueued and has not completed (async-error query).
+pub const EP_IN_PROGRESS: ep_status_t = 8;
+/// The context was aborted with `ep_ctx_abort`.
+pub const EP_ERR_ABORTED: ep_status_t = 9;
+/// A bug in the library; the message says where.
+pub const EP_ERR_INTERNAL: ep_status_t = 10;
+/// An operating-system call (socket, shared memory) failed.
+pub const EP_ERR_SYSTEM: ep_status_t = 11;
+/// A peer rank refused the connection, disagreed on the setup, or vanished.
+pub const EP_ERR_REMOTE: ep_status_t = 12;
+
+/// Version of this API, `major * 10000 + minor * 100 + patch`.
+pub const EP_API_VERSION: u32 = 100;
+
+/// Number of bytes of an `ep_unique_id_t`.
+pub const EP_UNIQUE_ID_BYTES: usize = 128;
+/// Largest supported `topk`.
+pub const EP_MAX_TOPK: i32 = 16;
+/// Largest supported number of experts.
+pub const EP_MAX_EXPERTS: i32 = 1024;
+/// Largest supported hidden size; every hidden size must be a multiple of
+/// `EP_HIDDEN_ALIGNMENT`.
+pub const EP_MAX_HIDDEN: i32 = 16384;
+/// Hidden sizes, and the FP8 scaling blocks, are multiples of this.
+pub const EP_HIDDEN_ALIGNMENT: i32 = 128;
+/// Largest supported world size.
+pub const EP_MAX_WORLD_SIZE: i32 = 64;
+/// Largest `ll_max_tokens_per_rank`.
+pub const EP_LL_MAX_TOKENS: i32 = 1024;
+
+/// Backend selection (`ep_config_t.backend`).
+/// `EP_BACKEND_AUTO`: the environment variable `EP_BACKEND` (`gpu` or
+/// `host`) decides, and the GPU backend when it is unset. There is never a
+/// silent fallback from the GPU to the host.
+pub const EP_BACKEND_AUTO: i32 = 0;
+/// CUDA GPUs; `ep_ctx_create` fails with `EP_ERR_CUDA_UNAVAILABLE` without one.
+pub const EP_BACKEND_GPU: i32 = 1;
+/// Host memory and the CPU, computed by the reference code. All ranks must be
+/// on one host (threads or processes).
+pub const EP_BACKEND_HOST: i32 = 2;
+
+/// Token element types.
+/// bfloat16, 2 bytes per element.
+pub const EP_DTYPE_BF16: i32 = 1;
+/// FP8 e4m3 (1 byte per element) with one fp32 scale per 128 channels:
+/// `value = fp8 * scale`. Scales are `[rows, hidden / 128]` fp32.
+pub const EP_DTYPE_FP8_E4M3: i32 = 2;
+
+/// `ep_dispatch_args_t.flags`: no host synchronisation. Counts are written to
+/// device memory only, outputs must have worst-case capacity
+/// (`ep_get_dispatch_capacity`), and the call can be captured in a CUDA graph.
+pub const EP_DISPATCH_NO_HOST_SYNC: u32 = 1;
+/// `ep_dispatch_args_t.flags`: reuse the routing stored in the handle by an
+/// earlier dispatch with the same `topk_idx` and `num_tokens`; skips the
+/// layout and the count exchange.
+pub const EP_DISPATCH_REUSE_LAYOUT: u32 = 2;
+
+/// `ep_combine_args_t.input_layout`: one row per received source-order row
+/// (`recv_x` order), already reduced over the rank's experts by the caller.
+pub const EP_COMBINE_SOURCE_ORDER: i32 = 0;
+/// `ep_combine_args_t.input_layout`: one row per expert-major row
+/// (`expert_x` order); the library multiplies each row by its routing weight
+/// and reduces a token's local experts before sending it back.
+pub const EP_COMBINE_EXPERT_MAJOR: i32 = 1;
+
+/// Low-latency flags (`ep_ll_*_args_t.flags`): run only the send phase and
+/// return. The receive phase is run later by the same call with
+/// `EP_LL_RECV_ONLY` and the same arguments, on any stream ordered after it.
+pub const EP_LL_SEND_ONLY: u32 = 1;
+/// Run only the receive phase of a call started with `EP_LL_SEND_ONLY`.
+pub const EP_LL_RECV_ONLY: u32 = 2;
+/// Dispatch: quantize to FP8 with power-of-two (UE8M0) scales.
+pub const EP_LL_UE8M0_SCALES: u32 = 4;
+/// Combine: `x` is the buffer returned by `ep_ll_get_combine_buffer`, already
+/// filled in place by the caller (no copy).
+pub const EP_LL_ZERO_COPY: u32 = 8;
+
+/// Magic numbers of the versioned structs.
+pub const EP_CONFIG_MAGIC: u32 = 0x4550_4346; // "EPCF"
+pub const EP_DISPATCH_ARGS_MAGIC: u32 = 0x4550_4441; // "EPDA"
+pub const EP_COMBINE_ARGS_MAGIC: u32 = 0x4550_4341; // "EPCA"
+pub const EP_LL_DISPATCH_ARGS_MAGIC: u32 = 0x4550_4C44; // "EPLD"
+pub const EP_LL_COMBINE_ARGS_MAGIC: u32 = 0x4550_4C43; // "EPLC"
+pub const EP_MEGA_ARGS_MAGIC: u32 = 0x4550_4D47; // "EPMG"
+
+/// Opaque communicator: one per rank. Created by `ep_ctx_create`, freed by
+/// `ep_ctx_destroy`. Not thread-safe: one thread at a time may call functions
+/// on a context, except `ep_ctx_abort` and `ep_ctx_get_async_error`, which any
+/// thread may call at any time.
+pub struct ep_ctx_t {
+    pub(crate) inner: crate::runtime::context::Context,
+}
+
+/// Opaque routing handle of the normal mode: `ep_dispatch` writes the layout
+/// of one dispatch into it and `ep_combine` reads it. Created with
+/// `ep_handle_create`, reusable for any number of dispatches of its context;
+/// freed by `ep_handle_destroy` (before its context). Its storage has a fixed
+/// address, so a dispatch/combine pair that uses it can be captured in a CUDA
+/// graph.
+pub struct ep_handle_t {
+    pub(crate) inner: crate::runtime::handle::Handle,
+}
+
+/// The caller's CUDA stream (`cudaStream_t` and `CUstream` are this type).
+/// NULL is the legacy default stream.
+pub type ep_stream_t = *mut CUstream_st;
+
+/// CUDA's opaque stream type, declared so that no CUDA header is needed.
+pub enum CUstream_st {}
+
+/// 128 opaque bytes made by `ep_get_unique_id` on one rank and sent by the
+/// caller to every other rank. They hold the rendezvous address and a random
+/// secret: treat them as a credential.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ep_unique_id_t {
+    pub internal: [u8; EP_UNIQUE_ID_BYTES],
+}
+
+/// Configuration of a context. Every rank passes the same values.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ep_config_t {
+    /// `sizeof(ep_config_t)` as the caller compiled it.
+    pub struct_size: u32,
+    /// `EP_CONFIG_MAGIC`.
+    pub magic: u32,
+    /// `EP_API_VERSION` as the caller compiled it.
+    pub version: u32,
+    /// Normal mode: most tokens one rank passes to one dispatch (default 4096).
+    pub max_tokens_per_rank: i32,
+    /// Elements per token; a multiple of 128, at most `EP_MAX_HIDDEN` (default 7168).
+    pub hidden: i32,
+    /// Experts per token, 1 to `EP_MAX_TOPK` (default 8).
+    pub topk: i32,
+    /// Experts in total, divisible by the world size, at most `EP_MAX_EXPERTS`
+    /// (default 256). Rank `r` holds experts `[r * E / W, (r + 1) * E / W)`.
+    pub num_experts: i32,
+    /// Widest token type the normal mode will carry: `EP_DTYPE_BF16` (either
+    /// type may be dispatched) or `EP_DTYPE_FP8_E4M3` (smaller buffers, FP8
+    /// only). Default BF16.
+    pub token_dtype: i32,
+    /// `EP_BACKEND_*` (default `EP_BACKEND_AUTO`).
+    pub backend: i32,
+    /// Streaming multiprocessors the normal-mode kernels may use (default 24).
+    pub num_sms: i32,
+    /// Longest wait, in milliseconds, for a peer during bootstrap and inside
+    /// any kernel before giving up with `EP_ERR_TIMEOUT` (default 100000).
+    pub timeout_ms: u32,
+    /// Low-latency mode: most tokens one rank passes to one LL call, at most
+    /// `EP_LL_MAX_TOKENS` (default 128); 0 disables the mode and its buffers.
+    pub ll_max_tokens_per_rank: i32,
+}
+
+/// Bytes of the oldest accepted `ep_config_t` (through `token_dtype`).
+pub const EP_CONFIG_MIN_SIZE: u32 = 32;
+
+/// Arguments of `ep_dispatch` (normal mode).
+///
+/// Received rows come in "source order": grouped by source rank (0 first),
+/// and within one source in token order; a token appears once on each rank
+/// that holds at least one of its experts. The optional "expert-major" output
+/// holds one row per (received token, local expert) pair, each local expert's
+/// rows contiguous (in source order), each expert's segment starting at a
+/// multiple of `expert_alignment`. Either output may be skipped by passing a
+/// NULL `recv_x` or `expert_x`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ep_dispatch_args_t {
+    pub struct_size: u32,
+    /// `EP_DISPATCH_ARGS_MAGIC`.
+    pub magic: u32,
+    pub version: u32,
+    /// `EP_DISPATCH_*` flags.
+    pub flags: u32,
+    /// Tokens of this rank, 0 to `max_tokens_per_rank`.
+    pub num_tokens: i32,
+    /// `EP_DTYPE_BF16` or `EP_DTYPE_FP8_E4M3`.
+    pub dtype: i32,
+    /// `[num_tokens, hidden]` tokens.
+    pub x: *const c_void,
+    /// FP8 only: `[num_tokens, hidden / 128]` fp32 scales.
+    pub x_scales: *const f32,
+    /// `[num_tokens, topk]` global expert ids; -1 means no expert.
+    pub topk_idx: *const i32,
+    /// `[num_tokens, topk]` routing weights.
+    pub topk_weights: *const f32,
+
+    /// Source-order output rows available (see `ep_get_dispatch_capacity`).
+    pub recv_capacity: i32,
+    /// Expert-major segment alignment in rows, 1 to 1024 (0 means 1).
+    pub expert_alignment: i32,
+    /// `[recv_capacity, hidden]` received tokens; NULL skips the source-order
+    /// output (the other `recv_*` pointers are then ignored).
+    pub recv_x: *mut c_void,
+    /// FP8 only: `[recv_capacity, hidden / 128]` scales.
+    pub recv_x_scales: *mut f32,
+    /// `[recv_capacity, topk]` local expert ids (global id minus this rank's
+    /// first expert), -1 for experts on other ranks and dropped entries.
+    pub recv_topk_idx: *mut i32,
+    /// `[recv_capacity, topk]` weights, 0 where `recv_topk_idx` is -1.
+    pub recv_topk_weights: *mut f32,
+    /// `[recv_capacity, 2]` (source rank, source token index) of each row.
+    pub recv_src_info: *mut i32,
+    /// Device scalar: number of source-order rows received. May be NULL.
+    pub recv_num_tokens: *mut i32,
+
+    /// Expert-major output rows available (see `ep_get_dispatch_capacity`).
+    pub expert_capacity: i32,
+    /// `[expert_capacity, hidden]` tokens in expert-major order; NULL skips
+    /// the expert-major output (the other `expert_*` pointers are ignored).
+    pub expert_x: *mut c_void,
+    /// FP8 only: `[expert_capacity, hidden / 128]` scales.
+    pub expert_x_scales: *mut f32,
+    /// `[expert_capacity]` routing weight of each row; 0 in padding rows.
+    pub expert_weights: *mut f32,
+    /// `[expert_capacity]` source-order row index of each row; -1 in padding.
+    pub expert_src_row: *mut i32,
+    /// `[local_experts + 1]` padded start of each expert's segment; the last
+    /// entry is the total padded row count. Ready for a grouped GEMM.
+    pub expert_offsets: *mut i32,
+    /// `[local_experts]` rows of each local expert, without padding.
+    pub expert_counts: *mut i32,
+
+    /// Host scalar, written before return unless `EP_DISPATCH_NO_HOST_SYNC`:
+    /// source-order rows received. May be NULL.
+    pub host_recv_num_tokens: *mut i32,
+    /// Host `[local_experts]`, written before return unless
+    /// `EP_DISPATCH_NO_HOST_SYNC`: rows per local expert. May be NULL.
+    pub host_expert_counts: *mut i32,
+}
+
+/// Bytes of the oldest accepted `ep_dispatch_args_t` (all fields).
+pub const EP_DISPATCH_ARGS_MIN_SIZE: u32 = std::mem::size_of::<ep_dispatch_args_t>() as u32;
+
+/// Arguments of `ep_combine` (normal mode): sums the rows that came back for
+/// each of this rank's tokens, in fp32, into BF16 `out`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ep_combine_args_t {
+    pub struct_size: u32,
+    /// `EP_COMBINE_ARGS_MAGIC`.
+    pub magic: u32,
+    pub version: u32,
+    /// `EP_COMBINE_SOURCE_ORDER` or `EP_COMBINE_EXPERT_MAJOR`.
+    pub input_layout: i32,
+    /// BF16 rows in the order the handle's dispatch produced them: its
+    /// source-order rows, or its expert-major rows (padding rows are ignored).
+    pub x: *const c_void,
+    /// `[num_tokens, hidden]` BF16 output for this rank's tokens of the
+    /// dispatch; a token routed nowhere gets zeros.
+    pub out: *mut c_void,
+}
+
+/// Bytes of the oldest accepted `ep_combine_args_t` (all fields).
+pub const EP_COMBINE_ARGS_MIN_SIZE: u32 = std::mem::size_of::<ep_combine_args_t>() as u32;
+
+/// Arguments of `ep_ll_dispatch` (low-latency mode).
+///
+/// Output is the masked layout: for local expert `e`, rows
+/// `[e * W * M, e * W * M + recv_count[e])` of `recv_x` are valid, where
+/// `W` is the world size and `M` is `ll_max_tokens_per_rank`; they are grouped
+/// by source rank (0 first), each source's tokens in token order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ep_ll_dispatch_args_t {
+    pub struct_size: u32,
+    /// `EP_LL_DISPATCH_ARGS_MAGIC`.
+    pub magic: u32,
+    pub version: u32,
+    /// `EP_LL_SEND_ONLY`, `EP_LL_RECV_ONLY`, `EP_LL_UE8M0_SCALES`.
+    pub flags: u32,
+    /// Tokens of this rank, 0 to `ll_max_tokens_per_rank`.
+    pub num_tokens: i32,
+    /// Output type: `EP_DTYPE_FP8_E4M3` (quantized online) or `EP_DTYPE_BF16`.
+    pub out_dtype: i32,
+    /// `[num_tokens, hidden]` BF16 tokens.
+    pub x: *const c_void,
+    /// `[num_tokens, topk]` global expert ids; -1 means no expert.
+    pub topk_idx: *const i32,
+    /// `[num_tokens, topk]` weights, or NULL. When given, `ep_ll_combine`
+    /// may omit its weights and reduces on the expert side.
+    pub topk_weights: *const f32,
+    /// `[local_experts, W * M, hidden]` received tokens.
+    pub recv_x: *mut c_void,
+    /// FP8 only: `[local_experts, W * M, hidden / 128]` fp32 scales.
+    pub recv_x_scales: *mut f32,
+    /// `[local_experts]` valid rows per local expert.
+    pub recv_count: *mut i32,
+    /// `[local_experts, W * M]` source token index of each row.
+    pub recv_src_info: *mut i32,
+    /// `[local_experts, W, 2]` (first row, row count) of each source rank.
+    pub recv_layout_range: *mut i32,
+}
+
+/// Bytes of the oldest accepted `ep_ll_dispatch_args_t` (all fields).
+pub const EP_LL_DISPATCH_ARGS_MIN_SIZE: u32 = std::mem::size_of::<ep_ll_dispatch_args_t>() as u32;
+
+/// Arguments of `ep_ll_combine`: for each of this rank's tokens,
+/// `out[t] = sum_k topk_weights[t, k] * expert_output(t, k)` in fp32, BF16 out.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ep_ll_combine_args_t {
+    pub struct_size: u32,
+    /// `EP_LL_COMBINE_ARGS_MAGIC`.
+    pub magic: u32,
+    pub version: u32,
+    /// `EP_LL_SEND_ONLY`, `EP_LL_RECV_ONLY`, `EP_LL_ZERO_COPY`.
+    pub flags: u32,
+    /// Tokens of this rank in the matching dispatch.
+    pub num_tokens: i32,
+    /// `[local_experts, W * M, hidden]` BF16 expert outputs in the masked
+    /// layout of the matching dispatch.
+    pub x: *const c_void,
+    /// `[num_tokens, topk]` the dispatch's expert ids.
+    pub topk_idx: *const i32,
+    /// `[num_tokens, topk]` weights; NULL when the dispatch was given them.
+    pub topk_weights: *const f32,
+    /// The dispatch's `recv_src_info`.
+    pub src_info: *const i32,
+    /// The dispatch's `recv_layout_range`.
+    pub layout_range: *const i32,
+    /// `[num_tokens, hidden]` BF16 output.
+    pub out: *mut c_void,
+}
+
+/// Bytes of the oldest accepted `ep_ll_combine_args_t` (all fields).
+pub const EP_LL_COMBINE_ARGS_MIN_SIZE: u32 = std::mem::size_of::<ep_ll_combine_args_t>() as u32;
+
+/// Arguments of the fused megakernels. `ep_mega_dispatch_gemm` dispatches
+/// like `ep_dispatch` (expert-major, no host sync) and multiplies each local
+/// expert's rows by its weight matrix as they arrive;
+/// `ep_mega_gemm_combine` multiplies and combines like `ep_combine` with
+/// `EP_COMBINE_EXPERT_MAJOR`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ep_mega_args_t {
+    pub struct_size: u32,
+    /// `EP_MEGA_ARGS_MAGIC`.
+    pub magic: u32,
+    pub version: u32,
+    pub flags: u32,
+    /// The dispatch half (`ep_mega_dispatch_gemm`) or the combine half
+    /// (`ep_mega_gemm_combine`, which reads `input_layout`, `x` and `out`).
+    pub dispatch: ep_dispatch_args_t,
+    pub combine: ep_combine_args_t,
+    /// `[local_experts, k, n]` BF16 expert weights, row-major.
+    pub weights: *const c_void,
+    /// GEMM output columns.
+    pub n: i32,
+    /// GEMM reduction length: `hidden` for dispatch+GEMM, the expert's inner
+    /// size for GEMM+combine.
+    pub k: i32,
+    /// `[expert_capacity, n]` BF16 GEMM output (dispatch+GEMM), or the
+    /// `[expert rows, k]` BF16 activations (GEMM+combine).
+    pub gemm_io: *mut c_void,
+}

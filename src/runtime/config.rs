@@ -1,0 +1,168 @@
+//! The validated configuration of one context.
+
+use crate::error::{Error, Result};
+use crate::reference::{Dtype, Topology};
+use std::time::Duration;
+
+/// Largest values the library supports (mirrored by `EP_MAX_*` in the header).
+pub const MAX_TOPK: usize = 16;
+pub const MAX_EXPERTS: usize = 1024;
+pub const MAX_HIDDEN: usize = 16384;
+pub const HIDDEN_ALIGNMENT: usize = 128;
+pub const MAX_WORLD_SIZE: usize = 64;
+pub const LL_MAX_TOKENS: usize = 1024;
+/// Normal-mode tokens per rank; large enough for any prefill chunk, small
+/// enough that buffer sizes cannot overflow.
+pub const MAX_TOKENS_PER_RANK: usize = 1 << 20;
+pub const MAX_EXPERT_ALIGNMENT: usize = 1024;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    Host,
+    Gpu,
+}
+
+/// What the caller asked for, before validation (plain numbers from C).
+#[derive(Debug, Clone, Copy)]
+pub struct ConfigRequest {
+    pub world: i32,
+    pub rank: i32,
+    pub device: i32,
+    pub max_tokens_per_rank: i32,
+    pub hidden: i32,
+    pub topk: i32,
+    pub num_experts: i32,
+    pub token_dtype: Dtype,
+    pub backend: BackendKind,
+    pub num_sms: i32,
+    pub timeout_ms: u32,
+    pub ll_max_tokens_per_rank: i32,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Config {
+    pub rank: usize,
+    pub device: i32,
+    pub topo: Topology,
+    pub max_tokens: usize,
+    pub token_dtype: Dtype,
+    pub backend: BackendKind,
+    pub num_sms: usize,
+    pub timeout: Duration,
+    /// 0 when the low-latency mode is disabled.
+    pub ll_max_tokens: usize,
+}
+
+fn in_range(name: &str, value: i32, lo: usize, hi: usize) -> Result<usize> {
+    let ok = value >= 0 && (lo..=hi).contains(&(value as usize));
+    if ok {
+        Ok(value as usize)
+    } else {
+        Err(Error::invalid(format!(
+            "{name} = {value} is outside [{lo}, {hi}]"
+        )))
+    }
+}
+
+impl Config {
+    pub fn new(req: &ConfigRequest) -> Result<Config> {
+        let world = in_range("world_size", req.world, 1, MAX_WORLD_SIZE)?;
+        if req.rank < 0 || req.rank as usize >= world {
+            return Err(Error::invalid(format!(
+                "rank {} is outside [0, world_size {world})",
+                req.rank
+            )));
+        }
+        if req.device < 0 {
+            return Err(Error::invalid(format!("device {} is negative", req.device)));
+        }
+        let hidden = in_range("hidden", req.hidden, HIDDEN_ALIGNMENT, MAX_HIDDEN)?;
+        if hidden % HIDDEN_ALIGNMENT != 0 {
+            return Err(Error::invalid(format!(
+                "hidden = {hidden} is not a multiple of {HIDDEN_ALIGNMENT}"
+            )));
+        }
+        let num_experts = in_range("num_experts", req.num_experts, 1, MAX_EXPERTS)?;
+        if num_experts % world != 0 {
+            return Err(Error::invalid(format!(
+                "num_experts = {num_experts} is not divisible by world_size = {world}"
+            )));
+        }
+        let topk = in_range("topk", req.topk, 1, MAX_TOPK.min(num_experts))?;
+        let max_tokens = in_range(
+            "max_tokens_per_rank",
+            req.max_tokens_per_rank,
+            1,
+            MAX_TOKENS_PER_RANK,
+        )?;
+        let num_sms = in_range("num_sms", req.num_sms, 0, 1024)?;
+        let ll_max_tokens = in_range(
+            "ll_max_tokens_per_rank",
+            req.ll_max_tokens_per_rank,
+            0,
+            LL_MAX_TOKENS,
+        )?;
+        Ok(Config {
+            rank: req.rank as usize,
+            device: req.device,
+            topo: Topology {
+                world,
+                num_experts,
+                topk,
+                hidden,
+            },
+            max_tokens,
+            token_dtype: req.token_dtype,
+            backend: req.backend,
+            num_sms: if num_sms == 0 { 24 } else { num_sms },
+            timeout: Duration::from_millis(if req.timeout_ms == 0 {
+                100_000
+            } else {
+                req.timeout_ms as u64
+            }),
+            ll_max_tokens,
+        })
+    }
+
+    pub fn world(&self) -> usize {
+        self.topo.world
+    }
+
+    pub fn local_experts(&self) -> usize {
+        self.topo.local_experts()
+    }
+}
+
+/// Checks that every rank passed the same configuration; a mismatch would
+/// otherwise surface as corrupted data or a hang.
+pub fn agree_on_config(boot: &super::bootstrap::Bootstrap, cfg: &Config) -> Result<()> {
+    let t = &cfg.topo;
+    let fields: [(&str, u64); 9] = [
+        ("max_tokens_per_rank", cfg.max_tokens as u64),
+        ("hidden", t.hidden as u64),
+        ("topk", t.topk as u64),
+        ("num_experts", t.num_experts as u64),
+        ("token_dtype", (cfg.token_dtype == Dtype::Fp8E4m3) as u64),
+        ("backend", (cfg.backend == BackendKind::Gpu) as u64),
+        ("num_sms", cfg.num_sms as u64),
+        ("timeout_ms", cfg.timeout.as_millis() as u64),
+        ("ll_max_tokens_per_rank", cfg.ll_max_tokens as u64),
+    ];
+    let mine: Vec<u8> = fields.iter().flat_map(|(_, v)| v.to_le_bytes()).collect();
+    for (peer, theirs) in boot.all_gather(&mine)?.iter().enumerate() {
+        if theirs.len() != mine.len() {
+            return Err(Error::remote(format!(
+                "rank {peer} sent a malformed configuration"
+            )));
+        }
+        for (i, (name, value)) in fields.iter().enumerate() {
+            let other = u64::from_le_bytes(theirs[i * 8..i * 8 + 8].try_into().unwrap());
+            if other != *value {
+                return Err(Error::invalid(format!(
+                    "ranks disagree on the configuration: {name} is {value} here and {other} on rank {peer}"
+                )));
+            }
+        }
+    }
+    Ok(())
+}

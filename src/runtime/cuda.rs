@@ -1,0 +1,835 @@
+//! A small wrapper over the CUDA driver API (cudarc's raw `sys` bindings).
+//!
+//! The library links no CUDA library: `libcuda.so.1` is opened at run time
+//! (cudarc's `dynamic-loading`), and the kernels, compiled by `build.rs` into
+//! one fatbin, are embedded in the library and loaded with
+//! `cuModuleLoadData`. A machine without an NVIDIA driver gets
+//! [`ErrorKind::CudaUnavailable`] from the first call, never a panic.
+//!
+//! Contexts: everything here runs in the device's *primary* context, the one
+//! the CUDA runtime (and so PyTorch) uses too. It is retained, never created
+//! or destroyed, and made current only for the duration of a call (pushed,
+//! then popped), so the caller's current context is the same after every
+//! call as before. Each wrapper that needs a context binds it itself; use
+//! [`Device::bind`] only around raw `sys` calls of your own.
+//!
+//! Asynchronous operations take a `CUstream` owned by the caller; the null
+//! stream is allowed.
+
+use std::ffi::{c_void, CStr, CString};
+use std::marker::PhantomData;
+use std::mem::size_of;
+use std::ptr;
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+pub use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUresult, CUstream};
+use once_cell::sync::OnceCell;
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// Aligns the embedded fatbin: the driver reads its headers as 8-byte
+/// structures (nvcc and clang align their embedded fatbins to 8 as well),
+/// while `include_bytes!` alone guarantees an alignment of 1.
+#[repr(C, align(8))]
+struct Aligned<T: ?Sized>(T);
+
+static KERNELS: &Aligned<[u8]> = &Aligned(*include_bytes!(concat!(
+    env!("OUT_DIR"),
+    "/ep_kernels.fatbin"
+)));
+
+/// The fatbin `build.rs` made of `kernels/*.cu`: every kernel of the library,
+/// as SASS for each target architecture, in one module.
+pub static KERNELS_FATBIN: &[u8] = &KERNELS.0;
+
+/// The first four bytes of every fatbin, read as a little-endian `u32`.
+pub const FATBIN_MAGIC: u32 = 0xBA55_ED50;
+
+// ---------------------------------------------------------------------------
+// Driver loading and errors
+// ---------------------------------------------------------------------------
+
+/// The outcome of loading libcuda and `cuInit`, decided once per process:
+/// neither a missing driver nor a failed `cuInit` gets better by retrying.
+static DRIVER: OnceCell<Result<()>> = OnceCell::new();
+
+/// Loads the driver library and initializes it (once; later calls return the
+/// first outcome). Every other function here calls it first.
+///
+/// Errors: `CudaUnavailable` when there is no `libcuda.so.1` or no device;
+/// `Cuda` when `cuInit` fails otherwise.
+pub fn init() -> Result<()> {
+    DRIVER.get_or_init(load_driver).clone()
+}
+
+fn load_driver() -> Result<()> {
+    // cudarc panics on its first call into a driver it cannot load, so look
+    // for the library first. catch_unwind is a second guard: a panic here
+    // must become an error, not unwind into a C caller.
+    let present = std::panic::catch_unwind(|| {
+        // SAFETY: only tries to dlopen the library names cudarc knows.
+        unsafe { sys::is_culib_present() }
+    })
+    .unwrap_or(false);
+    if !present {
+        return Err(Error::new(
+            ErrorKind::CudaUnavailable,
+            "libcuda.so.1 not found: no NVIDIA driver on this machine",
+        ));
+    }
+    // SAFETY: cuInit takes no pointers; 0 is the only valid flag value.
+    let res = std::panic::catch_unwind(|| unsafe { sys::cuInit(0) }).map_err(|_| {
+        Error::new(
+            ErrorKind::CudaUnavailable,
+            "the CUDA driver library could not be loaded (cuInit missing)",
+        )
+    })?;
+    if res == CUresult::CUDA_ERROR_NO_DEVICE {
+        return Err(no_device());
+    }
+    check(res, "cuInit")
+}
+
+fn no_device() -> Error {
+    Error::new(ErrorKind::CudaUnavailable, "no CUDA device")
+}
+
+/// Turns a driver result into a `Result`: `CUDA_SUCCESS` is `Ok`,
+/// `CUDA_ERROR_OUT_OF_MEMORY` is `OutOfMemory`, anything else is `Cuda`.
+/// The message names the call (`what`) and the error, e.g.
+/// `cuMemAlloc: CUDA_ERROR_OUT_OF_MEMORY (out of memory)`.
+pub fn check(res: CUresult, what: &str) -> Result<()> {
+    if res == CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let kind = if res == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        ErrorKind::OutOfMemory
+    } else {
+        ErrorKind::Cuda
+    };
+    Err(Error::new(kind, format!("{what}: {}", describe(res))))
+}
+
+/// The error's name and description from the driver (`cuGetErrorName`,
+/// `cuGetErrorString`). Without a loaded driver, cudarc's name of the code,
+/// which is the same name, spelled by the Rust enum.
+fn describe(res: CUresult) -> String {
+    if !matches!(DRIVER.get(), Some(Ok(()))) {
+        return format!("{res:?}");
+    }
+    let mut name: *const libc::c_char = ptr::null();
+    let mut text: *const libc::c_char = ptr::null();
+    // SAFETY: both write a pointer to a static string, or fail and leave
+    // the pointer null.
+    let (name_res, text_res) = unsafe {
+        (
+            sys::cuGetErrorName(res, &mut name),
+            sys::cuGetErrorString(res, &mut text),
+        )
+    };
+    // SAFETY: on success the pointers are static NUL-terminated strings.
+    let to_string = |p: *const libc::c_char| unsafe { CStr::from_ptr(p) }.to_string_lossy();
+    match (name_res, text_res) {
+        (CUresult::CUDA_SUCCESS, CUresult::CUDA_SUCCESS) if !name.is_null() && !text.is_null() => {
+            format!("{} ({})", to_string(name), to_string(text))
+        }
+        _ => format!("{res:?}"),
+    }
+}
+
+/// How many CUDA devices this process sees.
+///
+/// Errors: `CudaUnavailable` with "no CUDA device" when it sees none.
+pub fn device_count() -> Result<usize> {
+    init()?;
+    let mut count = 0;
+    // SAFETY: writes one int.
+    check(
+        unsafe { sys::cuDeviceGetCount(&mut count) },
+        "cuDeviceGetCount",
+    )?;
+    if count <= 0 {
+        return Err(no_device());
+    }
+    Ok(count as usize)
+}
+
+// ---------------------------------------------------------------------------
+// Device and context
+// ---------------------------------------------------------------------------
+
+/// One GPU and its retained primary context. Cheap to clone (shared
+/// handle); the context is released when the last clone, and every buffer
+/// and module made from it, is gone.
+#[derive(Clone)]
+pub struct Device {
+    inner: Arc<DeviceInner>,
+}
+
+struct DeviceInner {
+    ordinal: usize,
+    handle: sys::CUdevice,
+    context: sys::CUcontext,
+}
+
+// SAFETY: the driver API is thread-safe, and a context handle may be made
+// current on any thread; the handle itself is never mutated.
+unsafe impl Send for DeviceInner {}
+unsafe impl Sync for DeviceInner {}
+
+impl Drop for DeviceInner {
+    fn drop(&mut self) {
+        // SAFETY: balances the cuDevicePrimaryCtxRetain of Device::new. The
+        // result is ignored: a destructor cannot report it, and a failure
+        // leaves at worst a context alive until the process exits.
+        unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.handle) };
+    }
+}
+
+impl Device {
+    /// Opens device `ordinal` (0-based, as CUDA numbers the devices this
+    /// process sees) and retains its primary context.
+    ///
+    /// Errors: `CudaUnavailable` without driver or device;
+    /// `InvalidArgument` when `ordinal` is not below the device count.
+    pub fn new(ordinal: usize) -> Result<Device> {
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(Error::invalid(format!(
+                "CUDA device {ordinal} does not exist: this process sees {count} device(s)"
+            )));
+        }
+        let mut handle = 0;
+        // SAFETY: ordinal < count fits in an int; writes one CUdevice.
+        check(
+            unsafe { sys::cuDeviceGet(&mut handle, ordinal as i32) },
+            "cuDeviceGet",
+        )?;
+        let mut context = ptr::null_mut();
+        // SAFETY: writes one context handle; balanced in DeviceInner::drop.
+        check(
+            unsafe { sys::cuDevicePrimaryCtxRetain(&mut context, handle) },
+            "cuDevicePrimaryCtxRetain",
+        )?;
+        Ok(Device {
+            inner: Arc::new(DeviceInner {
+                ordinal,
+                handle,
+                context,
+            }),
+        })
+    }
+
+    /// The ordinal this device was opened with.
+    pub fn ordinal(&self) -> usize {
+        self.inner.ordinal
+    }
+
+    /// The driver's handle of the device.
+    pub fn handle(&self) -> sys::CUdevice {
+        self.inner.handle
+    }
+
+    /// Makes the primary context current on this thread until the guard is
+    /// dropped, which restores whatever was current before (or nothing).
+    pub fn bind(&self) -> Result<ContextGuard<'_>> {
+        // SAFETY: the context is retained for as long as `self` lives, and
+        // the guard borrows `self`.
+        check(
+            unsafe { sys::cuCtxPushCurrent_v2(self.inner.context) },
+            "cuCtxPushCurrent",
+        )?;
+        Ok(ContextGuard {
+            _device: PhantomData,
+            _not_send: PhantomData,
+        })
+    }
+
+    /// One of the device's attributes (`cuDeviceGetAttribute`).
+    pub fn attribute(&self, attribute: CUdevice_attribute) -> Result<i32> {
+        let mut value = 0;
+        // SAFETY: writes one int.
+        check(
+            unsafe { sys::cuDeviceGetAttribute(&mut value, attribute, self.inner.handle) },
+            "cuDeviceGetAttribute",
+        )?;
+        Ok(value)
+    }
+
+    /// The number of streaming multiprocessors.
+    pub fn sm_count(&self) -> Result<u32> {
+        let count = self.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        Ok(count as u32)
+    }
+
+    /// Waits until all work queued on `stream` has finished.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this device, or null for the
+    /// device's default stream.
+    pub unsafe fn stream_synchronize(&self, stream: CUstream) -> Result<()> {
+        let _context = self.bind()?;
+        // SAFETY: the caller vouches for the stream.
+        check(
+            unsafe { sys::cuStreamSynchronize(stream) },
+            "cuStreamSynchronize",
+        )
+    }
+}
+
+/// Keeps a device's primary context current on this thread; dropping it pops
+/// the context again. Not `Send`: a context is pushed on, and must be popped
+/// from, one thread's context stack.
+pub struct ContextGuard<'a> {
+    _device: PhantomData<&'a Device>,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl Drop for ContextGuard<'_> {
+    fn drop(&mut self) {
+        let mut popped = ptr::null_mut();
+        // SAFETY: pops the context Device::bind pushed on this thread;
+        // guards drop in reverse order of creation, so it is on top.
+        unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Kernels
+// ---------------------------------------------------------------------------
+
+/// The library's kernels, loaded into a device's primary context.
+pub struct Module {
+    device: Device,
+    handle: sys::CUmodule,
+}
+
+// SAFETY: a module handle belongs to a context, not to a thread, and is
+// never mutated here.
+unsafe impl Send for Module {}
+unsafe impl Sync for Module {}
+
+impl Module {
+    /// Loads [`KERNELS_FATBIN`] on `device`.
+    ///
+    /// Errors: `Cuda` with `CUDA_ERROR_NO_BINARY_FOR_GPU` when the fatbin
+    /// holds no code for this GPU (see `EP_CUDA_ARCHS` in build.rs).
+    pub fn load(device: &Device) -> Result<Module> {
+        let _context = device.bind()?;
+        let mut handle = ptr::null_mut();
+        // SAFETY: the image is a complete fatbin made by nvcc, 8-byte
+        // aligned, and static.
+        check(
+            unsafe { sys::cuModuleLoadData(&mut handle, KERNELS_FATBIN.as_ptr().cast()) },
+            "cuModuleLoadData",
+        )?;
+        Ok(Module {
+            device: device.clone(),
+            handle,
+        })
+    }
+
+    /// The kernel called `name` (its `extern "C"` name).
+    ///
+    /// Errors: `Cuda` with `CUDA_ERROR_NOT_FOUND` when there is none.
+    pub fn function(&self, name: &str) -> Result<Kernel<'_>> {
+        let c_name = CString::new(name)
+            .map_err(|_| Error::invalid(format!("kernel name {name:?} contains NUL")))?;
+        let _context = self.device.bind()?;
+        let mut handle = ptr::null_mut();
+        // SAFETY: the module is loaded, the name NUL-terminated.
+        check(
+            unsafe { sys::cuModuleGetFunction(&mut handle, self.handle, c_name.as_ptr()) },
+            &format!("cuModuleGetFunction({name})"),
+        )?;
+        Ok(Kernel {
+            module: self,
+            handle,
+            name: name.to_string(),
+        })
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        if let Ok(_context) = self.device.bind() {
+            // SAFETY: no Kernel outlives the module (they borrow it). The
+            // result is ignored, as in every destructor here.
+            unsafe { sys::cuModuleUnload(self.handle) };
+        }
+    }
+}
+
+/// One kernel of a [`Module`].
+pub struct Kernel<'m> {
+    module: &'m Module,
+    handle: sys::CUfunction,
+    name: String,
+}
+
+// SAFETY: a function handle is an immutable part of its module; launching
+// it from several threads at once is allowed by the driver.
+unsafe impl Send for Kernel<'_> {}
+unsafe impl Sync for Kernel<'_> {}
+
+impl Kernel<'_> {
+    /// The kernel's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Queues the kernel on `stream` with a one-dimensional grid of `grid`
+    /// blocks of `block` threads and `shared_bytes` of dynamic shared memory.
+    /// `params` holds one pointer per kernel parameter, in order, each to a
+    /// value of exactly the parameter's type (`&mut x as *mut _ as *mut
+    /// c_void`); the driver copies the values during the call.
+    ///
+    /// Errors: `InvalidArgument` for an empty grid or block (nothing is
+    /// queued); `Cuda` when the driver refuses the launch. Faults while the
+    /// kernel runs surface at the next synchronization.
+    ///
+    /// # Safety
+    /// `params` must match the kernel's signature, and every device pointer
+    /// passed must stay valid until the kernel has finished.
+    pub unsafe fn launch(
+        &self,
+        grid: u32,
+        block: u32,
+        shared_bytes: u32,
+        stream: CUstream,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        if grid == 0 || block == 0 {
+            return Err(Error::invalid(format!(
+                "{}: empty launch ({grid} blocks of {block} threads)",
+                self.name
+            )));
+        }
+        let _context = self.module.device.bind()?;
+        // SAFETY: the caller vouches for `params` and the stream.
+        let res = unsafe {
+            sys::cuLaunchKernel(
+                self.handle,
+                grid,
+                1,
+                1,
+                block,
+                1,
+                1,
+                shared_bytes,
+                stream,
+                params.as_mut_ptr(),
+                ptr::null_mut(),
+            )
+        };
+        check(res, &format!("cuLaunchKernel({})", self.name))
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Memory
+// ---------------------------------------------------------------------------
+
+/// Types that may cross between host and device as raw bytes: plain data,
+/// for which every bit pattern is a valid value.
+///
+/// # Safety
+/// Implement only for types with no padding-dependent invariants, no
+/// pointers or references, and no invalid bit patterns.
+pub unsafe trait Plain: Copy {}
+
+// SAFETY: integers and floats: every bit pattern is a value.
+unsafe impl Plain for u8 {}
+unsafe impl Plain for i32 {}
+unsafe impl Plain for u32 {}
+unsafe impl Plain for i64 {}
+unsafe impl Plain for u64 {}
+unsafe impl Plain for f32 {}
+
+/// Device memory (`cuMemAlloc`), freed on drop.
+pub struct DeviceBuffer {
+    device: Device,
+    ptr: CUdeviceptr,
+    len: usize,
+}
+
+impl DeviceBuffer {
+    /// Allocates `len` bytes on `device`, uninitialized. A zero-byte buffer
+    /// allocates nothing and has the null pointer.
+    ///
+    /// Errors: `OutOfMemory` when the device has no room.
+    pub fn new(device: &Device, len: usize) -> Result<DeviceBuffer> {
+        let mut ptr = 0;
+        if len > 0 {
+            let _context = device.bind()?;
+            // SAFETY: writes one device pointer; freed in drop.
+            check(unsafe { sys::cuMemAlloc_v2(&mut ptr, len) }, "cuMemAlloc")?;
+        }
+        Ok(DeviceBuffer {
+            device: device.clone(),
+            ptr,
+            len,
+        })
+    }
+
+    /// The device address of the first byte.
+    pub fn ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+
+    /// The size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-byte buffer.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Queues a copy of `src` to the start of the buffer on `stream`.
+    ///
+    /// Errors: `InvalidArgument` when `src` is larger than the buffer.
+    ///
+    /// # Safety
+    /// `src` must stay alive and unchanged, and the buffer alive, until the
+    /// stream has executed the copy (e.g. until a stream synchronize).
+    pub unsafe fn copy_from_host_async<T: Plain>(&self, src: &[T], stream: CUstream) -> Result<()> {
+        let bytes = std::mem::size_of_val(src);
+        self.check_fits(bytes)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        let _context = self.device.bind()?;
+        // SAFETY: bounds checked; lifetimes are the caller's promise.
+        check(
+            unsafe { sys::cuMemcpyHtoDAsync_v2(self.ptr, src.as_ptr().cast(), bytes, stream) },
+            "cuMemcpyHtoDAsync",
+        )
+    }
+
+    /// Queues a copy of the start of the buffer into `dst` on `stream`.
+    ///
+    /// Errors: `InvalidArgument` when `dst` is larger than the buffer.
+    ///
+    /// # Safety
+    /// `dst` must stay alive and untouched, and the buffer alive, until the
+    /// stream has executed the copy.
+    pub unsafe fn copy_to_host_async<T: Plain>(
+        &self,
+        dst: &mut [T],
+        stream: CUstream,
+    ) -> Result<()> {
+        let bytes = std::mem::size_of_val(dst);
+        self.check_fits(bytes)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        let _context = self.device.bind()?;
+        // SAFETY: bounds checked; T: Plain accepts any bytes the device has.
+        check(
+            unsafe { sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), self.ptr, bytes, stream) },
+            "cuMemcpyDtoHAsync",
+        )
+    }
+
+    /// Queues setting every byte of the buffer to `value` on `stream`.
+    ///
+    /// # Safety
+    /// The buffer must stay alive until the stream has executed the memset.
+    pub unsafe fn memset_async(&self, value: u8, stream: CUstream) -> Result<()> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        let _context = self.device.bind()?;
+        // SAFETY: the whole buffer, no more.
+        check(
+            unsafe { sys::cuMemsetD8Async(self.ptr, value, self.len, stream) },
+            "cuMemsetD8Async",
+        )
+    }
+
+    fn check_fits(&self, bytes: usize) -> Result<()> {
+        if bytes > self.len {
+            return Err(Error::invalid(format!(
+                "copy of {bytes} bytes does not fit a device buffer of {} bytes",
+                self.len
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.ptr == 0 {
+            return;
+        }
+        if let Ok(_context) = self.device.bind() {
+            // SAFETY: allocated by cuMemAlloc in new, freed once.
+            unsafe { sys::cuMemFree_v2(self.ptr) };
+        }
+    }
+}
+
+/// Pinned host memory that the device reads and writes directly
+/// (`cuMemHostAlloc` with `DEVICEMAP | PORTABLE`): `len` values of `T`,
+/// zeroed. For small words both sides poll while a kernel runs, such as
+/// [`DeviceStatus`] and abort flags. The host side accesses it only with
+/// volatile reads and writes, since the device changes it behind the
+/// compiler's back.
+pub struct MappedHost<T: Plain> {
+    device: Device,
+    host: *mut T,
+    device_ptr: CUdeviceptr,
+    len: usize,
+}
+
+// SAFETY: the memory is plain data reached only through volatile accesses
+// of whole `Plain` values; pinned memory is not tied to a thread.
+unsafe impl<T: Plain> Send for MappedHost<T> {}
+unsafe impl<T: Plain> Sync for MappedHost<T> {}
+
+impl<T: Plain> MappedHost<T> {
+    /// Allocates `len` zeroed values of `T` (`len` >= 1).
+    pub fn new(device: &Device, len: usize) -> Result<MappedHost<T>> {
+        let bytes = len
+            .checked_mul(size_of::<T>())
+            .filter(|&bytes| bytes > 0)
+            .ok_or_else(|| Error::invalid(format!("mapped host buffer of {len} values")))?;
+        let _context = device.bind()?;
+        let mut host: *mut c_void = ptr::null_mut();
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: writes one host pointer; freed in drop.
+        check(
+            unsafe { sys::cuMemHostAlloc(&mut host, bytes, flags) },
+            "cuMemHostAlloc",
+        )?;
+        // Owned from here on, so an error below frees the allocation.
+        let mut mapped: MappedHost<T> = MappedHost {
+            device: device.clone(),
+            host: host.cast(),
+            device_ptr: 0,
+            len,
+        };
+        // SAFETY: `bytes` bytes were just allocated, page-aligned.
+        unsafe { ptr::write_bytes(mapped.host.cast::<u8>(), 0, bytes) };
+        // SAFETY: the allocation is DEVICEMAP; flags must be 0.
+        check(
+            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut mapped.device_ptr, host, 0) },
+            "cuMemHostGetDevicePointer",
+        )?;
+        Ok(mapped)
+    }
+
+    /// The address for the host.
+    pub fn host_ptr(&self) -> *mut T {
+        self.host
+    }
+
+    /// The address for kernels on the device.
+    pub fn device_ptr(&self) -> CUdeviceptr {
+        self.device_ptr
+    }
+
+    /// The number of values.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// False: `new` refuses zero values.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Reads value `index` afresh from memory. Panics when out of range.
+    pub fn read(&self, index: usize) -> T {
+        assert!(index < self.len, "index {index} out of {}", self.len);
+        // SAFETY: in bounds and aligned; T: Plain takes any bytes.
+        unsafe { ptr::read_volatile(self.host.add(index)) }
+    }
+
+    /// Writes value `index` straight to memory. Panics when out of range.
+    pub fn write(&self, index: usize, value: T) {
+        assert!(index < self.len, "index {index} out of {}", self.len);
+        // SAFETY: in bounds and aligned.
+        unsafe { ptr::write_volatile(self.host.add(index), value) }
+    }
+}
+
+impl<T: Plain> Drop for MappedHost<T> {
+    fn drop(&mut self) {
+        if let Ok(_context) = self.device.bind() {
+            // SAFETY: allocated by cuMemHostAlloc in new, freed once.
+            unsafe { sys::cuMemFreeHost(self.host.cast()) };
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// What kernels report
+// ---------------------------------------------------------------------------
+
+/// The first error a rank's kernels hit: the Rust side of `EpDeviceStatus`
+/// in `kernels/include/ep_device.cuh` (same layout, same codes). It lives in
+/// a zeroed [`MappedHost`]; read it after the stream has synchronized, when
+/// all fields have arrived.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceStatus {
+    /// One of the `DeviceStatus::OK`... codes.
+    pub code: i32,
+    /// The rank a failed wait was waiting for, or -1.
+    pub rank: i32,
+    /// Which kernel recorded it: `PHASE_LAYOUT` or `PHASE_BARRIER`.
+    pub phase: i32,
+    /// Timeout or abort: the last value the wait saw. Invalid expert: the
+    /// flat index `token * topk + slot`. Invalid argument: 0.
+    pub detail: i32,
+}
+
+// SAFETY: four ints, no padding; every bit pattern is a value.
+unsafe impl Plain for DeviceStatus {}
+
+impl DeviceStatus {
+    pub const OK: i32 = 0;
+    pub const TIMEOUT: i32 = 1;
+    pub const ABORTED: i32 = 2;
+    pub const INVALID_EXPERT: i32 = 3;
+    pub const INVALID_ARGUMENT: i32 = 4;
+
+    pub const PHASE_LAYOUT: i32 = 1;
+    pub const PHASE_BARRIER: i32 = 2;
+
+    /// `Ok` for code 0, otherwise the matching error: `Timeout`, `Aborted`,
+    /// `InvalidArgument` (bad expert id or launch argument), or `Internal`
+    /// for a code this side does not know.
+    pub fn to_result(&self) -> Result<()> {
+        let phase = match self.phase {
+            Self::PHASE_LAYOUT => "layout kernel",
+            Self::PHASE_BARRIER => "barrier kernel",
+            _ => "kernel",
+        };
+        let (kind, what) = match self.code {
+            Self::OK => return Ok(()),
+            Self::TIMEOUT => (
+                ErrorKind::Timeout,
+                format!(
+                    "timed out waiting for rank {} (last value seen {})",
+                    self.rank, self.detail
+                ),
+            ),
+            Self::ABORTED => (
+                ErrorKind::Aborted,
+                format!("aborted while waiting for rank {}", self.rank),
+            ),
+            Self::INVALID_EXPERT => (
+                ErrorKind::InvalidArgument,
+                format!(
+                    "expert id out of range at topk_idx entry {} (token * topk + slot)",
+                    self.detail
+                ),
+            ),
+            Self::INVALID_ARGUMENT => (
+                ErrorKind::InvalidArgument,
+                "launched with invalid arguments".to_string(),
+            ),
+            code => (
+                ErrorKind::Internal,
+                format!("unknown device status code {code}"),
+            ),
+        };
+        Err(Error::new(kind, format!("{phase}: {what}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_driver_is_an_error_not_a_panic() {
+        // SAFETY: only tries to dlopen libcuda.
+        let present = unsafe { sys::is_culib_present() };
+        match Device::new(0) {
+            Ok(device) => assert!(present && device.ordinal() == 0),
+            Err(err) if !present => {
+                assert_eq!(err.kind, ErrorKind::CudaUnavailable);
+                assert_eq!(
+                    err.message,
+                    "libcuda.so.1 not found: no NVIDIA driver on this machine"
+                );
+                // The outcome is remembered, not retried.
+                assert_eq!(init(), Err(err));
+            }
+            // A driver without a GPU.
+            Err(err) => assert_eq!(err, no_device()),
+        }
+    }
+
+    #[test]
+    fn embedded_fatbin_is_a_fatbin_with_every_kernel() {
+        assert!(KERNELS_FATBIN.len() > 16);
+        assert_eq!(KERNELS_FATBIN.as_ptr() as usize % 8, 0);
+        let magic = u32::from_le_bytes(KERNELS_FATBIN[..4].try_into().unwrap());
+        assert_eq!(magic, FATBIN_MAGIC);
+        // The device link put the kernels of all .cu files into one image.
+        let contains = |name: &[u8]| KERNELS_FATBIN.windows(name.len()).any(|w| w == name);
+        assert!(contains(b"ep_layout_kernel"));
+        assert!(contains(b"ep_barrier_kernel"));
+    }
+
+    #[test]
+    fn check_maps_result_codes() {
+        assert_eq!(check(CUresult::CUDA_SUCCESS, "cuInit"), Ok(()));
+
+        let oom = check(CUresult::CUDA_ERROR_OUT_OF_MEMORY, "cuMemAlloc").unwrap_err();
+        assert_eq!(oom.kind, ErrorKind::OutOfMemory);
+        assert!(oom
+            .message
+            .starts_with("cuMemAlloc: CUDA_ERROR_OUT_OF_MEMORY"));
+
+        let other = check(CUresult::CUDA_ERROR_INVALID_VALUE, "cuMemsetD8Async").unwrap_err();
+        assert_eq!(other.kind, ErrorKind::Cuda);
+        assert!(other
+            .message
+            .starts_with("cuMemsetD8Async: CUDA_ERROR_INVALID_VALUE"));
+    }
+
+    #[test]
+    fn device_status_matches_the_c_struct_and_maps_codes() {
+        assert_eq!(size_of::<DeviceStatus>(), 16);
+        assert_eq!(DeviceStatus::default().to_result(), Ok(()));
+        let status = |code, rank, phase, detail| DeviceStatus {
+            code,
+            rank,
+            phase,
+            detail,
+        };
+        let err = status(DeviceStatus::TIMEOUT, 3, DeviceStatus::PHASE_BARRIER, 6)
+            .to_result()
+            .unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Timeout);
+        assert_eq!(
+            err.message,
+            "barrier kernel: timed out waiting for rank 3 (last value seen 6)"
+        );
+        let kind = |code| {
+            status(code, -1, DeviceStatus::PHASE_LAYOUT, 0)
+                .to_result()
+                .unwrap_err()
+                .kind
+        };
+        assert_eq!(kind(DeviceStatus::ABORTED), ErrorKind::Aborted);
+        assert_eq!(
+            kind(DeviceStatus::INVALID_EXPERT),
+            ErrorKind::InvalidArgument
+        );
+        assert_eq!(
+            kind(DeviceStatus::INVALID_ARGUMENT),
+            ErrorKind::InvalidArgument
+        );
+        assert_eq!(kind(99), ErrorKind::Internal);
+    }
+}

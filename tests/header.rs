@@ -1,0 +1,91 @@
+//! The checked-in header is what cbindgen makes of src/capi today, and it
+//! compiles cleanly as C99 and C++17, also when included twice.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn generated_header() -> String {
+    let config = cbindgen::Config::from_file(root().join("cbindgen.toml")).expect("cbindgen.toml");
+    let mut out = Vec::new();
+    cbindgen::Builder::new()
+        .with_crate(root())
+        .with_config(config)
+        .generate()
+        .expect("cbindgen failed")
+        .write(&mut out);
+    String::from_utf8(out).unwrap()
+}
+
+#[test]
+fn header_is_up_to_date() {
+    let fresh = generated_header();
+    let path = root().join("include/ep.h");
+    if std::env::var_os("EP_UPDATE_HEADER").is_some() {
+        std::fs::write(&path, &fresh).unwrap();
+    }
+    let checked_in = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        checked_in == fresh,
+        "include/ep.h is stale: run scripts/gen-header.sh and commit the result"
+    );
+}
+
+/// Compiles a translation unit that includes the header twice.
+fn compile(compiler: &Path, args: &[&str], ext: &str) {
+    let dir = std::env::temp_dir().join(format!("ep-header-{}-{ext}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join(format!("twice.{ext}"));
+    std::fs::write(
+        &src,
+        "#include \"ep.h\"\n#include \"ep.h\"\n\
+         int main(void) { ep_config_t c; ep_config_init(&c); return (int)c.hidden == 0; }\n",
+    )
+    .unwrap();
+    let output = Command::new(compiler)
+        .args(args)
+        .arg("-Wall")
+        .arg("-Wextra")
+        .arg("-Werror")
+        .arg("-pedantic")
+        .arg("-fsyntax-only")
+        .arg("-I")
+        .arg(root().join("include"))
+        .arg(&src)
+        .output()
+        .expect("run the C compiler");
+    assert!(
+        output.status.success(),
+        "{} {args:?} rejected include/ep.h:\n{}",
+        compiler.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// The system C or C++ compiler, as cc finds it (honours `CC` and `CXX`).
+pub fn tool(cpp: bool) -> PathBuf {
+    let target = format!("{}-unknown-linux-gnu", std::env::consts::ARCH);
+    cc::Build::new()
+        .cpp(cpp)
+        .opt_level(0)
+        .debug(false)
+        .cargo_metadata(false)
+        .target(&target)
+        .host(&target)
+        .get_compiler()
+        .path()
+        .to_path_buf()
+}
+
+#[test]
+fn header_compiles_as_c99() {
+    compile(&tool(false), &["-std=c99"], "c");
+}
+
+#[test]
+fn header_compiles_as_cpp17() {
+    compile(&tool(true), &["-std=c++17"], "cpp");
+}
