@@ -7,18 +7,26 @@
 //! wait, an invalid expert id) in a status word in host-mapped memory, which
 //! [`GpuMonitor`] reads from any thread.
 
+mod low_latency;
+mod normal;
+mod symmetric;
+
 use super::backend::{Backend, HandleState, Monitor, Stream};
 use super::bootstrap::Bootstrap;
 use super::config::{agree_on_config, Config};
 use super::cuda::{Device, DeviceStatus, MappedHost, Module};
 use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp};
-use crate::error::{Error, Result};
+use crate::error::Result;
+use low_latency::LlMode;
+use normal::NormalMode;
 use std::os::raw::c_void;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use symmetric::SymmetricMemory;
 
-/// Threads per block of the layout kernel.
-const LAYOUT_THREADS: u32 = 256;
+/// Bytes at the start of every rank's buffer for cross-rank signals of the
+/// runtime itself (the barrier's `[world]` slots), before the modes' areas.
+const SIGNAL_BYTES: usize = 64 * 1024;
 
 pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, Arc<dyn Monitor>)> {
     // Probe the driver before joining, so a machine without a GPU fails at
@@ -34,27 +42,33 @@ pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, 
     )?;
     agree_on_config(&boot, cfg)?;
     let module = Module::load(&device)?;
+    let memory = SymmetricMemory::new(&device, &boot, buffer_bytes(cfg))?;
     let monitor = Arc::new(GpuMonitor {
         status: MappedHost::new(&device, 1)?,
         abort_flag: MappedHost::new(&device, 1)?,
         aborted,
     });
-    let backend = GpuBackend {
+    let rt = Runtime {
         cfg: *cfg,
-        _boot: boot,
+        device,
         module,
+        boot,
+        memory,
         monitor: monitor.clone(),
+        timeout_ns: cfg.timeout.as_nanos() as u64,
     };
-    Ok((Box::new(backend), monitor))
+    let normal = NormalMode::new(&rt, SIGNAL_BYTES)?;
+    let ll = LlMode::new(&rt, SIGNAL_BYTES + normal::buffer_bytes(cfg))?;
+    Ok((Box::new(GpuBackend { rt, normal, ll }), monitor))
 }
 
 /// Bytes of communication buffer one rank allocates for `cfg`.
-pub fn buffer_bytes(_cfg: &Config) -> usize {
-    0
+pub fn buffer_bytes(cfg: &Config) -> usize {
+    SIGNAL_BYTES + normal::buffer_bytes(cfg) + low_latency::buffer_bytes(cfg)
 }
 
 /// The host-mapped words the kernels and any host thread share.
-struct GpuMonitor {
+pub struct GpuMonitor {
     /// First error recorded by a kernel of this context.
     status: MappedHost<DeviceStatus>,
     /// Non-zero tells waiting kernels to give up.
@@ -69,8 +83,7 @@ impl Monitor for GpuMonitor {
     }
 
     fn abort(&self) {
-        self.aborted
-            .store(true, std::sync::atomic::Ordering::Release);
+        self.aborted.store(true, Ordering::Release);
         self.abort_flag.write(0, 1);
         let mut status = self.status.read(0);
         if status.code == DeviceStatus::OK {
@@ -81,84 +94,98 @@ impl Monitor for GpuMonitor {
     }
 }
 
-struct GpuBackend {
-    cfg: Config,
-    _boot: Bootstrap,
-    module: Module,
-    monitor: Arc<GpuMonitor>,
+/// What every mode's kernels need: the device, the loaded kernels, the
+/// symmetric buffers, and the status and abort words.
+pub struct Runtime {
+    pub cfg: Config,
+    pub device: Device,
+    pub module: Module,
+    pub boot: Bootstrap,
+    pub memory: SymmetricMemory,
+    pub monitor: Arc<GpuMonitor>,
+    /// Longest device-side wait, in nanoseconds of `%globaltimer`.
+    pub timeout_ns: u64,
 }
 
-fn not_yet(what: &str) -> Error {
-    Error::unsupported(format!(
-        "{what} is not available on the GPU backend in this build"
-    ))
+impl Runtime {
+    /// Device pointer to the status word kernels report errors into.
+    pub fn status_ptr(&self) -> u64 {
+        self.monitor.status.device_ptr()
+    }
+
+    /// Device pointer to the abort flag every device wait polls.
+    pub fn abort_ptr(&self) -> u64 {
+        self.monitor.abort_flag.device_ptr()
+    }
+
+    /// Launches kernel `name` on `stream` (see `Kernel::launch`).
+    ///
+    /// # Safety
+    /// `params` must match the kernel's signature, and every pointer passed
+    /// must stay valid until the kernel has finished.
+    pub unsafe fn launch(
+        &self,
+        name: &str,
+        grid: u32,
+        block: u32,
+        shared_bytes: u32,
+        stream: Stream,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        let kernel = self.module.function(name)?;
+        kernel.launch(grid, block, shared_bytes, stream as _, params)
+    }
+
+    /// Waits for `stream`, then reports any error a kernel recorded.
+    pub fn synchronize(&self, stream: Stream) -> Result<()> {
+        // SAFETY: the caller's stream of this device (API rule).
+        unsafe { self.device.stream_synchronize(stream as _)? };
+        self.monitor.async_error()
+    }
+}
+
+/// A kernel parameter: the address of the value, as `cuLaunchKernel` takes it.
+pub fn arg<T>(value: &mut T) -> *mut c_void {
+    value as *mut T as *mut c_void
+}
+
+struct GpuBackend {
+    rt: Runtime,
+    normal: NormalMode,
+    ll: LlMode,
 }
 
 impl Backend for GpuBackend {
     fn layout(&mut self, op: &LayoutOp, stream: Stream) -> Result<()> {
-        let topo = self.cfg.topo;
-        let kernel = self.module.function("ep_layout_kernel")?;
-        let mut args = (
-            op.topk_idx,
-            op.num_tokens as i32,
-            topo.topk as i32,
-            topo.num_experts as i32,
-            topo.world as i32,
-            op.tokens_per_rank,
-            op.tokens_per_expert,
-            op.is_token_in_rank,
-            self.monitor.status.device_ptr(),
-        );
-        let mut params: [*mut c_void; 9] = [
-            &mut args.0 as *mut _ as *mut c_void,
-            &mut args.1 as *mut _ as *mut c_void,
-            &mut args.2 as *mut _ as *mut c_void,
-            &mut args.3 as *mut _ as *mut c_void,
-            &mut args.4 as *mut _ as *mut c_void,
-            &mut args.5 as *mut _ as *mut c_void,
-            &mut args.6 as *mut _ as *mut c_void,
-            &mut args.7 as *mut _ as *mut c_void,
-            &mut args.8 as *mut _ as *mut c_void,
-        ];
-        // SAFETY: the parameters match the kernel's signature; the caller's
-        // arrays stay valid until the stream reaches the kernel (API rule).
-        unsafe {
-            kernel.launch(
-                topo.world as u32,
-                LAYOUT_THREADS,
-                0,
-                stream as _,
-                &mut params,
-            )
-        }
+        self.normal.layout(&self.rt, op, stream)
     }
 
     fn new_handle_state(&mut self) -> Result<HandleState> {
-        Ok(Box::new(()))
+        self.normal.new_handle_state(&self.rt)
     }
 
     fn dispatch(
         &mut self,
-        _op: &DispatchOp,
-        _handle: &mut HandleState,
-        _stream: Stream,
+        op: &DispatchOp,
+        handle: &mut HandleState,
+        stream: Stream,
     ) -> Result<()> {
-        Err(not_yet("the normal-mode dispatch"))
+        self.normal.dispatch(&self.rt, op, handle, stream)
     }
 
-    fn combine(&mut self, _op: &CombineOp, _handle: &HandleState, _stream: Stream) -> Result<()> {
-        Err(not_yet("the normal-mode combine"))
+    fn combine(&mut self, op: &CombineOp, handle: &HandleState, stream: Stream) -> Result<()> {
+        self.normal.combine(&self.rt, op, handle, stream)
     }
 
-    fn ll_dispatch(&mut self, _op: &LlDispatchOp, _stream: Stream) -> Result<()> {
-        Err(not_yet("the low-latency dispatch"))
+    fn ll_dispatch(&mut self, op: &LlDispatchOp, stream: Stream) -> Result<()> {
+        self.ll.dispatch(&self.rt, op, stream)
     }
 
-    fn ll_combine(&mut self, _op: &LlCombineOp, _stream: Stream) -> Result<()> {
-        Err(not_yet("the low-latency combine"))
+    fn ll_combine(&mut self, op: &LlCombineOp, stream: Stream) -> Result<()> {
+        self.ll.combine(&self.rt, op, stream)
     }
 
     fn ll_combine_buffer(&mut self) -> Result<(*mut u8, usize)> {
-        Err(not_yet("the low-latency combine buffer"))
+        self.ll.combine_buffer(&self.rt)
     }
 }
