@@ -12,7 +12,6 @@ use std::mem::size_of_val;
 use std::ptr;
 use std::time::{Duration, Instant};
 
-use ep::error::ErrorKind;
 use ep::runtime::cuda::{
     CUdeviceptr, CUstream, Device, DeviceBuffer, DeviceStatus, MappedHost, Module, Plain,
 };
