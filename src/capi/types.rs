@@ -13,6 +13,11 @@
 //! - Operations enqueue work on the caller's stream and return; outputs are
 //!   ready when the stream reaches that point. The host backend computes
 //!   synchronously and ignores the stream.
+//! - Dispatch and combine are collective: every rank of the context calls
+//!   them in the same order. A call that fails its argument checks returns
+//!   at once on its rank; the matching calls of the other ranks then end with
+//!   `EP_ERR_TIMEOUT` after `timeout_ms` (as a mismatched NCCL collective
+//!   would hang, but bounded).
 #![allow(non_camel_case_types)]
 
 use std::os::raw::c_void;
