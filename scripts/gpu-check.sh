@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (no Rust there), from the repository root, on what
+# scripts/gpu-package.sh put into .gpu/:
+#   bash .gpu/gpu-check.sh [budget-seconds]     (default budget 540)
+# Order: GPU tests, C demo (4 then 2 ranks), ep-bench normal and ll (4 ranks,
+# then 2), then an SM sweep and a token sweep while the budget allows. Logs go
+# to $OUT (default ./gpu-out); a summary table comes last. Never changes
+# clocks or resets GPUs.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+BUDGET="${1:-540}"
+OUT="${OUT:-./gpu-out}"
+G="$(cd "$(dirname "$0")" && pwd)"
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH="$G${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+START=$(date +%s)
+SUMMARY=()
+FAILED=0
+
+elapsed() { echo $(( $(date +%s) - START )); }
+
+# step NAME MIN_SECONDS TIMEOUT CMD...: runs CMD with a timeout, tees its log,
+# records pass/fail/time; skipped when fewer than MIN_SECONDS of the budget remain.
+step() {
+  local name="$1" need="$2" limit="$3"; shift 3
+  local left=$(( BUDGET - $(elapsed) ))
+  if [ "$left" -lt "$need" ]; then
+    SUMMARY+=("$(printf '%-34s %-8s %6s' "$name" skipped "-")")
+    echo "=== $name: skipped ($left s of the budget left)"
+    return 0
+  fi
+  [ "$limit" -gt "$left" ] && limit="$left"
+  local log="$OUT/$(echo "$name" | tr ' /' '__').log"
+  echo "=== $name (timeout ${limit}s): $*"
+  local t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$log"
+  local rc=${PIPESTATUS[0]}
+  local dt=$(( $(date +%s) - t0 ))
+  local res=pass
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then res=timeout; elif [ "$rc" -ne 0 ]; then res="fail($rc)"; fi
+  [ "$res" = pass ] || FAILED=1
+  SUMMARY+=("$(printf '%-34s %-8s %5ss' "$name" "$res" "$dt")")
+}
+
+{
+  echo "date: $(date -u '+%Y-%m-%d %H:%M UTC'), budget ${BUDGET}s"
+  nvidia-smi -L
+  nvidia-smi topo -m
+  nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv
+} 2>&1 | tee "$OUT/gpus.log"
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+R=$(( NGPU < 4 ? NGPU : 4 ))
+
+# 1. Correctness: every GPU test binary, one test at a time.
+for t in "$G"/tests/gpu_*; do
+  [ -x "$t" ] || continue
+  step "test $(basename "$t")" 30 240 "$t" --ignored --test-threads=1
+done
+
+# 2. The C demo over the GPU backend, 4 then 2 ranks.
+if [ -x "$G/demo" ]; then
+  [ "$R" -ge 4 ] && step "demo gpu 4 ranks" 20 60 env EP_BACKEND=gpu "$G/demo" 4
+  [ "$R" -ge 2 ] && step "demo gpu 2 ranks" 20 60 env EP_BACKEND=gpu "$G/demo" 2
+fi
+
+# 3. Benchmarks: W1 normal and W2 low-latency, all ranks then 2.
+B="$G/ep-bench"
+step "bench normal ${R} ranks" 60 180 "$B" --ranks "$R" --mode normal
+step "bench ll ${R} ranks" 40 120 "$B" --ranks "$R" --mode ll
+if [ "$R" -gt 2 ]; then
+  step "bench normal 2 ranks" 60 180 "$B" --ranks 2 --mode normal
+  step "bench ll 2 ranks" 40 120 "$B" --ranks 2 --mode ll
+fi
+
+# 4. Sweeps, only while the budget allows.
+step "bench SM sweep ${R} ranks" 90 180 "$B" --ranks "$R" --mode normal --sms-sweep 16,24,32,48,64 --iters 30
+step "bench token sweep ${R} ranks" 90 240 "$B" --ranks "$R" --mode normal \
+  --sweep-tokens 256,512,1024,2048,4096,8192,16384 --iters 30
+
+# The benchmark tables, in one file ready for bench/RESULTS.md.
+cat "$OUT"/bench_*.log 2>/dev/null | grep -E '^\||^\*\*|UTC, ' > "$OUT/results.md" || true
+
+echo
+echo "=== summary ($(elapsed)s of ${BUDGET}s; logs in $OUT)"
+printf '%-34s %-8s %6s\n' step result time
+for line in "${SUMMARY[@]}"; do echo "$line"; done
+exit "$FAILED"
