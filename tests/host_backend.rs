@@ -1,0 +1,937 @@
+//! The host backend, driven through the C API, against the reference code on
+//! fresh random inputs: every rank poisons its outputs, runs the operation,
+//! and compares with the reference computed over all ranks' inputs (each rank
+//! regenerates every rank's inputs from the seeds). The host backend runs the
+//! reference, so every comparison is bit-exact.
+
+mod common;
+
+use common::*;
+use ep::capi::*;
+use ep::reference::fp8::quantize_row;
+use ep::reference::layout::dispatch_layout;
+use ep::reference::low_latency::{
+    ll_combine, ll_dispatch, LlDispatched, LlExpertOutputs, LlRankTokens,
+};
+use ep::reference::normal::{self, Dispatched, RankTokens, Returned};
+use ep::reference::{Dtype, Topology};
+use half::bf16;
+use std::ptr::{null, null_mut};
+
+/// Most tokens per rank in the normal-mode tests.
+const MAX_TOKENS: i32 = 100;
+/// `ll_max_tokens_per_rank` of the low-latency tests.
+const LL_MAX: usize = 24;
+
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    world: usize,
+    hidden: usize,
+    topk: usize,
+    experts: usize,
+}
+
+impl Shape {
+    fn topo(&self) -> Topology {
+        Topology {
+            world: self.world,
+            num_experts: self.experts,
+            topk: self.topk,
+            hidden: self.hidden,
+        }
+    }
+
+    fn config(&self, token_dtype: i32, ll_max: usize) -> ep_config_t {
+        let mut cfg = host_config(
+            self.hidden as i32,
+            self.topk as i32,
+            self.experts as i32,
+            MAX_TOKENS,
+            ll_max as i32,
+        );
+        cfg.token_dtype = token_dtype;
+        cfg
+    }
+}
+
+/// One normal-mode dispatch + combine of every rank.
+#[derive(Clone, Debug)]
+struct Run {
+    tokens: Vec<usize>,
+    skewed: bool,
+    fp8: bool,
+    alignment: usize,
+    no_sync: bool,
+    seed: u64,
+}
+
+/// One rank's normal-mode inputs.
+struct Input {
+    n: usize,
+    x: Vec<u8>,
+    scales: Vec<f32>,
+    topk_idx: Vec<i32>,
+    weights: Vec<f32>,
+}
+
+fn input(shape: &Shape, run: &Run, rank: usize) -> Input {
+    let mut rng = Rng::new(run.seed.wrapping_mul(1_000_003).wrapping_add(rank as u64));
+    let n = run.tokens[rank];
+    let hot = run.skewed.then(|| run.seed as usize % shape.experts);
+    let topk_idx = routing(&mut rng, shape.experts, shape.topk, n, 0.15, hot);
+    let weights = weights(&mut rng, n * shape.topk);
+    let values = random_bf16(&mut rng, n * shape.hidden);
+    let (x, scales) = if run.fp8 {
+        let cols = shape.hidden / 128;
+        let mut x = vec![0u8; n * shape.hidden];
+        let mut scales = vec![0f32; n * cols];
+        for t in 0..n {
+            quantize_row(
+                &values[t * shape.hidden..][..shape.hidden],
+                false,
+                &mut x[t * shape.hidden..][..shape.hidden],
+                &mut scales[t * cols..][..cols],
+            );
+        }
+        (x, scales)
+    } else {
+        (bf16_to_bytes(&values), Vec::new())
+    };
+    Input {
+        n,
+        x,
+        scales,
+        topk_idx,
+        weights,
+    }
+}
+
+/// The "expert": a deterministic BF16 function of each received row.
+fn expert_fn(rows: &[u8], dtype: Dtype, hidden: usize) -> Vec<bf16> {
+    match dtype {
+        Dtype::Bf16 => bytes_to_bf16(rows)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| bf16::from_f32(v.to_f32() * 1.5 + (i % hidden % 7) as f32 * 0.125))
+            .collect(),
+        Dtype::Fp8E4m3 => rows
+            .iter()
+            .map(|&b| bf16::from_f32((b as i8) as f32 / 8.0))
+            .collect(),
+    }
+}
+
+/// Dispatches, compares every output with the reference, then combines with
+/// both input layouts and compares. Panics on a mismatch.
+fn check_normal(shape: &Shape, run: &Run, rank: usize, ctx: &Ctx) {
+    let topo = shape.topo();
+    let (hidden, topk, world) = (shape.hidden, shape.topk, shape.world);
+    let local = topo.local_experts();
+    let dtype = if run.fp8 { Dtype::Fp8E4m3 } else { Dtype::Bf16 };
+    let row_bytes = dtype.row_bytes(hidden);
+    let cols = dtype.scales_per_row(hidden);
+    let inputs: Vec<Input> = (0..world).map(|r| input(shape, run, r)).collect();
+    let sources: Vec<RankTokens> = inputs
+        .iter()
+        .map(|i| RankTokens {
+            num_tokens: i.n,
+            x: &i.x,
+            scales: &i.scales,
+            topk_idx: &i.topk_idx,
+            topk_weights: &i.weights,
+        })
+        .collect();
+    let refs: Vec<Dispatched> = (0..world)
+        .map(|r| normal::dispatch(topo, dtype, &sources, r, run.alignment))
+        .collect();
+    let d = &refs[rank];
+    let me = &inputs[rank];
+    let what = format!("rank {rank} {shape:?} {run:?}");
+
+    let (mut worst_recv, mut worst_expert) = (0, 0);
+    let status = unsafe {
+        ep_get_dispatch_capacity(
+            ctx.0,
+            run.alignment as i32,
+            &mut worst_recv,
+            &mut worst_expert,
+        )
+    };
+    assert_eq!(status, EP_SUCCESS);
+    let (rc, ec) = if run.no_sync {
+        (worst_recv as usize, worst_expert as usize)
+    } else {
+        (d.num_rows + 3, d.expert_rows + 3)
+    };
+    let mut recv_x = poisoned::<u8>(rc * row_bytes);
+    let mut recv_scales = poisoned::<f32>(rc * cols);
+    let mut recv_idx = poisoned::<i32>(rc * topk);
+    let mut recv_w = poisoned::<f32>(rc * topk);
+    let mut recv_src = poisoned::<i32>(rc * 2);
+    let mut recv_n = poisoned::<i32>(1);
+    let mut ex_x = poisoned::<u8>(ec * row_bytes);
+    let mut ex_scales = poisoned::<f32>(ec * cols);
+    let mut ex_w = poisoned::<f32>(ec);
+    let mut ex_src = poisoned::<i32>(ec);
+    let mut ex_off = poisoned::<i32>(local + 1);
+    let mut ex_cnt = poisoned::<i32>(local);
+    let mut host_n = poisoned::<i32>(1);
+    let mut host_cnt = poisoned::<i32>(local);
+
+    let mut a = dispatch_args();
+    a.flags = if run.no_sync {
+        EP_DISPATCH_NO_HOST_SYNC
+    } else {
+        0
+    };
+    a.num_tokens = me.n as i32;
+    a.dtype = if run.fp8 {
+        EP_DTYPE_FP8_E4M3
+    } else {
+        EP_DTYPE_BF16
+    };
+    a.x = me.x.as_ptr() as *const _;
+    a.x_scales = if run.fp8 { me.scales.as_ptr() } else { null() };
+    a.topk_idx = me.topk_idx.as_ptr();
+    a.topk_weights = me.weights.as_ptr();
+    a.recv_capacity = rc as i32;
+    a.expert_alignment = run.alignment as i32;
+    a.recv_x = recv_x.as_mut_ptr() as *mut _;
+    a.recv_x_scales = if run.fp8 {
+        recv_scales.as_mut_ptr()
+    } else {
+        null_mut()
+    };
+    a.recv_topk_idx = recv_idx.as_mut_ptr();
+    a.recv_topk_weights = recv_w.as_mut_ptr();
+    a.recv_src_info = recv_src.as_mut_ptr();
+    a.recv_num_tokens = recv_n.as_mut_ptr();
+    a.expert_capacity = ec as i32;
+    a.expert_x = ex_x.as_mut_ptr() as *mut _;
+    a.expert_x_scales = if run.fp8 {
+        ex_scales.as_mut_ptr()
+    } else {
+        null_mut()
+    };
+    a.expert_weights = ex_w.as_mut_ptr();
+    a.expert_src_row = ex_src.as_mut_ptr();
+    a.expert_offsets = ex_off.as_mut_ptr();
+    a.expert_counts = ex_cnt.as_mut_ptr();
+    a.host_recv_num_tokens = host_n.as_mut_ptr();
+    a.host_expert_counts = host_cnt.as_mut_ptr();
+    let handle = ctx.handle();
+    let status = unsafe { ep_dispatch(ctx.0, &a, handle.0, null_mut()) };
+    assert_eq!(status, EP_SUCCESS, "{what}: {}", last_error());
+
+    let rows = d.num_rows;
+    assert_eq!(recv_n[0] as usize, rows, "{what}: recv_num_tokens");
+    assert!(recv_x[..rows * row_bytes] == d.x[..], "{what}: recv_x");
+    assert!(
+        is_poisoned(&recv_x[rows * row_bytes..]),
+        "{what}: recv_x written past its rows"
+    );
+    if run.fp8 {
+        assert_eq!(
+            bits(&recv_scales[..rows * cols]),
+            bits(&d.scales),
+            "{what}: recv scales"
+        );
+    }
+    assert_eq!(
+        recv_idx[..rows * topk],
+        d.topk_idx[..],
+        "{what}: recv_topk_idx"
+    );
+    assert_eq!(
+        bits(&recv_w[..rows * topk]),
+        bits(&d.topk_weights),
+        "{what}: recv weights"
+    );
+    assert_eq!(recv_src[..rows * 2], d.src_info[..], "{what}: src_info");
+    assert_eq!(ex_off, d.expert_offsets, "{what}: expert_offsets");
+    assert_eq!(ex_cnt, d.expert_counts, "{what}: expert_counts");
+    let erows = d.expert_rows;
+    assert_eq!(
+        ex_src[..erows],
+        d.expert_src_row[..],
+        "{what}: expert_src_row"
+    );
+    assert_eq!(
+        bits(&ex_w[..erows]),
+        bits(&d.expert_weights),
+        "{what}: expert_weights"
+    );
+    for j in (0..erows).filter(|&j| d.expert_src_row[j] >= 0) {
+        assert!(
+            ex_x[j * row_bytes..][..row_bytes] == d.expert_x[j * row_bytes..][..row_bytes],
+            "{what}: expert_x row {j}"
+        );
+        if run.fp8 {
+            assert_eq!(
+                bits(&ex_scales[j * cols..][..cols]),
+                bits(&d.expert_scales[j * cols..][..cols]),
+                "{what}: expert scales row {j}"
+            );
+        }
+    }
+    assert!(
+        is_poisoned(&ex_x[erows * row_bytes..]),
+        "{what}: expert_x written past its rows"
+    );
+    if run.no_sync {
+        assert!(
+            is_poisoned(&host_n) && is_poisoned(&host_cnt),
+            "{what}: host outputs written under NO_HOST_SYNC"
+        );
+    } else {
+        assert_eq!(host_n[0] as usize, rows, "{what}: host_recv_num_tokens");
+        assert_eq!(host_cnt, d.expert_counts, "{what}: host_expert_counts");
+    }
+
+    // Combine, source order: the expert function of each received row.
+    let y_src: Vec<Vec<bf16>> = refs
+        .iter()
+        .map(|r| expert_fn(&r.x, dtype, hidden))
+        .collect();
+    let returned: Vec<Returned> = (0..world)
+        .map(|r| Returned {
+            rows: &y_src[r],
+            src_info: &refs[r].src_info,
+        })
+        .collect();
+    let want = normal::combine(topo, rank, me.n, &returned);
+    let mut out = poisoned::<bf16>(me.n * hidden);
+    let mut c = combine_args();
+    c.input_layout = EP_COMBINE_SOURCE_ORDER;
+    c.x = y_src[rank].as_ptr() as *const _;
+    c.out = out.as_mut_ptr() as *mut _;
+    let status = unsafe { ep_combine(ctx.0, &c, handle.0, null_mut()) };
+    assert_eq!(status, EP_SUCCESS, "{what}: combine: {}", last_error());
+    assert!(
+        bf16_to_bytes(&out) == bf16_to_bytes(&want),
+        "{what}: source-order combine"
+    );
+
+    // Combine, expert-major: padding rows hold garbage that must be ignored.
+    let y_em: Vec<Vec<bf16>> = refs
+        .iter()
+        .map(|r| {
+            let mut y = expert_fn(&r.expert_x, dtype, hidden);
+            for j in (0..r.expert_rows).filter(|&j| r.expert_src_row[j] < 0) {
+                y[j * hidden..][..hidden].fill(bf16::from_f32(1.0e4));
+            }
+            y
+        })
+        .collect();
+    let partials: Vec<Vec<bf16>> = (0..world)
+        .map(|r| normal::expert_partials(topo, &refs[r], &y_em[r]))
+        .collect();
+    let returned: Vec<Returned> = (0..world)
+        .map(|r| Returned {
+            rows: &partials[r],
+            src_info: &refs[r].src_info,
+        })
+        .collect();
+    let want = normal::combine(topo, rank, me.n, &returned);
+    let mut out = poisoned::<bf16>(me.n * hidden);
+    c.input_layout = EP_COMBINE_EXPERT_MAJOR;
+    c.x = y_em[rank].as_ptr() as *const _;
+    c.out = out.as_mut_ptr() as *mut _;
+    let status = unsafe { ep_combine(ctx.0, &c, handle.0, null_mut()) };
+    assert_eq!(status, EP_SUCCESS, "{what}: combine: {}", last_error());
+    assert!(
+        bf16_to_bytes(&out) == bf16_to_bytes(&want),
+        "{what}: expert-major combine"
+    );
+}
+
+fn random_run(rng: &mut Rng, world: usize, fp8_ok: bool, bf16_ok: bool) -> Run {
+    let choices = [0usize, 1, 17, 100];
+    Run {
+        tokens: (0..world).map(|_| choices[rng.below(4)]).collect(),
+        skewed: rng.chance(0.5),
+        fp8: fp8_ok && (!bf16_ok || rng.chance(0.5)),
+        alignment: [1, 16][rng.below(2)],
+        no_sync: rng.chance(0.5),
+        seed: rng.next_u64(),
+    }
+}
+
+/// Every shape of the sweep: world {1, 2, 4}, hidden {128, 256, 2048}, topk
+/// {1, 4, 8}, experts {8, 64}.
+fn all_shapes() -> Vec<Shape> {
+    let mut out = Vec::new();
+    for world in [1, 2, 4] {
+        for hidden in [128, 256, 2048] {
+            for topk in [1, 4, 8] {
+                for experts in [8, 64] {
+                    out.push(Shape {
+                        world,
+                        hidden,
+                        topk,
+                        experts,
+                    });
+                }
+            }
+        }
+    }
+    out
+}
+
+/// A sample of the shapes: every (world, hidden) pair, with topk and experts
+/// drawn by a fixed seed, plus the extreme corners.
+fn sampled_shapes(seed: u64) -> Vec<Shape> {
+    let mut rng = Rng::new(seed);
+    let all = all_shapes();
+    let mut out: Vec<Shape> = Vec::new();
+    for world in [1, 2, 4] {
+        for hidden in [128, 256, 2048] {
+            let group: Vec<&Shape> = all
+                .iter()
+                .filter(|s| s.world == world && s.hidden == hidden)
+                .collect();
+            out.push(*group[rng.below(group.len())]);
+        }
+    }
+    out.push(Shape {
+        world: 4,
+        hidden: 128,
+        topk: 8,
+        experts: 8,
+    });
+    out.push(Shape {
+        world: 4,
+        hidden: 256,
+        topk: 1,
+        experts: 64,
+    });
+    out
+}
+
+#[test]
+fn normal_dispatch_and_combine_match_reference() {
+    let mut rng = Rng::new(0x5eed_0001);
+    for (i, shape) in all_shapes().into_iter().enumerate() {
+        // Alternate the configured token type; a BF16 context carries both.
+        let token_dtype = if i % 3 == 2 {
+            EP_DTYPE_FP8_E4M3
+        } else {
+            EP_DTYPE_BF16
+        };
+        let mut runs: Vec<Run> = (0..3)
+            .map(|_| random_run(&mut rng, shape.world, true, token_dtype == EP_DTYPE_BF16))
+            .collect();
+        // One run where every rank sends the maximum and routing is skewed.
+        runs.push(Run {
+            tokens: vec![MAX_TOKENS as usize; shape.world],
+            skewed: true,
+            fp8: token_dtype == EP_DTYPE_FP8_E4M3,
+            alignment: 16,
+            no_sync: i % 2 == 0,
+            seed: rng.next_u64(),
+        });
+        let cfg = shape.config(token_dtype, 0);
+        run_world(shape.world, &cfg, |rank, ctx| {
+            for run in &runs {
+                check_normal(&shape, run, rank, ctx);
+            }
+        });
+    }
+}
+
+#[test]
+fn normal_zero_tokens_everywhere() {
+    let shape = Shape {
+        world: 2,
+        hidden: 128,
+        topk: 4,
+        experts: 8,
+    };
+    let cfg = shape.config(EP_DTYPE_BF16, 0);
+    run_world(2, &cfg, |rank, ctx| {
+        for (fp8, no_sync) in [(false, false), (true, true)] {
+            let run = Run {
+                tokens: vec![0, 0],
+                skewed: false,
+                fp8,
+                alignment: 1,
+                no_sync,
+                seed: 7,
+            };
+            check_normal(&shape, &run, rank, ctx);
+        }
+    });
+}
+
+#[test]
+fn normal_ranks_as_processes() {
+    let shape = Shape {
+        world: 2,
+        hidden: 256,
+        topk: 4,
+        experts: 8,
+    };
+    let runs = [
+        Run {
+            tokens: vec![17, 100],
+            skewed: true,
+            fp8: false,
+            alignment: 16,
+            no_sync: false,
+            seed: 42,
+        },
+        Run {
+            tokens: vec![1, 0],
+            skewed: false,
+            fp8: true,
+            alignment: 1,
+            no_sync: true,
+            seed: 43,
+        },
+    ];
+    let cfg = shape.config(EP_DTYPE_BF16, 0);
+    // The rendezvous service lives in this (the parent) process.
+    let id = unique_id();
+    let mut children = Vec::new();
+    for rank in 0..shape.world {
+        // SAFETY: the child only runs its rank and leaves with `_exit`.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let ok = std::panic::catch_unwind(|| {
+                let ctx = Ctx::create(shape.world as i32, id, rank as i32, &cfg);
+                for run in &runs {
+                    check_normal(&shape, run, rank, &ctx);
+                }
+            })
+            .is_ok();
+            // SAFETY: ends the child without running the parent's destructors.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        children.push(pid);
+    }
+    for (rank, pid) in children.into_iter().enumerate() {
+        let mut status = 0;
+        // SAFETY: waits for a child of this process.
+        let got = unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(got, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "rank {rank} (process {pid}) failed: wait status {status}"
+        );
+    }
+}
+
+#[test]
+fn layout_matches_reference() {
+    let mut rng = Rng::new(0x1a7);
+    for shape in sampled_shapes(5) {
+        let cfg = shape.config(EP_DTYPE_BF16, 0);
+        let seeds: Vec<u64> = (0..3).map(|_| rng.next_u64()).collect();
+        run_world(shape.world, &cfg, |rank, ctx| {
+            for (i, &seed) in seeds.iter().enumerate() {
+                let mut r = Rng::new(seed ^ rank as u64);
+                let n = [0usize, 1, 17, 100][(i + rank) % 4];
+                let hot = (i == 1).then_some(0);
+                let idx = routing(&mut r, shape.experts, shape.topk, n, 0.2, hot);
+                let want = dispatch_layout(shape.topo(), &idx, n).unwrap();
+                let mut per_rank = poisoned::<i32>(shape.world);
+                let mut per_expert = poisoned::<i32>(shape.experts);
+                let mut in_rank = poisoned::<u8>(n * shape.world);
+                let status = unsafe {
+                    ep_get_dispatch_layout(
+                        ctx.0,
+                        idx.as_ptr(),
+                        n as i32,
+                        per_rank.as_mut_ptr(),
+                        per_expert.as_mut_ptr(),
+                        in_rank.as_mut_ptr(),
+                        null_mut(),
+                    )
+                };
+                assert_eq!(status, EP_SUCCESS, "{}", last_error());
+                assert_eq!(per_rank, want.tokens_per_rank, "{shape:?} n={n}");
+                assert_eq!(per_expert, want.tokens_per_expert, "{shape:?} n={n}");
+                assert_eq!(in_rank, want.is_token_in_rank, "{shape:?} n={n}");
+            }
+        });
+    }
+}
+
+/// Dispatches `input` with only the source-order output and returns its status
+/// and rows.
+fn dispatch_simple(
+    ctx: &Ctx,
+    handle: &Handle,
+    inp: &Input,
+    flags: u32,
+    capacity: usize,
+    hidden: usize,
+    topk: usize,
+) -> (ep_status_t, Vec<u8>) {
+    let mut recv_x = poisoned::<u8>(capacity * hidden * 2);
+    let mut recv_idx = poisoned::<i32>(capacity * topk);
+    let mut recv_w = poisoned::<f32>(capacity * topk);
+    let mut recv_src = poisoned::<i32>(capacity * 2);
+    let mut a = dispatch_args();
+    a.flags = flags;
+    a.num_tokens = inp.n as i32;
+    a.x = inp.x.as_ptr() as *const _;
+    a.topk_idx = inp.topk_idx.as_ptr();
+    a.topk_weights = inp.weights.as_ptr();
+    a.recv_capacity = capacity as i32;
+    a.recv_x = recv_x.as_mut_ptr() as *mut _;
+    a.recv_topk_idx = recv_idx.as_mut_ptr();
+    a.recv_topk_weights = recv_w.as_mut_ptr();
+    a.recv_src_info = recv_src.as_mut_ptr();
+    let status = unsafe { ep_dispatch(ctx.0, &a, handle.0, null_mut()) };
+    (status, recv_x)
+}
+
+#[test]
+fn reuse_layout_same_routing_works_and_different_routing_is_rejected() {
+    let shape = Shape {
+        world: 2,
+        hidden: 128,
+        topk: 4,
+        experts: 8,
+    };
+    let cfg = shape.config(EP_DTYPE_BF16, 0);
+    run_world(2, &cfg, |rank, ctx| {
+        let run = Run {
+            tokens: vec![17, 9],
+            skewed: false,
+            fp8: false,
+            alignment: 1,
+            no_sync: false,
+            seed: 99,
+        };
+        let inputs: Vec<Input> = (0..2).map(|r| input(&shape, &run, r)).collect();
+        let sources: Vec<RankTokens> = inputs
+            .iter()
+            .map(|i| RankTokens {
+                num_tokens: i.n,
+                x: &i.x,
+                scales: &i.scales,
+                topk_idx: &i.topk_idx,
+                topk_weights: &i.weights,
+            })
+            .collect();
+        let want = normal::dispatch(shape.topo(), Dtype::Bf16, &sources, rank, 1);
+        let handle = ctx.handle();
+        let cap = 2 * MAX_TOKENS as usize;
+        let me = &inputs[rank];
+        let (status, _) = dispatch_simple(ctx, &handle, me, 0, cap, 128, 4);
+        assert_eq!(status, EP_SUCCESS, "{}", last_error());
+        // Same routing, new token values: reused layout, fresh rows.
+        let mut again = Input {
+            n: me.n,
+            x: me.x.iter().map(|b| b.wrapping_add(1)).collect(),
+            scales: Vec::new(),
+            topk_idx: me.topk_idx.clone(),
+            weights: me.weights.clone(),
+        };
+        let (status, rows) =
+            dispatch_simple(ctx, &handle, &again, EP_DISPATCH_REUSE_LAYOUT, cap, 128, 4);
+        assert_eq!(status, EP_SUCCESS, "{}", last_error());
+        let want_rows: Vec<u8> = {
+            let shifted: Vec<Vec<u8>> = inputs
+                .iter()
+                .map(|i| i.x.iter().map(|b| b.wrapping_add(1)).collect())
+                .collect();
+            let sources: Vec<RankTokens> = inputs
+                .iter()
+                .zip(&shifted)
+                .map(|(i, x)| RankTokens {
+                    num_tokens: i.n,
+                    x,
+                    scales: &i.scales,
+                    topk_idx: &i.topk_idx,
+                    topk_weights: &i.weights,
+                })
+                .collect();
+            normal::dispatch(shape.topo(), Dtype::Bf16, &sources, rank, 1).x
+        };
+        assert_eq!(want_rows.len(), want.x.len());
+        assert!(
+            rows[..want_rows.len()] == want_rows[..],
+            "rank {rank}: reused-layout rows"
+        );
+        // Different routing on every rank: rejected before any exchange.
+        let first = again.topk_idx.iter().position(|&e| e >= 0).unwrap();
+        again.topk_idx[first] = -1;
+        let (status, _) =
+            dispatch_simple(ctx, &handle, &again, EP_DISPATCH_REUSE_LAYOUT, cap, 128, 4);
+        assert_eq!(status, EP_ERR_INVALID_ARGUMENT);
+        let msg = last_error();
+        assert!(
+            msg.contains("ep_dispatch") && msg.contains("REUSE_LAYOUT"),
+            "{msg}"
+        );
+    });
+}
+
+/// How one low-latency round is run.
+#[derive(Clone, Copy, Debug)]
+struct LlMode {
+    out_dtype: i32,
+    ue8m0: bool,
+    dispatch_weights: bool,
+    /// Weights passed to the combine (else NULL: the dispatch's are used).
+    combine_weights: bool,
+    zero_copy: bool,
+    split: bool,
+}
+
+fn ll_inputs(
+    shape: &Shape,
+    seed: u64,
+    tokens: &[usize],
+    rank: usize,
+) -> (Vec<bf16>, Vec<i32>, Vec<f32>) {
+    let mut rng = Rng::new(seed.wrapping_mul(31).wrapping_add(rank as u64));
+    let n = tokens[rank];
+    let hot = seed.is_multiple_of(2).then_some(shape.experts - 1);
+    let idx = routing(&mut rng, shape.experts, shape.topk, n, 0.15, hot);
+    let w = weights(&mut rng, n * shape.topk);
+    let x = random_bf16(&mut rng, n * shape.hidden);
+    (x, idx, w)
+}
+
+fn check_ll(shape: &Shape, mode: LlMode, tokens: &[usize], seed: u64, rank: usize, ctx: &Ctx) {
+    let topo = shape.topo();
+    let (world, hidden, m) = (shape.world, shape.hidden, LL_MAX);
+    let local = topo.local_experts();
+    let slots = local * world * m;
+    let dtype = if mode.out_dtype == EP_DTYPE_FP8_E4M3 {
+        Dtype::Fp8E4m3
+    } else {
+        Dtype::Bf16
+    };
+    let (row_bytes, cols) = (dtype.row_bytes(hidden), dtype.scales_per_row(hidden));
+    let what = format!("rank {rank} {shape:?} {mode:?} tokens {tokens:?}");
+    let all: Vec<_> = (0..world)
+        .map(|r| ll_inputs(shape, seed, tokens, r))
+        .collect();
+    let sources: Vec<LlRankTokens> = all
+        .iter()
+        .enumerate()
+        .map(|(r, (x, idx, w))| LlRankTokens {
+            num_tokens: tokens[r],
+            x,
+            topk_idx: idx,
+            topk_weights: mode.dispatch_weights.then_some(&w[..]),
+        })
+        .collect();
+    let refs: Vec<LlDispatched> = (0..world)
+        .map(|r| ll_dispatch(topo, m, &sources, r, dtype, mode.ue8m0))
+        .collect();
+    let d = &refs[rank];
+    let (x, idx, w) = &all[rank];
+    let n = tokens[rank];
+
+    let mut recv_x = poisoned::<u8>(slots * row_bytes);
+    let mut recv_scales = poisoned::<f32>(slots * cols);
+    let mut count = poisoned::<i32>(local);
+    let mut src = poisoned::<i32>(slots);
+    let mut range = poisoned::<i32>(local * world * 2);
+    let mut a = ll_dispatch_args();
+    a.num_tokens = n as i32;
+    a.out_dtype = mode.out_dtype;
+    a.x = x.as_ptr() as *const _;
+    a.topk_idx = idx.as_ptr();
+    a.topk_weights = if mode.dispatch_weights {
+        w.as_ptr()
+    } else {
+        null()
+    };
+    a.recv_x = recv_x.as_mut_ptr() as *mut _;
+    a.recv_x_scales = if cols > 0 {
+        recv_scales.as_mut_ptr()
+    } else {
+        null_mut()
+    };
+    a.recv_count = count.as_mut_ptr();
+    a.recv_src_info = src.as_mut_ptr();
+    a.recv_layout_range = range.as_mut_ptr();
+    let ue = if mode.ue8m0 { EP_LL_UE8M0_SCALES } else { 0 };
+    let phases: &[u32] = if mode.split {
+        &[EP_LL_SEND_ONLY, EP_LL_RECV_ONLY]
+    } else {
+        &[0]
+    };
+    for &phase in phases {
+        a.flags = phase | ue;
+        let status = unsafe { ep_ll_dispatch(ctx.0, &a, null_mut()) };
+        assert_eq!(status, EP_SUCCESS, "{what}: ll_dispatch: {}", last_error());
+    }
+    assert_eq!(count, d.recv_count, "{what}: recv_count");
+    assert_eq!(range, d.recv_layout_range, "{what}: layout_range");
+    for le in 0..local {
+        let rows = le * world * m..le * world * m + d.recv_count[le] as usize;
+        assert!(
+            recv_x[rows.start * row_bytes..rows.end * row_bytes]
+                == d.recv_x[rows.start * row_bytes..rows.end * row_bytes],
+            "{what}: recv_x of local expert {le}"
+        );
+        assert_eq!(
+            bits(&recv_scales[rows.start * cols..rows.end * cols]),
+            bits(&d.recv_scales[rows.start * cols..rows.end * cols]),
+            "{what}: scales of local expert {le}"
+        );
+        assert_eq!(
+            src[rows.clone()],
+            d.recv_src_info[rows.clone()],
+            "{what}: src_info of local expert {le}"
+        );
+    }
+
+    // Combine: every rank's experts apply the expert function to their rows.
+    let ys: Vec<Vec<bf16>> = refs
+        .iter()
+        .map(|r| expert_fn(&r.recv_x, dtype, hidden))
+        .collect();
+    let experts: Vec<LlExpertOutputs> = (0..world)
+        .map(|r| LlExpertOutputs {
+            y: &ys[r],
+            src_info: &refs[r].recv_src_info,
+            layout_range: &refs[r].recv_layout_range,
+            weights: refs[r].recv_weights.as_deref(),
+        })
+        .collect();
+    let combine_w: Vec<f32> = w.iter().map(|v| v * 0.75).collect();
+    let given = mode.combine_weights.then_some(&combine_w[..]);
+    let want = ll_combine(topo, m, rank, n, idx, given, &experts);
+    let mut out = poisoned::<bf16>(n * hidden);
+    let mut c = ll_combine_args();
+    c.num_tokens = n as i32;
+    c.topk_idx = idx.as_ptr();
+    c.topk_weights = given.map_or(null(), |g| g.as_ptr());
+    c.src_info = src.as_ptr();
+    c.layout_range = range.as_ptr();
+    c.out = out.as_mut_ptr() as *mut _;
+    let mut zc = 0;
+    if mode.zero_copy {
+        let mut buf = null_mut();
+        let mut bytes = 0usize;
+        let status = unsafe { ep_ll_get_combine_buffer(ctx.0, &mut buf, &mut bytes) };
+        assert_eq!(status, EP_SUCCESS, "{}", last_error());
+        assert_eq!(bytes, slots * hidden * 2, "{what}: combine buffer size");
+        unsafe {
+            std::ptr::copy_nonoverlapping(ys[rank].as_ptr(), buf as *mut bf16, slots * hidden)
+        };
+        zc = EP_LL_ZERO_COPY;
+    } else {
+        c.x = ys[rank].as_ptr() as *const _;
+    }
+    for &phase in phases {
+        c.flags = phase | zc;
+        let status = unsafe { ep_ll_combine(ctx.0, &c, null_mut()) };
+        assert_eq!(status, EP_SUCCESS, "{what}: ll_combine: {}", last_error());
+    }
+    assert!(
+        bf16_to_bytes(&out) == bf16_to_bytes(&want),
+        "{what}: ll_combine output"
+    );
+}
+
+#[test]
+fn low_latency_matches_reference() {
+    let mut rng = Rng::new(0x11_2233);
+    let shapes = [
+        Shape {
+            world: 1,
+            hidden: 256,
+            topk: 4,
+            experts: 8,
+        },
+        Shape {
+            world: 2,
+            hidden: 128,
+            topk: 8,
+            experts: 8,
+        },
+        Shape {
+            world: 2,
+            hidden: 2048,
+            topk: 1,
+            experts: 64,
+        },
+        Shape {
+            world: 4,
+            hidden: 128,
+            topk: 4,
+            experts: 64,
+        },
+        Shape {
+            world: 4,
+            hidden: 256,
+            topk: 8,
+            experts: 8,
+        },
+    ];
+    for shape in shapes {
+        let cfg = shape.config(EP_DTYPE_BF16, LL_MAX);
+        // Alternating calls on one context with changing token counts and modes.
+        let rounds: Vec<(LlMode, Vec<usize>, u64)> = (0..6)
+            .map(|i| {
+                let out_dtype = if i % 3 == 1 {
+                    EP_DTYPE_BF16
+                } else {
+                    EP_DTYPE_FP8_E4M3
+                };
+                let dispatch_weights = i % 2 == 0;
+                let mode = LlMode {
+                    out_dtype,
+                    ue8m0: out_dtype == EP_DTYPE_FP8_E4M3 && i % 4 == 2,
+                    dispatch_weights,
+                    combine_weights: !dispatch_weights || rng.chance(0.5),
+                    zero_copy: i % 3 == 2,
+                    split: i % 2 == 1 || i == 4,
+                };
+                let tokens = (0..shape.world)
+                    .map(|_| [0usize, 1, 17, LL_MAX][rng.below(4)])
+                    .collect();
+                (mode, tokens, rng.next_u64())
+            })
+            .collect();
+        run_world(shape.world, &cfg, |rank, ctx| {
+            for (mode, tokens, seed) in &rounds {
+                check_ll(&shape, *mode, tokens, *seed, rank, ctx);
+            }
+        });
+    }
+}
+
+#[test]
+fn low_latency_and_normal_mode_interleave() {
+    let shape = Shape {
+        world: 2,
+        hidden: 128,
+        topk: 4,
+        experts: 8,
+    };
+    let cfg = shape.config(EP_DTYPE_BF16, LL_MAX);
+    run_world(2, &cfg, |rank, ctx| {
+        for i in 0..3u64 {
+            let mode = LlMode {
+                out_dtype: EP_DTYPE_FP8_E4M3,
+                ue8m0: i == 1,
+                dispatch_weights: true,
+                combine_weights: i == 2,
+                zero_copy: i == 0,
+                split: i != 2,
+            };
+            check_ll(&shape, mode, &[17, 3], 100 + i, rank, ctx);
+            let run = Run {
+                tokens: vec![9, 17],
+                skewed: i == 1,
+                fp8: i == 2,
+                alignment: 16,
+                no_sync: false,
+                seed: 200 + i,
+            };
+            check_normal(&shape, &run, rank, ctx);
+        }
+    });
+}
