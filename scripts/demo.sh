@@ -6,6 +6,6 @@ cd "$(dirname "$0")/.."
 scripts/install-cuda-tools.sh >/dev/null
 cargo build --release
 mkdir -p target/examples
-cc -std=c99 -O2 -Wall -Wextra -Werror -Iinclude examples-c/demo.c -o target/examples/demo \
+cc -std=c99 -O2 -Wall -Wextra -Werror -pedantic -Iinclude examples-c/demo.c -o target/examples/demo \
    -Ltarget/release -lep -ldl -lm -Wl,-rpath,"$PWD/target/release"
 EP_BACKEND="${EP_BACKEND:-host}" target/examples/demo "${1:-4}"

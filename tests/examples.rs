@@ -1,0 +1,143 @@
+//! The examples and the C API test, built against the cdylib of this build
+//! and run on the host backend: examples-c/demo.c (4 and 2 ranks as
+//! processes), examples-c/demo.cpp (4 ranks as threads), examples-c/demo.py
+//! (2 ranks, ctypes; skipped without python3) and tests/c/api_test.c.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `target/<profile>`: this test runs from `target/<profile>/deps/`, and the
+/// integration-test build puts the library's cdylib next to `deps/`.
+fn lib_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let deps = exe.parent().expect("test executable directory");
+    let dir = deps.parent().expect("target/<profile>").to_path_buf();
+    assert!(
+        dir.join("libep.so").is_file(),
+        "no libep.so in {} (the cdylib of this build)",
+        dir.display()
+    );
+    dir
+}
+
+/// The system C or C++ compiler, as cc finds it (honours `CC` and `CXX`).
+fn tool(cpp: bool) -> PathBuf {
+    let target = format!("{}-unknown-linux-gnu", std::env::consts::ARCH);
+    cc::Build::new()
+        .cpp(cpp)
+        .opt_level(0)
+        .debug(false)
+        .cargo_metadata(false)
+        .target(&target)
+        .host(&target)
+        .get_compiler()
+        .path()
+        .to_path_buf()
+}
+
+fn out_dir() -> PathBuf {
+    let dir = lib_dir().join("examples-test");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn show(output: &Output) -> String {
+    format!(
+        "status: {}\n--- stdout ---\n{}\n--- stderr ---\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// Compiles `source` into `out_dir()/name` with the strict flags, linked to
+/// libep with an rpath to it.
+fn build(source: &str, name: &str, cpp: bool) -> PathBuf {
+    let lib = lib_dir();
+    let exe = out_dir().join(name);
+    let mut cmd = Command::new(tool(cpp));
+    cmd.arg(if cpp { "-std=c++17" } else { "-std=c99" })
+        .args(["-O2", "-Wall", "-Wextra", "-Werror", "-pedantic"])
+        .arg("-I")
+        .arg(root().join("include"))
+        .arg(root().join(source))
+        .arg("-o")
+        .arg(&exe)
+        .arg(format!("-L{}", lib.display()))
+        .arg("-lep")
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .args(["-ldl", "-lm", "-pthread"]);
+    let output = cmd.output().expect("run the compiler");
+    assert!(
+        output.status.success(),
+        "compiling {source} failed:\n{}",
+        show(&output)
+    );
+    exe
+}
+
+/// Runs `cmd` on the host backend and asserts it succeeds; returns stdout.
+fn run_ok(mut cmd: Command, what: &str) -> String {
+    let output = cmd
+        .env("EP_BACKEND", "host")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {what}: {e}"));
+    println!("{what}:\n{}", String::from_utf8_lossy(&output.stdout));
+    assert!(output.status.success(), "{what} failed:\n{}", show(&output));
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+#[test]
+fn c_demo_4_and_2_ranks() {
+    let exe = build("examples-c/demo.c", "demo", false);
+    for ranks in [4, 2] {
+        let mut cmd = Command::new(&exe);
+        cmd.arg(ranks.to_string());
+        let out = run_ok(cmd, &format!("demo {ranks}"));
+        assert!(
+            out.contains(&format!("demo: all {ranks} ranks passed")),
+            "{out}"
+        );
+        assert_eq!(
+            out.matches(": ok").count(),
+            ranks,
+            "one ok line per rank:\n{out}"
+        );
+    }
+}
+
+#[test]
+fn cpp_demo_threads() {
+    let exe = build("examples-c/demo.cpp", "demo_cpp", true);
+    let out = run_ok(Command::new(exe), "demo.cpp");
+    assert!(out.contains("demo.cpp: all 4 ranks passed"), "{out}");
+}
+
+#[test]
+fn python_demo() {
+    let python = Command::new("python3").arg("--version").output();
+    if !python.map(|o| o.status.success()).unwrap_or(false) {
+        eprintln!("python3 not found: skipping demo.py");
+        return;
+    }
+    let mut cmd = Command::new("python3");
+    cmd.arg(root().join("examples-c/demo.py"))
+        .arg(lib_dir().join("libep.so"));
+    let out = run_ok(cmd, "demo.py");
+    assert!(out.contains("demo.py: all 2 ranks passed"), "{out}");
+}
+
+#[test]
+fn c_api_test() {
+    let exe = build("tests/c/api_test.c", "api_test", false);
+    let out = run_ok(Command::new(exe), "api_test");
+    let last = out.lines().last().unwrap_or("");
+    assert!(
+        last.ends_with(" passed, 0 failed") && !last.starts_with("0 passed"),
+        "unexpected summary {last:?}:\n{out}"
+    );
+}
