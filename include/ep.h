@@ -108,42 +108,6 @@ struct CUstream_st;
 // Bytes of the oldest accepted `ep_config_t` (through `token_dtype`).
 #define EP_CONFIG_MIN_SIZE 32
 
-// Number of channels that share one FP8 scale.
-#define SCALE_BLOCK 128
-
-// Largest finite E4M3 magnitude.
-#define E4M3_MAX 448.0
-
-// Lower bound on a block's absolute maximum, so all-zero blocks get a finite scale.
-#define AMAX_FLOOR 1e-4
-
-// The encoding of NaN that [`f32_to_e4m3`] produces.
-#define E4M3_NAN 127
-
-#define UNIQUE_ID_BYTES 128
-
-// Largest values the library supports (mirrored by `EP_MAX_*` in the header).
-#define MAX_TOPK 16
-
-#define MAX_EXPERTS 1024
-
-#define MAX_HIDDEN 16384
-
-#define HIDDEN_ALIGNMENT 128
-
-#define MAX_WORLD_SIZE 64
-
-#define LL_MAX_TOKENS 1024
-
-// Normal-mode tokens per rank; large enough for any prefill chunk, small
-// enough that buffer sizes cannot overflow.
-#define MAX_TOKENS_PER_RANK (1 << 20)
-
-#define MAX_EXPERT_ALIGNMENT 1024
-
-// The first four bytes of every fatbin, read as a little-endian `u32`.
-#define FATBIN_MAGIC 3126193488
-
 // Opaque communicator: one per rank. Created by `ep_ctx_create`, freed by
 // `ep_ctx_destroy`. Not thread-safe: one thread at a time may call functions
 // on a context, except `ep_ctx_abort` and `ep_ctx_get_async_error`, which any

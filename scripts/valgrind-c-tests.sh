@@ -20,28 +20,11 @@ mkdir -p "$out"
 "${CC:-cc}" -std=c99 -O1 -g -Wall -Wextra -Werror -pedantic -Iinclude tests/c/api_test.c \
     -o "$out/api_test" -Ltarget/release -lep -lm -Wl,-rpath,"$PWD/target/release"
 
-# Known library bug, suppressed here only until it is fixed: ep_handle_create
-# with a NULL out-pointer boxes the new handle before it checks the pointer
-# (src/capi/ops_api.rs, ep_handle_create), so the handle leaks. api_test checks
-# that call's status; this suppression matches no other leak.
-supp="$out/known-leaks.supp"
-cat > "$supp" <<'SUPP'
-{
-   ep_handle_create_null_out_pointer_leaks_the_handle
-   Memcheck:Leak
-   match-leak-kinds: definite
-   fun:malloc
-   ...
-   fun:ep_handle_create
-   fun:test_operations
-}
-SUPP
 
 log="$out/valgrind.log"
 status=0
 EP_BACKEND=host valgrind --error-exitcode=1 --leak-check=full \
     --errors-for-leak-kinds=definite --show-leak-kinds=definite \
-    --suppressions="$supp" \
     --log-file="$log" "$out/api_test" || status=$?
 
 sed -n '/HEAP SUMMARY/,$p' "$log"

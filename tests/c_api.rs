@@ -989,7 +989,6 @@ fn dispatch_arguments_are_checked() {
 }
 
 #[test]
-#[ignore = "bug: ep_dispatch/ep_get_dispatch_layout report a duplicate expert id as 'is not an expert id (-1 or 0..num_experts)' instead of naming the duplicate (host invalid_expert ignores InvalidExpert::duplicate)"]
 fn duplicate_expert_in_a_token_is_named() {
     let ctx = Ctx::single(&small_config());
     let h = ctx.handle();

@@ -89,3 +89,24 @@ fn header_compiles_as_c99() {
 fn header_compiles_as_cpp17() {
     compile(&tool(true), &["-std=c++17"], "cpp");
 }
+
+/// cbindgen sees every `pub const` of the crate: only the C boundary's may
+/// reach the header, all named `EP_*` (types `ep_*`).
+#[test]
+fn header_exports_only_ep_names() {
+    let header = std::fs::read_to_string(root().join("include/ep.h")).unwrap();
+    for line in header.lines() {
+        if let Some(rest) = line.strip_prefix("#define ") {
+            assert!(
+                rest.starts_with("EP_"),
+                "foreign macro in include/ep.h: {line}"
+            );
+        }
+        if let Some(rest) = line.strip_prefix("typedef struct ") {
+            assert!(
+                rest.starts_with("ep_") || rest.starts_with("CUstream_st"),
+                "foreign type in include/ep.h: {line}"
+            );
+        }
+    }
+}

@@ -3,7 +3,7 @@
 //! `stream` and returns; one thread at a time per context.
 
 use super::context_api::dtype;
-use super::entry::{deref, read_versioned, run, write_out};
+use super::entry::{check_embedded, deref, read_versioned, run};
 use super::types::*;
 use crate::error::{Error, Result};
 use crate::reference::normal::worst_case_rows;
@@ -121,12 +121,12 @@ pub unsafe extern "C" fn ep_handle_create(
 ) -> ep_status_t {
     run("ep_handle_create", || {
         let context = context(ctx)?;
+        if handle.is_null() {
+            return Err(Error::null("handle"));
+        }
         let inner = context.new_handle()?;
-        write_out(
-            handle,
-            "handle",
-            Box::into_raw(Box::new(ep_handle_t { inner })),
-        )
+        *handle = Box::into_raw(Box::new(ep_handle_t { inner }));
+        Ok(())
     })
 }
 
@@ -348,6 +348,8 @@ pub unsafe extern "C" fn ep_ll_get_combine_buffer(
 fn mega_unsupported(args: *const ep_mega_args_t) -> Result<()> {
     // SAFETY: `read_versioned` reads only the bytes the header announces.
     let a = unsafe { read_versioned(args)? };
+    check_embedded(&a.dispatch)?;
+    check_embedded(&a.combine)?;
     dispatch_op(&a.dispatch)?;
     combine_op(&a.combine)?;
     Err(Error::unsupported(

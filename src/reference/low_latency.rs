@@ -591,9 +591,6 @@ mod tests {
             .collect()
     }
 
-    /// One rank, two experts, topk 2, and experts whose row `r` outputs
-    /// `(r + 1) * x`, so a token matched with the wrong row shows in the result.
-
     /// Weights given at dispatch round each expert rank's partial to BF16 before
     /// the sum; weights given at combine round once. 1 + 2^-8 alone rounds to 1.0
     /// (a tie, to even), but 1 + 2^-8 + 2^-8 = 1 + 2^-7 is a BF16 value.

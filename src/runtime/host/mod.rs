@@ -207,8 +207,13 @@ struct HostBackend {
 }
 
 fn invalid_expert(bad: InvalidExpert) -> Error {
+    let why = if bad.duplicate {
+        "is listed twice for this token"
+    } else {
+        "is not an expert id (-1 or 0..num_experts)"
+    };
     Error::invalid(format!(
-        "topk_idx[{}][{}] = {} is not an expert id (-1 or 0..num_experts)",
+        "topk_idx[{}][{}] = {} {why}",
         bad.token, bad.slot, bad.id
     ))
 }
