@@ -6,5 +6,6 @@ cd "$(dirname "$0")/.."
 scripts/install-cuda-tools.sh >/dev/null
 cargo fmt --check
 cargo clippy --release --all-targets -- -D warnings
+cargo build --release   # the cdylib that the C, C++ and Python examples load
 cargo test --release
 scripts/valgrind-c-tests.sh

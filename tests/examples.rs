@@ -10,15 +10,16 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// `target/<profile>`: this test runs from `target/<profile>/deps/`, and the
-/// integration-test build puts the library's cdylib next to `deps/`.
+/// `target/<profile>`: this test runs from `target/<profile>/deps/`, and
+/// `cargo build` of the same profile puts the library's cdylib next to
+/// `deps/` (`cargo test` alone does not build it; scripts/test.sh does both).
 fn lib_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
     let deps = exe.parent().expect("test executable directory");
     let dir = deps.parent().expect("target/<profile>").to_path_buf();
     assert!(
         dir.join("libep.so").is_file(),
-        "no libep.so in {} (the cdylib of this build)",
+        "no libep.so in {}: run `cargo build` with the same profile first (scripts/test.sh does)",
         dir.display()
     );
     dir
