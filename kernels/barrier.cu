@@ -25,9 +25,16 @@
 // the next barrier. A rank can be at most one barrier ahead of a slow one
 // (it cannot pass barrier k + 1 before the slow one signals k + 1), so a slot
 // can hold `epoch` or `epoch + 1` when it is read, and "reached" (>=) is true
-// for both. The host passes 1 for the first barrier and one more for each
-// later one, the same sequence on every rank; the comparison (ep_reached)
-// survives the int wrapping around.
+// for both. The comparison (ep_reached) survives the int wrapping around.
+//
+// Where the epoch comes from: `*epoch_counter`, a word of device memory of
+// this rank that counts its barriers (zero before the first). The kernel
+// reads it, uses the next value and stores that back, so the epoch advances
+// on the device: a barrier captured in a CUDA graph gets a fresh epoch at
+// every replay, which a value baked into the launch parameters would not.
+// Every rank runs the same sequence of barriers, so the counters agree.
+// Barriers of one rank must not run concurrently (they are ordered on the
+// context's streams by the one-thread-per-context rule).
 //
 // Launch: one block of at least `world` threads (a multiple of 32, e.g. 32
 // for world <= 32, 64 for world <= 64). Thread p signals and waits for rank p;
@@ -42,14 +49,20 @@
 // 0 <= rank < world) record EP_STATUS_INVALID_ARGUMENT and signal nothing.
 #include "ep_device.cuh"
 
-extern "C" __global__ void ep_barrier_kernel(int** peer_signals, int rank, int world, int epoch,
-                                             uint64_t timeout_ns, const int* abort_flag,
-                                             EpDeviceStatus* status) {
+extern "C" __global__ void ep_barrier_kernel(int** peer_signals, int rank, int world,
+                                             int* epoch_counter, uint64_t timeout_ns,
+                                             const int* abort_flag, EpDeviceStatus* status) {
     if (world < 1 || world > static_cast<int>(blockDim.x) || rank < 0 || rank >= world) {
         if (threadIdx.x == 0) {
             ep_record_error(status, EP_STATUS_INVALID_ARGUMENT, -1, EP_PHASE_BARRIER, 0);
         }
         return;
+    }
+    const int epoch = *epoch_counter + 1;
+    // Every thread has read the old count before thread 0 replaces it.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        *epoch_counter = epoch;
     }
     const int peer = threadIdx.x;
     if (peer >= world) {

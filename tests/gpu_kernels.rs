@@ -265,8 +265,8 @@ impl Signals {
             .collect()
     }
 
-    /// Runs the barrier kernel for `rank` and returns its status and how
-    /// long it took.
+    /// Runs the barrier kernel for `rank` as its barrier number `epoch` and
+    /// returns its status and how long it took.
     fn barrier(
         &self,
         device: &Device,
@@ -276,15 +276,17 @@ impl Signals {
         timeout: Duration,
     ) -> (DeviceStatus, Duration) {
         let kernel = module.function("ep_barrier_kernel").unwrap();
+        let counter = upload(device, &[epoch - 1]);
         let mut p_table = self.table.ptr();
-        let (mut r, mut w, mut e) = (rank as i32, self.world as i32, epoch);
+        let mut p_counter = counter.ptr();
+        let (mut r, mut w) = (rank as i32, self.world as i32);
         let mut timeout_ns = timeout.as_nanos() as u64;
         let (mut p_abort, mut p_status) = (self.abort.device_ptr(), self.status.device_ptr());
         let mut params = [
             arg(&mut p_table),
             arg(&mut r),
             arg(&mut w),
-            arg(&mut e),
+            arg(&mut p_counter),
             arg(&mut timeout_ns),
             arg(&mut p_abort),
             arg(&mut p_status),
@@ -296,7 +298,16 @@ impl Signals {
             kernel.launch(1, 64, 0, STREAM, &mut params).unwrap();
             device.stream_synchronize(STREAM).unwrap();
         }
-        (self.status.read(0), start.elapsed())
+        let elapsed = start.elapsed();
+        let status = self.status.read(0);
+        if status.code == DeviceStatus::OK {
+            assert_eq!(
+                download::<i32>(device, &counter, 1),
+                vec![epoch],
+                "epoch count"
+            );
+        }
+        (status, elapsed)
     }
 }
 

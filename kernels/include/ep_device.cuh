@@ -35,6 +35,10 @@
 // Mirrored in src/runtime/cuda.rs.
 #define EP_PHASE_LAYOUT 1
 #define EP_PHASE_BARRIER 2
+#define EP_PHASE_DISPATCH 3
+#define EP_PHASE_COMBINE 4
+#define EP_PHASE_LL_DISPATCH 5
+#define EP_PHASE_LL_COMBINE 6
 
 // The first error a rank's kernels hit. It lives in host-mapped memory
 // (cuMemHostAlloc with DEVICEMAP), one per rank, zeroed by the host.

@@ -682,7 +682,7 @@ pub struct DeviceStatus {
     pub code: i32,
     /// The rank a failed wait was waiting for, or -1.
     pub rank: i32,
-    /// Which kernel recorded it: `PHASE_LAYOUT` or `PHASE_BARRIER`.
+    /// Which kernel recorded it: one of the `PHASE_*` values.
     pub phase: i32,
     /// Timeout or abort: the last value the wait saw. Invalid expert: the
     /// flat index `token * topk + slot`. Invalid argument: 0.
@@ -701,6 +701,10 @@ impl DeviceStatus {
 
     pub const PHASE_LAYOUT: i32 = 1;
     pub const PHASE_BARRIER: i32 = 2;
+    pub const PHASE_DISPATCH: i32 = 3;
+    pub const PHASE_COMBINE: i32 = 4;
+    pub const PHASE_LL_DISPATCH: i32 = 5;
+    pub const PHASE_LL_COMBINE: i32 = 6;
 
     /// `Ok` for code 0, otherwise the matching error: `Timeout`, `Aborted`,
     /// `InvalidArgument` (bad expert id or launch argument), or `Internal`
@@ -709,6 +713,10 @@ impl DeviceStatus {
         let phase = match self.phase {
             Self::PHASE_LAYOUT => "layout kernel",
             Self::PHASE_BARRIER => "barrier kernel",
+            Self::PHASE_DISPATCH => "dispatch kernel",
+            Self::PHASE_COMBINE => "combine kernel",
+            Self::PHASE_LL_DISPATCH => "low-latency dispatch kernel",
+            Self::PHASE_LL_COMBINE => "low-latency combine kernel",
             _ => "kernel",
         };
         let (kind, what) = match self.code {
@@ -727,7 +735,7 @@ impl DeviceStatus {
             Self::INVALID_EXPERT => (
                 ErrorKind::InvalidArgument,
                 format!(
-                    "expert id out of range at topk_idx entry {} (token * topk + slot)",
+                    "invalid expert id (out of range, or listed twice for one token) at topk_idx entry {} (token * topk + slot)",
                     self.detail
                 ),
             ),
@@ -778,6 +786,15 @@ mod tests {
         let contains = |name: &[u8]| KERNELS_FATBIN.windows(name.len()).any(|w| w == name);
         assert!(contains(b"ep_layout_kernel"));
         assert!(contains(b"ep_barrier_kernel"));
+        for name in [
+            "ep_dispatch_count_kernel",
+            "ep_dispatch_stage_kernel",
+            "ep_dispatch_pull_kernel",
+            "ep_combine_send_kernel",
+            "ep_combine_reduce_kernel",
+        ] {
+            assert!(contains(name.as_bytes()), "{name}");
+        }
     }
 
     #[test]

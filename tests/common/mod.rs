@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod gpu;
+
 use ep::capi::*;
 use half::bf16;
 use std::ffi::CStr;
@@ -183,9 +185,20 @@ unsafe impl Send for Ctx {}
 
 impl Ctx {
     pub fn create(world: i32, id: ep_unique_id_t, rank: i32, cfg: &ep_config_t) -> Ctx {
+        Ctx::create_on(world, id, rank, 0, cfg)
+    }
+
+    /// A context of rank `rank` on CUDA device `device`.
+    pub fn create_on(
+        world: i32,
+        id: ep_unique_id_t,
+        rank: i32,
+        device: i32,
+        cfg: &ep_config_t,
+    ) -> Ctx {
         let mut ctx = null_mut();
         // SAFETY: valid out-parameter and config.
-        let status = unsafe { ep_ctx_create(&mut ctx, world, id, rank, 0, cfg) };
+        let status = unsafe { ep_ctx_create(&mut ctx, world, id, rank, device, cfg) };
         assert_eq!(status, EP_SUCCESS, "rank {rank}: {}", last_error());
         assert!(!ctx.is_null());
         Ctx(ctx)

@@ -13,7 +13,7 @@ mod symmetric;
 
 use super::backend::{Backend, HandleState, Monitor, Stream};
 use super::bootstrap::Bootstrap;
-use super::config::{agree_on_config, Config};
+use super::config::{agree_on_config, Config, MAX_WORLD_SIZE};
 use super::cuda::{Device, DeviceStatus, MappedHost, Module};
 use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp};
 use crate::error::Result;
@@ -25,8 +25,14 @@ use std::sync::Arc;
 use symmetric::SymmetricMemory;
 
 /// Bytes at the start of every rank's buffer for cross-rank signals of the
-/// runtime itself (the barrier's `[world]` slots), before the modes' areas.
+/// runtime itself, before the modes' areas: the barrier's `[world]` slots at
+/// offset 0 (so the table of peer buffers is also the barrier's table of
+/// peer slot arrays), then this rank's barrier count.
 const SIGNAL_BYTES: usize = 64 * 1024;
+const BARRIER_COUNTER_OFFSET: usize = MAX_WORLD_SIZE * 4;
+
+/// Threads of the barrier kernel's one block: one per rank.
+const BARRIER_THREADS: u32 = MAX_WORLD_SIZE as u32;
 
 pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, Arc<dyn Monitor>)> {
     // Probe the driver before joining, so a machine without a GPU fails at
@@ -134,6 +140,43 @@ impl Runtime {
     ) -> Result<()> {
         let kernel = self.module.function(name)?;
         kernel.launch(grid, block, shared_bytes, stream as _, params)
+    }
+
+    /// Enqueues a barrier of all ranks on `stream`: work enqueued after it
+    /// sees every write any rank enqueued before it (see kernels/barrier.cu).
+    ///
+    /// # Safety
+    /// `stream` must be a stream of this context's device (or null).
+    pub unsafe fn barrier(&self, stream: Stream) -> Result<()> {
+        let rank = self.cfg.rank;
+        let mut peer_slots = self.memory.peer_bases();
+        let mut rank_arg = rank as i32;
+        let mut world = self.cfg.world() as i32;
+        let mut counter = self.memory.base(rank) + BARRIER_COUNTER_OFFSET as u64;
+        let mut timeout_ns = self.timeout_ns;
+        let mut abort = self.abort_ptr();
+        let mut status = self.status_ptr();
+        let mut params = [
+            arg(&mut peer_slots),
+            arg(&mut rank_arg),
+            arg(&mut world),
+            arg(&mut counter),
+            arg(&mut timeout_ns),
+            arg(&mut abort),
+            arg(&mut status),
+        ];
+        // SAFETY: the parameters match the kernel's signature; the buffers
+        // belong to the context.
+        unsafe {
+            self.launch(
+                "ep_barrier_kernel",
+                1,
+                BARRIER_THREADS,
+                0,
+                stream,
+                &mut params,
+            )
+        }
     }
 
     /// Waits for `stream`, then reports any error a kernel recorded.

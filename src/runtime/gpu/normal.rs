@@ -1,25 +1,228 @@
 //! Normal mode on GPUs: layout, dispatch and combine over NVLink.
+//!
+//! The kernels and the protocol are described in `kernels/normal.cu`. This
+//! side carves the mode's area of the symmetric buffer, keeps the routing of
+//! a dispatch in the handle (device arrays that the combine reads, so a
+//! dispatch/combine pair needs no host synchronisation and can be captured
+//! in a CUDA graph), and enqueues the launches.
 
 use super::{arg, Runtime};
 use crate::error::{Error, Result};
+use crate::reference::{normal::worst_case_rows, Dtype};
 use crate::runtime::backend::{HandleState, Stream};
 use crate::runtime::config::Config;
+use crate::runtime::cuda::{DeviceBuffer, MappedHost};
 use crate::runtime::ops::{CombineOp, DispatchOp, LayoutOp};
+use std::os::raw::c_void;
 
 /// Threads per block of the layout kernel.
 const LAYOUT_THREADS: u32 = 256;
+/// Tokens (= threads) per block of the count and stage kernels; mirrors
+/// `EP_CHUNK_TOKENS` in kernels/normal.cu.
+const CHUNK_TOKENS: usize = 256;
+/// Warps per block of the count kernel (`EP_CHUNK_WARPS`).
+const CHUNK_WARPS: usize = CHUNK_TOKENS / 32;
+/// Threads per block of the pull, send and reduce kernels (`EP_MOVE_THREADS`).
+const MOVE_THREADS: u32 = 512;
 
-/// Bytes of symmetric buffer the normal mode needs for `cfg`.
-pub fn buffer_bytes(_cfg: &Config) -> usize {
-    0
+/// Byte offsets of the mode's arrays inside its area of every rank's
+/// buffer (the same on every rank). `T` = max tokens per rank, `W` = world,
+/// `E` = experts.
+#[derive(Debug, Clone, Copy)]
+struct Area {
+    /// `[T, row]` this rank's tokens, for the peers to pull.
+    staged_x: usize,
+    /// `[T, hidden / 128]` their FP8 scales.
+    staged_scales: usize,
+    /// `[T, topk]` their expert ids and weights.
+    staged_topk: usize,
+    staged_weights: usize,
+    /// `[T, topk]` position of each (token, slot) among its expert's pairs.
+    slot_rank: usize,
+    /// `[W, T]` the tokens that go to each rank, in token order.
+    rank_lists: usize,
+    /// `[T, W]` position of each token in each rank's list, or -1.
+    rank_pos: usize,
+    /// `[chunks, W + E]` the count kernel's per-chunk counts.
+    chunk_counts: usize,
+    /// `[W + E]` tokens per rank, then pairs per expert (read by peers).
+    totals: usize,
+    /// `[W, T, hidden]` BF16 rows the ranks return in a combine.
+    returned: usize,
+    /// Bytes of the whole area.
+    bytes: usize,
 }
 
-pub struct NormalMode {}
+impl Area {
+    fn new(cfg: &Config) -> Area {
+        let t = &cfg.topo;
+        let (tokens, world) = (cfg.max_tokens, t.world);
+        let chunks = tokens.div_ceil(CHUNK_TOKENS);
+        let columns = world + t.num_experts;
+        let mut next = 0;
+        // 256-byte aligned pieces: rows are read as 16-byte vectors.
+        let mut take = |bytes: usize| {
+            let at = next;
+            next = (at + bytes).div_ceil(256) * 256;
+            at
+        };
+        Area {
+            staged_x: take(tokens * cfg.token_dtype.row_bytes(t.hidden)),
+            staged_scales: take(tokens * Dtype::Fp8E4m3.scales_per_row(t.hidden) * 4),
+            staged_topk: take(tokens * t.topk * 4),
+            staged_weights: take(tokens * t.topk * 4),
+            slot_rank: take(tokens * t.topk * 4),
+            rank_lists: take(world * tokens * 4),
+            rank_pos: take(tokens * world * 4),
+            chunk_counts: take(chunks * columns * 4),
+            totals: take(columns * 4),
+            returned: take(world * tokens * t.hidden * 2),
+            bytes: next,
+        }
+    }
+}
+
+/// Bytes of symmetric buffer the normal mode needs for `cfg`.
+pub fn buffer_bytes(cfg: &Config) -> usize {
+    Area::new(cfg).bytes
+}
+
+/// Kernel parameters of the dispatch kernels; mirrors `DispatchParams` in
+/// kernels/normal.cu field by field.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+struct DispatchParams {
+    x: u64,
+    x_scales: u64,
+    topk_idx: u64,
+    topk_weights: u64,
+    peer_bases: u64,
+    recv_x: u64,
+    recv_scales: u64,
+    recv_topk_idx: u64,
+    recv_topk_weights: u64,
+    recv_src_info: u64,
+    recv_num_rows: u64,
+    expert_x: u64,
+    expert_scales: u64,
+    expert_weights: u64,
+    expert_src_row: u64,
+    expert_offsets: u64,
+    expert_counts: u64,
+    handle_row_src: u64,
+    handle_row_expert_pos: u64,
+    handle_row_weights: u64,
+    handle_num_rows: u64,
+    handle_in_rank: u64,
+    host_counts: u64,
+    status: u64,
+    area: i64,
+    off_staged_x: i64,
+    off_staged_scales: i64,
+    off_staged_topk: i64,
+    off_staged_weights: i64,
+    off_slot_rank: i64,
+    off_rank_lists: i64,
+    off_rank_pos: i64,
+    off_chunk_counts: i64,
+    off_totals: i64,
+    recv_capacity: i64,
+    expert_capacity: i64,
+    num_tokens: i32,
+    rank: i32,
+    world: i32,
+    num_experts: i32,
+    topk: i32,
+    row_bytes: i32,
+    scale_cols: i32,
+    max_tokens: i32,
+    alignment: i32,
+    pad: i32,
+}
+
+/// Kernel parameters of the combine kernels; mirrors `CombineParams` in
+/// kernels/normal.cu.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+struct CombineParams {
+    x: u64,
+    out: u64,
+    peer_bases: u64,
+    handle_row_src: u64,
+    handle_row_expert_pos: u64,
+    handle_row_weights: u64,
+    handle_num_rows: u64,
+    handle_in_rank: u64,
+    status: u64,
+    area: i64,
+    off_returned: i64,
+    num_tokens: i32,
+    expert_major: i32,
+    rank: i32,
+    world: i32,
+    topk: i32,
+    hidden: i32,
+    max_tokens: i32,
+    pad: i32,
+}
+
+/// What a dispatch leaves in its handle: device arrays the combine reads,
+/// sized for the worst case so one handle serves any dispatch.
+struct GpuHandle {
+    /// `[W * T, 2]` (source rank, token) of each received row.
+    row_src: DeviceBuffer,
+    /// `[W * T, topk]` expert-major row of each (row, slot), or -1.
+    row_expert_pos: DeviceBuffer,
+    /// `[W * T, topk]` routing weight of each (row, slot), or 0.
+    row_weights: DeviceBuffer,
+    /// `[1]` received rows.
+    num_rows: DeviceBuffer,
+    /// `[T, W]` whether each of this rank's tokens went to each rank.
+    in_rank: DeviceBuffer,
+    /// The last dispatch recorded here, if it succeeded.
+    dispatched: Option<Dispatched>,
+}
+
+#[derive(Debug, Clone)]
+struct Dispatched {
+    num_tokens: usize,
+    /// The counts the host learned (`None` after a no-sync dispatch).
+    host_counts: Option<Vec<i32>>,
+}
+
+pub struct NormalMode {
+    /// Where the mode's area starts in every rank's buffer.
+    offset: usize,
+    area: Area,
+    /// `[1 + local experts]`: rows received, then rows per local expert,
+    /// written by the pull kernel for the host-synchronised dispatch.
+    host_counts: MappedHost<i32>,
+}
+
+/// A device pointer argument: 0 for "not given".
+fn ptr<T>(p: *const T) -> u64 {
+    p as u64
+}
+
+/// Checks that a caller's row array is 16-byte aligned: the kernels move
+/// rows as 16-byte vectors.
+fn check_aligned<T>(name: &str, p: *const T) -> Result<()> {
+    if !(p as usize).is_multiple_of(16) {
+        return Err(Error::invalid(format!(
+            "{name} = {p:p} is not 16-byte aligned (the GPU backend moves rows as 16-byte vectors)"
+        )));
+    }
+    Ok(())
+}
 
 impl NormalMode {
     /// The mode's area starts at `offset` of every rank's symmetric buffer.
-    pub fn new(_rt: &Runtime, _offset: usize) -> Result<NormalMode> {
-        Ok(NormalMode {})
+    pub fn new(rt: &Runtime, offset: usize) -> Result<NormalMode> {
+        Ok(NormalMode {
+            offset,
+            area: Area::new(&rt.cfg),
+            host_counts: MappedHost::new(&rt.device, 1 + rt.cfg.local_experts())?,
+        })
     }
 
     pub fn layout(&mut self, rt: &Runtime, op: &LayoutOp, stream: Stream) -> Result<()> {
@@ -58,31 +261,272 @@ impl NormalMode {
         }
     }
 
-    pub fn new_handle_state(&mut self, _rt: &Runtime) -> Result<HandleState> {
-        Ok(Box::new(()))
+    pub fn new_handle_state(&mut self, rt: &Runtime) -> Result<HandleState> {
+        let cfg = &rt.cfg;
+        let (rows, _) = worst_case_rows(cfg.topo, cfg.max_tokens, 1);
+        let slots = rows * cfg.topo.topk;
+        Ok(Box::new(GpuHandle {
+            row_src: DeviceBuffer::new(&rt.device, rows * 2 * 4)?,
+            row_expert_pos: DeviceBuffer::new(&rt.device, slots * 4)?,
+            row_weights: DeviceBuffer::new(&rt.device, slots * 4)?,
+            num_rows: DeviceBuffer::new(&rt.device, 4)?,
+            in_rank: DeviceBuffer::new(&rt.device, cfg.max_tokens * cfg.world())?,
+            dispatched: None,
+        }))
     }
 
     pub fn dispatch(
         &mut self,
-        _rt: &Runtime,
-        _op: &DispatchOp,
-        _handle: &mut HandleState,
-        _stream: Stream,
+        rt: &Runtime,
+        op: &DispatchOp,
+        handle: &mut HandleState,
+        stream: Stream,
     ) -> Result<()> {
-        Err(Error::unsupported(
-            "the normal-mode dispatch is not available on the GPU backend in this build",
-        ))
+        let handle = handle
+            .downcast_mut::<GpuHandle>()
+            .ok_or_else(|| Error::internal("not a GPU handle"))?;
+        let cfg = &rt.cfg;
+        let topo = cfg.topo;
+        if op.num_tokens > 0 {
+            check_aligned("x", op.x)?;
+        }
+        if let Some(recv) = &op.recv {
+            check_aligned("recv_x", recv.x)?;
+        }
+        if let Some(expert) = &op.expert {
+            check_aligned("expert_x", expert.x)?;
+        }
+        // A reused layout needs no host synchronisation: the host counts
+        // are those of the handle's earlier dispatch of the same routing.
+        let cached = match (&handle.dispatched, op.reuse_layout) {
+            (Some(d), true) if d.num_tokens == op.num_tokens => d.host_counts.clone(),
+            (_, true) => {
+                return Err(Error::invalid(
+                    "EP_DISPATCH_REUSE_LAYOUT with a handle whose last dispatch had another token count or failed",
+                ))
+            }
+            _ => None,
+        };
+        let host_sync = !op.no_host_sync && cached.is_none();
+        handle.dispatched = None;
+
+        let a = &self.area;
+        let recv = op.recv;
+        let expert = op.expert;
+        let mut params = DispatchParams {
+            x: ptr(op.x),
+            x_scales: ptr(op.x_scales),
+            topk_idx: ptr(op.topk_idx),
+            topk_weights: ptr(op.topk_weights),
+            peer_bases: rt.memory.peer_bases(),
+            recv_x: recv.map_or(0, |r| ptr(r.x)),
+            recv_scales: recv.map_or(0, |r| ptr(r.scales)),
+            recv_topk_idx: recv.map_or(0, |r| ptr(r.topk_idx)),
+            recv_topk_weights: recv.map_or(0, |r| ptr(r.topk_weights)),
+            recv_src_info: recv.map_or(0, |r| ptr(r.src_info)),
+            recv_num_rows: recv.map_or(0, |r| ptr(r.num_rows)),
+            expert_x: expert.map_or(0, |e| ptr(e.x)),
+            expert_scales: expert.map_or(0, |e| ptr(e.scales)),
+            expert_weights: expert.map_or(0, |e| ptr(e.weights)),
+            expert_src_row: expert.map_or(0, |e| ptr(e.src_row)),
+            expert_offsets: expert.map_or(0, |e| ptr(e.offsets)),
+            expert_counts: expert.map_or(0, |e| ptr(e.counts)),
+            handle_row_src: handle.row_src.ptr(),
+            handle_row_expert_pos: handle.row_expert_pos.ptr(),
+            handle_row_weights: handle.row_weights.ptr(),
+            handle_num_rows: handle.num_rows.ptr(),
+            handle_in_rank: handle.in_rank.ptr(),
+            host_counts: if host_sync {
+                self.host_counts.device_ptr()
+            } else {
+                0
+            },
+            status: rt.status_ptr(),
+            area: self.offset as i64,
+            off_staged_x: a.staged_x as i64,
+            off_staged_scales: a.staged_scales as i64,
+            off_staged_topk: a.staged_topk as i64,
+            off_staged_weights: a.staged_weights as i64,
+            off_slot_rank: a.slot_rank as i64,
+            off_rank_lists: a.rank_lists as i64,
+            off_rank_pos: a.rank_pos as i64,
+            off_chunk_counts: a.chunk_counts as i64,
+            off_totals: a.totals as i64,
+            recv_capacity: recv.map_or(0, |r| r.capacity as i64),
+            expert_capacity: expert.map_or(0, |e| e.capacity as i64),
+            num_tokens: op.num_tokens as i32,
+            rank: cfg.rank as i32,
+            world: topo.world as i32,
+            num_experts: topo.num_experts as i32,
+            topk: topo.topk as i32,
+            row_bytes: op.dtype.row_bytes(topo.hidden) as i32,
+            scale_cols: op.dtype.scales_per_row(topo.hidden) as i32,
+            max_tokens: cfg.max_tokens as i32,
+            alignment: expert.map_or(1, |e| e.alignment as i32),
+            pad: 0,
+        };
+        let chunks = op.num_tokens.div_ceil(CHUNK_TOKENS).max(1) as u32;
+        let columns = topo.world + topo.num_experts;
+        let sms = cfg.num_sms as u32;
+        let mut p = arg(&mut params);
+        // SAFETY: the parameter struct mirrors the kernels' `DispatchParams`;
+        // the caller's arrays stay valid until the stream has run the
+        // kernels (API rule), the handle's and the context's until the
+        // handle or context is destroyed.
+        unsafe {
+            rt.launch(
+                "ep_dispatch_count_kernel",
+                chunks,
+                CHUNK_TOKENS as u32,
+                (CHUNK_WARPS * columns * 4) as u32,
+                stream,
+                std::slice::from_mut(&mut p),
+            )?;
+            rt.launch(
+                "ep_dispatch_stage_kernel",
+                chunks.max(sms),
+                CHUNK_TOKENS as u32,
+                (columns * 4) as u32,
+                stream,
+                std::slice::from_mut(&mut p),
+            )?;
+            rt.barrier(stream)?;
+            rt.launch(
+                "ep_dispatch_pull_kernel",
+                sms,
+                MOVE_THREADS,
+                0,
+                stream,
+                std::slice::from_mut(&mut p),
+            )?;
+            rt.barrier(stream)?;
+        }
+        let host_counts = if host_sync {
+            rt.synchronize(stream)?;
+            let counts: Vec<i32> = (0..self.host_counts.len())
+                .map(|i| self.host_counts.read(i))
+                .collect();
+            check_capacity(op, &counts)?;
+            Some(counts)
+        } else {
+            cached
+        };
+        if let Some(counts) = &host_counts {
+            // SAFETY: the context checked the host pointers' presence; the
+            // API gives `host_expert_counts` room for the local experts.
+            unsafe {
+                if !op.host_recv_num_rows.is_null() {
+                    *op.host_recv_num_rows = counts[0];
+                }
+                if !op.host_expert_counts.is_null() {
+                    std::ptr::copy_nonoverlapping(
+                        counts[1..].as_ptr(),
+                        op.host_expert_counts,
+                        counts.len() - 1,
+                    );
+                }
+            }
+        }
+        handle.dispatched = Some(Dispatched {
+            num_tokens: op.num_tokens,
+            host_counts,
+        });
+        Ok(())
     }
 
     pub fn combine(
         &mut self,
-        _rt: &Runtime,
-        _op: &CombineOp,
-        _handle: &HandleState,
-        _stream: Stream,
+        rt: &Runtime,
+        op: &CombineOp,
+        handle: &HandleState,
+        stream: Stream,
     ) -> Result<()> {
-        Err(Error::unsupported(
-            "the normal-mode combine is not available on the GPU backend in this build",
-        ))
+        let handle = handle
+            .downcast_ref::<GpuHandle>()
+            .ok_or_else(|| Error::internal("not a GPU handle"))?;
+        let dispatched = handle
+            .dispatched
+            .as_ref()
+            .ok_or_else(|| Error::invalid("the handle holds no successful dispatch"))?;
+        // A NULL `x` is fine when no rows arrived; the send kernel reports it
+        // otherwise (the row count is only known on the device).
+        if dispatched.num_tokens > 0 && op.out.is_null() {
+            return Err(Error::null("out"));
+        }
+        check_aligned("x", op.x)?;
+        check_aligned("out", op.out)?;
+        let cfg = &rt.cfg;
+        let mut params = CombineParams {
+            x: ptr(op.x),
+            out: ptr(op.out),
+            peer_bases: rt.memory.peer_bases(),
+            handle_row_src: handle.row_src.ptr(),
+            handle_row_expert_pos: handle.row_expert_pos.ptr(),
+            handle_row_weights: handle.row_weights.ptr(),
+            handle_num_rows: handle.num_rows.ptr(),
+            handle_in_rank: handle.in_rank.ptr(),
+            status: rt.status_ptr(),
+            area: self.offset as i64,
+            off_returned: self.area.returned as i64,
+            num_tokens: dispatched.num_tokens as i32,
+            expert_major: op.expert_major as i32,
+            rank: cfg.rank as i32,
+            world: cfg.world() as i32,
+            topk: cfg.topo.topk as i32,
+            hidden: cfg.topo.hidden as i32,
+            max_tokens: cfg.max_tokens as i32,
+            pad: 0,
+        };
+        let sms = cfg.num_sms as u32;
+        let mut p: *mut c_void = arg(&mut params);
+        // SAFETY: the parameter struct mirrors the kernels' `CombineParams`;
+        // buffers stay valid as for the dispatch.
+        unsafe {
+            rt.launch(
+                "ep_combine_send_kernel",
+                sms,
+                MOVE_THREADS,
+                0,
+                stream,
+                std::slice::from_mut(&mut p),
+            )?;
+            rt.barrier(stream)?;
+            rt.launch(
+                "ep_combine_reduce_kernel",
+                sms,
+                MOVE_THREADS,
+                0,
+                stream,
+                std::slice::from_mut(&mut p),
+            )?;
+            rt.barrier(stream)
+        }
     }
+}
+
+/// After a host-synchronised dispatch: an error when the rows that arrived
+/// did not fit the caller's capacities (the kernels then wrote no rows).
+fn check_capacity(op: &DispatchOp, counts: &[i32]) -> Result<()> {
+    let rows = counts[0] as usize;
+    if let Some(recv) = &op.recv {
+        if rows > recv.capacity {
+            return Err(Error::invalid(format!(
+                "recv_capacity = {} but {rows} rows arrived; no rows were written",
+                recv.capacity
+            )));
+        }
+    }
+    if let Some(expert) = &op.expert {
+        let padded: usize = counts[1..]
+            .iter()
+            .map(|&c| (c as usize).div_ceil(expert.alignment) * expert.alignment)
+            .sum();
+        if padded > expert.capacity {
+            return Err(Error::invalid(format!(
+                "expert_capacity = {} but {padded} expert-major rows are needed; no rows were written",
+                expert.capacity
+            )));
+        }
+    }
+    Ok(())
 }

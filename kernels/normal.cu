@@ -1,0 +1,750 @@
+// Normal mode: dispatch and combine of thousands of tokens over NVLink.
+//
+// Every rank owns one symmetric area (mapped by every peer, see
+// src/runtime/gpu/normal.rs for the byte layout). A dispatch is five
+// launches on the caller's stream; kernels of one rank only ever write their
+// own area, except the combine's send, which writes the peers' return rows:
+//
+//   1. count (source side): for every chunk of 256 tokens, how many tokens go
+//      to each rank and how many (token, slot) pairs to each expert, and the
+//      position of every token / pair inside its chunk.
+//   2. stage (source side): turns chunk positions into positions over all
+//      tokens (the prefix over earlier chunks), writes the per-rank token
+//      lists and the totals, and copies the tokens, scales, ids and weights
+//      into the area, where peers can read them.
+//   3. barrier: every rank's stage is complete and visible.
+//   4. pull (receiver side): reads every source's totals, lays out the
+//      source-order rows (by source rank, then token order) and the
+//      expert-major rows (by local expert, then source-order row, padded to
+//      the alignment), and copies each received token ONCE over NVLink into
+//      its source-order row and all its expert-major rows.
+//   5. barrier: nobody restages (next dispatch) while a peer still reads.
+//
+// A combine is four launches:
+//   1. send (expert side): for each received row, the caller's row (source
+//      order) or the weighted sum of its expert rows (expert-major, fp32, the
+//      products rounded before they are added, local experts ascending),
+//      rounded to BF16 and written into the source's return rows, slot
+//      (this rank, token).
+//   2. barrier.
+//   3. reduce (source side): out[t] = BF16 of the fp32 sum of the returned
+//      rows of token t, ranks ascending; zeros for a token routed nowhere.
+//   4. barrier: nobody sends the next combine's rows before this reduce.
+//
+// Both sums follow src/reference/normal.rs step by step, so the results are
+// bit-exact with the reference, not only close.
+//
+// Expert ids: the effective id of a slot is its id, or -1 when the slot is
+// dropped (-1), out of range, or repeats an earlier slot of the same token.
+// The count kernel reports the last two as EP_STATUS_INVALID_EXPERT; every
+// kernel uses the effective id, so a bad id is never an address.
+#include <cuda_bf16.h>
+
+#include "ep_device.cuh"
+
+// Tokens per chunk of the count kernel: one block of 8 warps, a warp per 32.
+#define EP_CHUNK_TOKENS 256
+#define EP_CHUNK_WARPS (EP_CHUNK_TOKENS / 32)
+#define EP_MAX_TOPK 16
+#define EP_MAX_WORLD 64
+#define EP_MAX_EXPERTS 1024
+// Threads of the pull, send and reduce kernels.
+#define EP_MOVE_THREADS 512
+#define EP_MOVE_WARPS (EP_MOVE_THREADS / 32)
+// 16-byte vectors each lane has in flight when copying a row.
+#define EP_COPY_UNROLL 8
+
+// Mirrors `DispatchParams` in src/runtime/gpu/normal.rs (same order, same
+// types; pointers are 64-bit, then 64-bit integers, then 32-bit ones).
+struct DispatchParams {
+    // The caller's inputs.
+    const uint8_t* x;
+    const float* x_scales;
+    const int* topk_idx;
+    const float* topk_weights;
+    // Symmetric memory: [world] base addresses of every rank's buffer as
+    // mapped here, and where this mode's arrays sit inside each buffer.
+    const uint64_t* peer_bases;
+    // Source-order outputs; recv_x == nullptr when not requested.
+    uint8_t* recv_x;
+    float* recv_scales;
+    int* recv_topk_idx;
+    float* recv_topk_weights;
+    int* recv_src_info;
+    int* recv_num_rows;
+    // Expert-major outputs; expert_x == nullptr when not requested.
+    uint8_t* expert_x;
+    float* expert_scales;
+    float* expert_weights;
+    int* expert_src_row;
+    int* expert_offsets;
+    int* expert_counts;
+    // The handle: what the combine needs.
+    int* handle_row_src;         // [rows, 2] (source rank, token)
+    int* handle_row_expert_pos;  // [rows, topk] expert-major row or -1
+    float* handle_row_weights;   // [rows, topk] weight or 0
+    int* handle_num_rows;        // [1]
+    uint8_t* handle_in_rank;     // [max_tokens, world] this rank's tokens
+    // Host-mapped [1 + local_experts]: rows, then rows per local expert.
+    int* host_counts;
+    EpDeviceStatus* status;
+    int64_t area;               // offset of this mode's area in every buffer
+    int64_t off_staged_x;       // [max_tokens, row_bytes]
+    int64_t off_staged_scales;  // [max_tokens, scale_cols]
+    int64_t off_staged_topk;    // [max_tokens, topk]
+    int64_t off_staged_weights; // [max_tokens, topk]
+    int64_t off_slot_rank;      // [max_tokens, topk] position in its expert
+    int64_t off_rank_lists;     // [world, max_tokens] tokens for each rank
+    int64_t off_rank_pos;       // [max_tokens, world] position or -1
+    int64_t off_chunk_counts;   // [chunks, world + experts]
+    int64_t off_totals;         // [world + experts]
+    int64_t recv_capacity;
+    int64_t expert_capacity;
+    int num_tokens;
+    int rank;
+    int world;
+    int num_experts;
+    int topk;
+    int row_bytes;   // bytes of one token row (hidden * element size)
+    int scale_cols;  // fp32 scales per row (0 for BF16)
+    int max_tokens;
+    int alignment;   // expert-major segment alignment in rows
+    int pad;
+};
+
+// Mirrors `CombineParams` in src/runtime/gpu/normal.rs.
+struct CombineParams {
+    const __nv_bfloat16* x;  // the caller's rows (source order or expert-major)
+    __nv_bfloat16* out;      // [num_tokens, hidden]
+    const uint64_t* peer_bases;
+    const int* handle_row_src;
+    const int* handle_row_expert_pos;
+    const float* handle_row_weights;
+    const int* handle_num_rows;
+    const uint8_t* handle_in_rank;
+    EpDeviceStatus* status;
+    int64_t area;
+    int64_t off_returned;  // [world, max_tokens, hidden] BF16 rows sent back
+    int num_tokens;        // this rank's tokens of the handle's dispatch
+    int expert_major;
+    int rank;
+    int world;
+    int topk;
+    int hidden;
+    int max_tokens;
+    int pad;
+};
+
+// ---------------------------------------------------------------------------
+// Small helpers
+// ---------------------------------------------------------------------------
+
+// Address `offset` bytes into this mode's area of rank `r`'s buffer.
+template <typename T>
+__device__ __forceinline__ T* ep_area(const uint64_t* peer_bases, int r, int64_t area,
+                                      int64_t offset) {
+    return reinterpret_cast<T*>(peer_bases[r] + area + offset);
+}
+
+__device__ __forceinline__ unsigned ep_lanemask_lt() {
+    unsigned mask;
+    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(mask));
+    return mask;
+}
+
+// The effective expert of `slot` of the token whose ids start at `ids`:
+// -1 for a dropped, out-of-range or repeated id (see the file comment).
+__device__ __forceinline__ int ep_effective_expert(const int* ids, int slot, int num_experts) {
+    const int id = ids[slot];
+    if (id < 0 || id >= num_experts) {
+        return -1;
+    }
+    for (int k = 0; k < slot; ++k) {
+        if (ids[k] == id) {
+            return -1;
+        }
+    }
+    return id;
+}
+
+// True when an earlier kernel of this rank recorded an error: the kernels
+// after a failed barrier must not trust what peers wrote.
+__device__ __forceinline__ bool ep_failed(const EpDeviceStatus* status) {
+    return ep_ld_relaxed_sys(&status->code) != EP_STATUS_OK;
+}
+
+// The effective expert of slot `lane` for the whole warp, where lane k < topk
+// holds the id of slot k (the same rule as ep_effective_expert, with the
+// ids read once and compared through shuffles).
+__device__ __forceinline__ int ep_warp_effective_expert(int id, int lane, int topk,
+                                                        int num_experts) {
+    bool valid = lane < topk && id >= 0 && id < num_experts;
+    for (int k = 0; k < topk; ++k) {
+        const int earlier = __shfl_sync(0xffffffffu, id, k);
+        valid = valid && !(k < lane && earlier == id);
+    }
+    return valid ? id : -1;
+}
+
+// Copies `bytes` (a multiple of 16) from `src` to `dst` (unless nullptr)
+// and to the rows `extra_rows[0..num_extra)` of `extra_base`, with the
+// whole warp: every lane keeps EP_COPY_UNROLL 16-byte loads in flight before
+// it stores, so a remote (NVLink) source is read at full speed.
+__device__ __forceinline__ void ep_warp_copy_row(const uint8_t* src, uint8_t* dst,
+                                                 uint8_t* extra_base, const int* extra_rows,
+                                                 int num_extra, int bytes, int lane) {
+    const int4* s = reinterpret_cast<const int4*>(src);
+    const int vectors = bytes / 16;
+    for (int base = 0; base < vectors; base += 32 * EP_COPY_UNROLL) {
+        int4 v[EP_COPY_UNROLL];
+#pragma unroll
+        for (int u = 0; u < EP_COPY_UNROLL; ++u) {
+            const int i = base + u * 32 + lane;
+            if (i < vectors) {
+                v[u] = s[i];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < EP_COPY_UNROLL; ++u) {
+            const int i = base + u * 32 + lane;
+            if (i < vectors) {
+                if (dst != nullptr) {
+                    reinterpret_cast<int4*>(dst)[i] = v[u];
+                }
+                for (int e = 0; e < num_extra; ++e) {
+                    int4* row = reinterpret_cast<int4*>(
+                        extra_base + static_cast<int64_t>(extra_rows[e]) * bytes);
+                    row[i] = v[u];
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Dispatch 1: count (grid = max(1, chunks), EP_CHUNK_TOKENS threads,
+// dynamic shared memory EP_CHUNK_WARPS * (world + experts) ints)
+// ---------------------------------------------------------------------------
+
+// For chunk b = blockIdx.x, writes
+//   chunk_counts[b][r]         tokens of the chunk that go to rank r,
+//   chunk_counts[b][world + e] (token, slot) pairs of the chunk for expert e,
+//   rank_pos[t][r]             position of token t among the chunk's tokens
+//                              for rank r, or -1 when t does not go there,
+//   slot_rank[t][k]            position of (t, k) among the chunk's pairs of
+//                              its expert (effective experts only).
+// Positions follow token order: a warp takes 32 tokens, finds ranks inside
+// the warp with ballots (ranks) and __match_any_sync (experts), and the warps'
+// counts are then turned into per-warp bases in token order.
+extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
+    extern __shared__ int warp_counts[];  // [EP_CHUNK_WARPS][world + experts]
+    const int columns = p.world + p.num_experts;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int local_experts = p.num_experts / p.world;
+    const int first_token = blockIdx.x * EP_CHUNK_TOKENS + warp * 32;
+    int* const my_counts = warp_counts + warp * columns;
+    int* const slot_rank = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_slot_rank);
+    int* const rank_pos = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_rank_pos);
+    int* const chunk_counts = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_chunk_counts);
+
+    for (int i = threadIdx.x; i < EP_CHUNK_WARPS * columns; i += blockDim.x) {
+        warp_counts[i] = 0;
+    }
+    __syncthreads();
+
+    // Pairs of the warp's 32 tokens in token-major order, 32 per round: lane
+    // l of round r holds pair 32 r + l. A pair's position in its expert is
+    // the count of earlier pairs of that expert in this warp.
+    int pair_expert[EP_MAX_TOPK];
+    int pair_pos[EP_MAX_TOPK];
+#pragma unroll
+    for (int r = 0; r < EP_MAX_TOPK; ++r) {
+        pair_expert[r] = -1;
+        if (r >= p.topk) {
+            continue;
+        }
+        const int pair = r * 32 + lane;
+        const int token = first_token + pair / p.topk;
+        const int slot = pair % p.topk;
+        if (token < p.num_tokens) {
+            const int* ids = p.topk_idx + static_cast<int64_t>(token) * p.topk;
+            pair_expert[r] = ep_effective_expert(ids, slot, p.num_experts);
+            if (pair_expert[r] < 0 && ids[slot] != -1) {
+                ep_record_error(p.status, EP_STATUS_INVALID_EXPERT, -1, EP_PHASE_DISPATCH,
+                                token * p.topk + slot);
+            }
+        }
+        const int e = pair_expert[r];
+        const unsigned same = __match_any_sync(0xffffffffu, e);
+        if (e >= 0) {
+            pair_pos[r] = my_counts[p.world + e] + __popc(same & ep_lanemask_lt());
+        }
+        __syncwarp();
+        // The highest lane of each group adds the group to the count.
+        if (e >= 0 && lane == 31 - __clz(same)) {
+            my_counts[p.world + e] += __popc(same);
+        }
+        __syncwarp();
+    }
+
+    // Ranks each of the warp's tokens goes to (lane l holds token l).
+    const int token = first_token + lane;
+    uint64_t rank_mask = 0;
+    if (token < p.num_tokens) {
+        const int* ids = p.topk_idx + static_cast<int64_t>(token) * p.topk;
+        for (int k = 0; k < p.topk; ++k) {
+            const int e = ep_effective_expert(ids, k, p.num_experts);
+            if (e >= 0) {
+                rank_mask |= 1ull << (e / local_experts);
+            }
+        }
+    }
+    for (int r = 0; r < p.world; ++r) {
+        const unsigned going = __ballot_sync(0xffffffffu, (rank_mask >> r) & 1);
+        if (lane == 0) {
+            my_counts[r] = __popc(going);
+        }
+    }
+    __syncthreads();
+
+    // Per-warp counts -> per-warp bases (exclusive, token order), and the
+    // chunk's totals.
+    for (int c = threadIdx.x; c < columns; c += blockDim.x) {
+        int running = 0;
+        for (int w = 0; w < EP_CHUNK_WARPS; ++w) {
+            const int count = warp_counts[w * columns + c];
+            warp_counts[w * columns + c] = running;
+            running += count;
+        }
+        chunk_counts[static_cast<int64_t>(blockIdx.x) * columns + c] = running;
+    }
+    __syncthreads();
+
+#pragma unroll
+    for (int r = 0; r < EP_MAX_TOPK; ++r) {
+        const int e = pair_expert[r];
+        if (e >= 0) {
+            const int pair = r * 32 + lane;
+            const int64_t flat = static_cast<int64_t>(first_token + pair / p.topk) * p.topk +
+                                 pair % p.topk;
+            slot_rank[flat] = my_counts[p.world + e] + pair_pos[r];
+        }
+    }
+    for (int r = 0; r < p.world; ++r) {
+        const bool goes = (rank_mask >> r) & 1;
+        const unsigned going = __ballot_sync(0xffffffffu, goes);
+        if (token < p.num_tokens) {
+            rank_pos[static_cast<int64_t>(token) * p.world + r] =
+                goes ? my_counts[r] + __popc(going & ep_lanemask_lt()) : -1;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Dispatch 2: stage (grid >= max(1, chunks), EP_CHUNK_TOKENS threads,
+// dynamic shared memory (world + experts) ints)
+// ---------------------------------------------------------------------------
+
+// Blocks below the chunk count finish their chunk's positions (adding the
+// counts of earlier chunks) and write the per-rank token lists and the
+// handle's is-token-in-rank; block 0 also writes the totals peers read.
+// Then all blocks copy the tokens, scales, ids and weights into the area.
+extern "C" __global__ void ep_dispatch_stage_kernel(const DispatchParams p) {
+    extern __shared__ int chunk_base[];  // [world + experts]
+    const int columns = p.world + p.num_experts;
+    const int chunks = (p.num_tokens + EP_CHUNK_TOKENS - 1) / EP_CHUNK_TOKENS;
+    const int* chunk_counts = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_chunk_counts);
+
+    if (blockIdx.x == 0) {
+        int* totals = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_totals);
+        for (int c = threadIdx.x; c < columns; c += blockDim.x) {
+            int sum = 0;
+            for (int b = 0; b < chunks; ++b) {
+                sum += chunk_counts[static_cast<int64_t>(b) * columns + c];
+            }
+            totals[c] = sum;
+        }
+    }
+    if (static_cast<int>(blockIdx.x) < chunks) {
+        for (int c = threadIdx.x; c < columns; c += blockDim.x) {
+            int sum = 0;
+            for (int b = 0; b < static_cast<int>(blockIdx.x); ++b) {
+                sum += chunk_counts[static_cast<int64_t>(b) * columns + c];
+            }
+            chunk_base[c] = sum;
+        }
+        __syncthreads();
+        const int token = blockIdx.x * EP_CHUNK_TOKENS + threadIdx.x;
+        if (token < p.num_tokens) {
+            int* slot_rank = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_slot_rank);
+            const int* rank_pos = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_rank_pos);
+            int* rank_lists = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_rank_lists);
+            const int* ids = p.topk_idx + static_cast<int64_t>(token) * p.topk;
+            for (int k = 0; k < p.topk; ++k) {
+                const int e = ep_effective_expert(ids, k, p.num_experts);
+                if (e >= 0) {
+                    slot_rank[static_cast<int64_t>(token) * p.topk + k] += chunk_base[p.world + e];
+                }
+            }
+            for (int r = 0; r < p.world; ++r) {
+                const int pos = rank_pos[static_cast<int64_t>(token) * p.world + r];
+                if (pos >= 0) {
+                    rank_lists[static_cast<int64_t>(r) * p.max_tokens + chunk_base[r] + pos] = token;
+                }
+                p.handle_in_rank[static_cast<int64_t>(token) * p.world + r] = pos >= 0;
+            }
+        }
+    }
+
+    // Stage the inputs, a flat grid-stride copy of each array.
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int4* x = reinterpret_cast<const int4*>(p.x);
+    int4* staged_x = ep_area<int4>(p.peer_bases, p.rank, p.area, p.off_staged_x);
+    const int64_t vectors = static_cast<int64_t>(p.num_tokens) * p.row_bytes / 16;
+    for (int64_t i = first; i < vectors; i += stride) {
+        staged_x[i] = x[i];
+    }
+    float* staged_scales = ep_area<float>(p.peer_bases, p.rank, p.area, p.off_staged_scales);
+    for (int64_t i = first; i < static_cast<int64_t>(p.num_tokens) * p.scale_cols; i += stride) {
+        staged_scales[i] = p.x_scales[i];
+    }
+    int* staged_topk = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_staged_topk);
+    float* staged_weights = ep_area<float>(p.peer_bases, p.rank, p.area, p.off_staged_weights);
+    for (int64_t i = first; i < static_cast<int64_t>(p.num_tokens) * p.topk; i += stride) {
+        staged_topk[i] = p.topk_idx[i];
+        staged_weights[i] = p.topk_weights[i];
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Dispatch 4: pull (grid = SM budget, EP_MOVE_THREADS threads)
+// ---------------------------------------------------------------------------
+
+// Row layout every block derives from the sources' totals.
+struct PullLayout {
+    int source_offset[EP_MAX_WORLD + 1];  // first source-order row of each source
+    int expert_base[EP_MAX_EXPERTS];      // [source][local expert]: rows of earlier sources
+    int expert_total[EP_MAX_EXPERTS];     // [local expert]: real rows
+    int expert_offset[EP_MAX_EXPERTS + 1];  // [local expert]: padded segment start
+    int destinations[EP_MOVE_WARPS][EP_MAX_TOPK];  // per warp: expert rows of its row
+};
+
+extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
+    ep_dispatch_pull_kernel(const DispatchParams p) {
+    __shared__ PullLayout layout;
+    __shared__ bool fits;
+    if (ep_failed(p.status)) {
+        return;
+    }
+    const int local_experts = p.num_experts / p.world;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+
+    // Totals of every source for this rank, read over NVLink.
+    for (int i = threadIdx.x; i < p.world * local_experts; i += blockDim.x) {
+        const int source = i / local_experts;
+        const int le = i % local_experts;
+        const int* totals = ep_area<int>(p.peer_bases, source, p.area, p.off_totals);
+        layout.expert_base[i] = totals[p.world + p.rank * local_experts + le];
+    }
+    if (threadIdx.x < p.world) {
+        const int* totals = ep_area<int>(p.peer_bases, threadIdx.x, p.area, p.off_totals);
+        layout.source_offset[threadIdx.x + 1] = totals[p.rank];
+    }
+    __syncthreads();
+    for (int le = threadIdx.x; le < local_experts; le += blockDim.x) {
+        int running = 0;
+        for (int s = 0; s < p.world; ++s) {
+            const int count = layout.expert_base[s * local_experts + le];
+            layout.expert_base[s * local_experts + le] = running;
+            running += count;
+        }
+        layout.expert_total[le] = running;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        bool sane = true;
+        layout.source_offset[0] = 0;
+        for (int s = 0; s < p.world; ++s) {
+            const int count = layout.source_offset[s + 1];
+            sane = sane && count >= 0 && count <= p.max_tokens;
+            layout.source_offset[s + 1] = layout.source_offset[s] + count;
+        }
+        int64_t offset = 0;
+        for (int le = 0; le < local_experts; ++le) {
+            layout.expert_offset[le] = static_cast<int>(offset);
+            const int count = layout.expert_total[le];
+            sane = sane && count >= 0 && count <= p.world * p.max_tokens;
+            offset += (static_cast<int64_t>(count) + p.alignment - 1) / p.alignment * p.alignment;
+        }
+        layout.expert_offset[local_experts] = static_cast<int>(offset);
+        if (!sane) {
+            // Only a peer that wrote garbage gets here; never use it as sizes.
+            ep_record_error(p.status, EP_STATUS_INVALID_ARGUMENT, -1, EP_PHASE_DISPATCH, 0);
+        }
+        const int rows = layout.source_offset[p.world];
+        fits = sane && (p.recv_x == nullptr || rows <= p.recv_capacity) &&
+               (p.expert_x == nullptr || offset <= p.expert_capacity);
+        if (blockIdx.x == 0) {
+            const int written_rows = sane ? rows : 0;
+            if (p.recv_num_rows != nullptr) {
+                *p.recv_num_rows = written_rows;
+            }
+            *p.handle_num_rows = fits ? rows : 0;
+            if (p.host_counts != nullptr) {
+                p.host_counts[0] = written_rows;
+            }
+        }
+    }
+    __syncthreads();
+    if (blockIdx.x == 0 && !ep_failed(p.status)) {
+        for (int le = threadIdx.x; le <= local_experts; le += blockDim.x) {
+            if (p.expert_x != nullptr) {
+                p.expert_offsets[le] = layout.expert_offset[le];
+            }
+            if (le < local_experts) {
+                if (p.expert_x != nullptr) {
+                    p.expert_counts[le] = layout.expert_total[le];
+                }
+                if (p.host_counts != nullptr) {
+                    p.host_counts[1 + le] = layout.expert_total[le];
+                }
+            }
+        }
+    }
+    if (!fits) {
+        return;
+    }
+
+    const int rows = layout.source_offset[p.world];
+    const int first_local = p.rank * local_experts;
+    const int warps = gridDim.x * EP_MOVE_WARPS;
+    for (int row = blockIdx.x * EP_MOVE_WARPS + warp; row < rows; row += warps) {
+        int source = 0;
+        while (layout.source_offset[source + 1] <= row) {
+            ++source;
+        }
+        const int* list = ep_area<int>(p.peer_bases, source, p.area, p.off_rank_lists);
+        const int token = list[static_cast<int64_t>(p.rank) * p.max_tokens + row -
+                               layout.source_offset[source]];
+
+        // Lane k < topk handles slot k: its local expert, weight and
+        // expert-major row.
+        const int64_t flat = static_cast<int64_t>(token) * p.topk + lane;
+        const int* ids = ep_area<int>(p.peer_bases, source, p.area, p.off_staged_topk);
+        const int e = ep_warp_effective_expert(lane < p.topk ? ids[flat] : -1, lane, p.topk,
+                                               p.num_experts);
+        int local = -1;
+        float weight = 0.0f;
+        int pos = -1;
+        if (e >= first_local && e < first_local + local_experts) {
+            local = e - first_local;
+            weight = ep_area<float>(p.peer_bases, source, p.area, p.off_staged_weights)[flat];
+            pos = layout.expert_offset[local] +
+                  layout.expert_base[source * local_experts + local] +
+                  ep_area<int>(p.peer_bases, source, p.area, p.off_slot_rank)[flat];
+        }
+        if (lane < p.topk) {
+            const int64_t out = static_cast<int64_t>(row) * p.topk + lane;
+            if (p.recv_x != nullptr) {
+                p.recv_topk_idx[out] = local;
+                p.recv_topk_weights[out] = weight;
+            }
+            p.handle_row_expert_pos[out] = pos;
+            p.handle_row_weights[out] = weight;
+            if (p.expert_x != nullptr && pos >= 0) {
+                p.expert_weights[pos] = weight;
+                p.expert_src_row[pos] = row;
+            }
+        }
+        if (lane == 0) {
+            if (p.recv_x != nullptr) {
+                p.recv_src_info[2 * row] = source;
+                p.recv_src_info[2 * row + 1] = token;
+            }
+            p.handle_row_src[2 * row] = source;
+            p.handle_row_src[2 * row + 1] = token;
+        }
+
+        // The expert-major rows of this token, in slot order.
+        const unsigned has_pos = __ballot_sync(0xffffffffu, pos >= 0);
+        const int num_extra = p.expert_x == nullptr ? 0 : __popc(has_pos);
+        if (num_extra > 0 && pos >= 0) {
+            layout.destinations[warp][__popc(has_pos & ep_lanemask_lt())] = pos;
+        }
+        __syncwarp();
+        const int* extra_rows = layout.destinations[warp];
+        const uint8_t* src = ep_area<uint8_t>(p.peer_bases, source, p.area, p.off_staged_x) +
+                             static_cast<int64_t>(token) * p.row_bytes;
+        uint8_t* dst = p.recv_x == nullptr ? nullptr
+                                           : p.recv_x + static_cast<int64_t>(row) * p.row_bytes;
+        ep_warp_copy_row(src, dst, p.expert_x, extra_rows, num_extra, p.row_bytes, lane);
+
+        if (p.scale_cols > 0) {
+            const float* scales = ep_area<float>(p.peer_bases, source, p.area, p.off_staged_scales) +
+                                  static_cast<int64_t>(token) * p.scale_cols;
+            for (int c = lane; c < p.scale_cols; c += 32) {
+                const float v = scales[c];
+                if (p.recv_x != nullptr) {
+                    p.recv_scales[static_cast<int64_t>(row) * p.scale_cols + c] = v;
+                }
+                for (int i = 0; i < num_extra; ++i) {
+                    p.expert_scales[static_cast<int64_t>(extra_rows[i]) * p.scale_cols + c] = v;
+                }
+            }
+        }
+        __syncwarp();
+    }
+
+    // Padding rows of the expert-major segments: zeros, weight 0, row -1.
+    if (p.expert_x == nullptr) {
+        return;
+    }
+    for (int le = blockIdx.x * EP_MOVE_WARPS + warp; le < local_experts; le += warps) {
+        for (int64_t r = layout.expert_offset[le] + layout.expert_total[le];
+             r < layout.expert_offset[le + 1]; ++r) {
+            int4* x = reinterpret_cast<int4*>(p.expert_x + r * p.row_bytes);
+            for (int i = lane; i < p.row_bytes / 16; i += 32) {
+                x[i] = make_int4(0, 0, 0, 0);
+            }
+            for (int c = lane; c < p.scale_cols; c += 32) {
+                p.expert_scales[r * p.scale_cols + c] = 0.0f;
+            }
+            if (lane == 0) {
+                p.expert_weights[r] = 0.0f;
+                p.expert_src_row[r] = -1;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Combine
+// ---------------------------------------------------------------------------
+
+// 8 BF16 values of a 16-byte vector, widened to fp32.
+__device__ __forceinline__ void ep_unpack_bf16x8(const int4& v, float out[8]) {
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(pairs[i]);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
+// 8 fp32 values rounded to BF16 (to nearest, ties to even), packed.
+__device__ __forceinline__ int4 ep_pack_bf16x8(const float in[8]) {
+    int4 v;
+    __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        pairs[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+    }
+    return v;
+}
+
+// Combine 1: send (grid = SM budget, EP_MOVE_THREADS threads). A warp per
+// received row writes its BF16 row into the source's returned rows.
+extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
+    ep_combine_send_kernel(const CombineParams p) {
+    __shared__ int slot_rows[EP_MOVE_WARPS][EP_MAX_TOPK];
+    __shared__ float slot_weights[EP_MOVE_WARPS][EP_MAX_TOPK];
+    if (ep_failed(p.status)) {
+        return;
+    }
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int rows = *p.handle_num_rows;
+    if (p.x == nullptr && rows > 0) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) {
+            ep_record_error(p.status, EP_STATUS_INVALID_ARGUMENT, -1, EP_PHASE_COMBINE, rows);
+        }
+        return;
+    }
+    const int vectors = p.hidden / 8;
+    const int warps = gridDim.x * EP_MOVE_WARPS;
+    const int4* x = reinterpret_cast<const int4*>(p.x);
+    for (int row = blockIdx.x * EP_MOVE_WARPS + warp; row < rows; row += warps) {
+        const int source = p.handle_row_src[2 * row];
+        const int token = p.handle_row_src[2 * row + 1];
+        int4* dst = ep_area<int4>(p.peer_bases, source, p.area, p.off_returned) +
+                    (static_cast<int64_t>(p.rank) * p.max_tokens + token) * vectors;
+        if (!p.expert_major) {
+            ep_warp_copy_row(reinterpret_cast<const uint8_t*>(x + static_cast<int64_t>(row) * vectors),
+                             reinterpret_cast<uint8_t*>(dst), nullptr, nullptr, 0, p.hidden * 2,
+                             lane);
+            continue;
+        }
+        // The row's expert rows in ascending order (= local experts
+        // ascending, the reference's summation order).
+        int pos = -1;
+        float weight = 0.0f;
+        if (lane < p.topk) {
+            pos = p.handle_row_expert_pos[static_cast<int64_t>(row) * p.topk + lane];
+            weight = p.handle_row_weights[static_cast<int64_t>(row) * p.topk + lane];
+        }
+        const unsigned valid = __ballot_sync(0xffffffffu, pos >= 0);
+        if (pos >= 0) {
+            int order = 0;
+            for (int k = 0; k < p.topk; ++k) {
+                const int other = __shfl_sync(valid, pos, k);
+                order += ((valid >> k) & 1) && other < pos;
+            }
+            slot_rows[warp][order] = pos;
+            slot_weights[warp][order] = weight;
+        }
+        __syncwarp();
+        const int terms = __popc(valid);
+        for (int v = lane; v < vectors; v += 32) {
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int i = 0; i < terms; ++i) {
+                float y[8];
+                ep_unpack_bf16x8(x[static_cast<int64_t>(slot_rows[warp][i]) * vectors + v], y);
+                const float w = slot_weights[warp][i];
+#pragma unroll
+                for (int c = 0; c < 8; ++c) {
+                    acc[c] = __fadd_rn(acc[c], __fmul_rn(w, y[c]));
+                }
+            }
+            dst[v] = ep_pack_bf16x8(acc);
+        }
+        __syncwarp();
+    }
+}
+
+// Combine 3: reduce (grid = SM budget, EP_MOVE_THREADS threads). A warp per
+// token of this rank sums the rows the ranks returned for it.
+extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
+    ep_combine_reduce_kernel(const CombineParams p) {
+    if (ep_failed(p.status)) {
+        return;
+    }
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int vectors = p.hidden / 8;
+    const int warps = gridDim.x * EP_MOVE_WARPS;
+    const int4* returned = ep_area<int4>(p.peer_bases, p.rank, p.area, p.off_returned);
+    int4* out = reinterpret_cast<int4*>(p.out);
+    for (int token = blockIdx.x * EP_MOVE_WARPS + warp; token < p.num_tokens; token += warps) {
+        const uint8_t* in_rank = p.handle_in_rank + static_cast<int64_t>(token) * p.world;
+        for (int v = lane; v < vectors; v += 32) {
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int r = 0; r < p.world; ++r) {
+                if (!in_rank[r]) {
+                    continue;
+                }
+                float y[8];
+                ep_unpack_bf16x8(
+                    returned[(static_cast<int64_t>(r) * p.max_tokens + token) * vectors + v], y);
+#pragma unroll
+                for (int c = 0; c < 8; ++c) {
+                    acc[c] = __fadd_rn(acc[c], y[c]);
+                }
+            }
+            out[static_cast<int64_t>(token) * vectors + v] = ep_pack_bf16x8(acc);
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! Helpers of the GPU tests (`tests/gpu_*.rs`, run with `--ignored` on a
+//! machine with CUDA GPUs): device memory that is poisoned when allocated and
+//! freed on drop, GPU configs, and a runner that starts one rank per GPU as
+//! threads of this process.
+
+use super::{last_error, unique_id, Ctx, POISON};
+use cudarc::driver::sys;
+use ep::capi::*;
+use std::ptr::null_mut;
+
+pub fn cu(res: sys::CUresult, what: &str) {
+    assert_eq!(res, sys::CUresult::CUDA_SUCCESS, "{what}");
+}
+
+pub fn ok(status: ep_status_t, what: &str) {
+    assert_eq!(status, EP_SUCCESS, "{what}: {}", last_error());
+}
+
+pub fn device_count() -> usize {
+    // SAFETY: plain driver calls.
+    unsafe {
+        cu(sys::cuInit(0), "cuInit");
+        let mut n = 0;
+        cu(sys::cuDeviceGetCount(&mut n), "cuDeviceGetCount");
+        n as usize
+    }
+}
+
+/// Makes device `ordinal`'s primary context current on this thread.
+pub fn use_device(ordinal: usize) {
+    // SAFETY: plain driver calls.
+    unsafe {
+        let mut dev = 0;
+        cu(sys::cuDeviceGet(&mut dev, ordinal as i32), "cuDeviceGet");
+        let mut ctx = null_mut();
+        cu(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "retain");
+        cu(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
+    }
+}
+
+/// Waits for all work of the current context.
+pub fn sync() {
+    // SAFETY: a plain driver call.
+    cu(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize");
+}
+
+/// Device memory of the current context, filled with [`POISON`] when
+/// allocated, freed on drop.
+pub struct DevBuf {
+    pub ptr: u64,
+    pub bytes: usize,
+}
+
+impl DevBuf {
+    /// `bytes` bytes of poison (at least 4, so a pointer is never NULL).
+    pub fn poisoned(bytes: usize) -> DevBuf {
+        let alloc = bytes.max(4);
+        let mut ptr = 0;
+        // SAFETY: allocation and fill of `alloc` bytes.
+        unsafe {
+            cu(sys::cuMemAlloc_v2(&mut ptr, alloc), "cuMemAlloc");
+            cu(sys::cuMemsetD8_v2(ptr, POISON, alloc), "poison");
+        }
+        DevBuf { ptr, bytes }
+    }
+
+    /// Room for `len` values of `T`, poisoned.
+    pub fn of<T>(len: usize) -> DevBuf {
+        DevBuf::poisoned(len * std::mem::size_of::<T>())
+    }
+
+    /// A copy of `host`.
+    pub fn from<T: Copy>(host: &[T]) -> DevBuf {
+        let buf = DevBuf::poisoned(std::mem::size_of_val(host));
+        buf.upload(host);
+        buf
+    }
+
+    /// Overwrites the start of the buffer with `host` (synchronously).
+    pub fn upload<T: Copy>(&self, host: &[T]) {
+        let bytes = std::mem::size_of_val(host);
+        assert!(
+            bytes <= self.bytes,
+            "upload of {bytes} B into {} B",
+            self.bytes
+        );
+        if bytes > 0 {
+            // SAFETY: `bytes` fit the allocation.
+            cu(
+                unsafe { sys::cuMemcpyHtoD_v2(self.ptr, host.as_ptr() as *const _, bytes) },
+                "HtoD",
+            );
+        }
+    }
+
+    /// Fills the whole buffer with [`POISON`] again.
+    pub fn poison(&self) {
+        // SAFETY: fills the allocation.
+        cu(
+            unsafe { sys::cuMemsetD8_v2(self.ptr, POISON, self.bytes.max(4)) },
+            "poison",
+        );
+    }
+
+    /// The first `len` values, after all work of the context has finished.
+    pub fn download<T: Copy + Default>(&self, len: usize) -> Vec<T> {
+        let mut out = vec![T::default(); len];
+        let bytes = std::mem::size_of_val(&out[..]);
+        assert!(
+            bytes <= self.bytes,
+            "download of {bytes} B from {} B",
+            self.bytes
+        );
+        sync();
+        if bytes > 0 {
+            // SAFETY: `bytes` fit both sides.
+            cu(
+                unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr() as *mut _, self.ptr, bytes) },
+                "DtoH",
+            );
+        }
+        out
+    }
+
+    pub fn as_mut<T>(&self) -> *mut T {
+        self.ptr as *mut T
+    }
+
+    pub fn as_const<T>(&self) -> *const T {
+        self.ptr as *const T
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemAlloc; the tests synchronize before
+        // buffers go out of scope.
+        unsafe { sys::cuMemFree_v2(self.ptr) };
+    }
+}
+
+/// A GPU-backend config of the given shape (normal mode up to
+/// `max_tokens`, low-latency mode up to `ll_max` tokens).
+pub fn gpu_config(
+    hidden: i32,
+    topk: i32,
+    num_experts: i32,
+    max_tokens: i32,
+    ll_max: i32,
+    timeout_ms: u32,
+) -> ep_config_t {
+    let mut cfg = super::host_config(hidden, topk, num_experts, max_tokens, ll_max);
+    cfg.backend = EP_BACKEND_GPU;
+    cfg.timeout_ms = timeout_ms;
+    cfg
+}
+
+/// Runs `body(rank, ctx)` on `world` threads, rank r on GPU r with its own
+/// context, and returns the results in rank order. Checks that creating the
+/// context left the thread's current CUDA context alone.
+pub fn run_gpu_world<T: Send>(
+    world: usize,
+    cfg: &ep_config_t,
+    body: impl Fn(usize, &Ctx) -> T + Sync,
+) -> Vec<T> {
+    let id = unique_id();
+    std::thread::scope(|s| {
+        let threads: Vec<_> = (0..world)
+            .map(|rank| {
+                let body = &body;
+                let cfg = *cfg;
+                s.spawn(move || {
+                    use_device(rank);
+                    let mut before = null_mut();
+                    let mut after = null_mut();
+                    // SAFETY: plain driver calls.
+                    cu(unsafe { sys::cuCtxGetCurrent(&mut before) }, "current");
+                    let ctx = Ctx::create_on(world as i32, id, rank as i32, rank as i32, &cfg);
+                    cu(unsafe { sys::cuCtxGetCurrent(&mut after) }, "current");
+                    assert_eq!(before, after, "ep_ctx_create changed the current context");
+                    body(rank, &ctx)
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .enumerate()
+            .map(|(rank, t)| t.join().unwrap_or_else(|_| panic!("rank {rank} panicked")))
+            .collect()
+    })
+}
+
+/// The context's async error status.
+pub fn async_status(ctx: &Ctx) -> ep_status_t {
+    let mut status = -1;
+    // SAFETY: live context, valid out-parameter.
+    ok(
+        unsafe { ep_ctx_get_async_error(ctx.0, &mut status) },
+        "async",
+    );
+    status
+}
