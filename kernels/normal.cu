@@ -9,15 +9,19 @@
 //      to each rank and how many (token, slot) pairs to each expert, and the
 //      position of every token / pair inside its chunk.
 //   2. stage (source side): turns chunk positions into positions over all
-//      tokens (the prefix over earlier chunks), writes the per-rank token
-//      lists and the totals, and copies the tokens, scales, ids and weights
-//      into the area, where peers can read them.
+//      tokens (the prefix over earlier chunks), writes the totals, pushes a
+//      small record per (token, destination rank) into the destination's
+//      area (token index, and per slot the local expert, its weight and the
+//      pair's position among this source's pairs of that expert), and
+//      copies the tokens and scales into its own area for the peers to pull.
 //   3. barrier: every rank's stage is complete and visible.
 //   4. pull (receiver side): reads every source's totals, lays out the
 //      source-order rows (by source rank, then token order) and the
 //      expert-major rows (by local expert, then source-order row, padded to
-//      the alignment), and copies each received token ONCE over NVLink into
-//      its source-order row and all its expert-major rows.
+//      the alignment) from the records in its own area, and copies each
+//      received token ONCE over NVLink into its source-order row and all its
+//      expert-major rows. Only the token data crosses NVLink here, so a row
+//      costs one remote round trip, not a chain of them.
 //   5. barrier: nobody restages (next dispatch) while a peer still reads.
 //
 // A combine is four launches:
@@ -53,6 +57,8 @@
 #define EP_MOVE_WARPS (EP_MOVE_THREADS / 32)
 // 16-byte vectors each lane has in flight when copying a row.
 #define EP_COPY_UNROLL 8
+// 16-byte vectors (8 channels each) each lane sums at once in a combine.
+#define EP_SUM_UNROLL 4
 
 // Mirrors `DispatchParams` in src/runtime/gpu/normal.rs (same order, same
 // types; pointers are 64-bit, then 64-bit integers, then 32-bit ones).
@@ -91,13 +97,15 @@ struct DispatchParams {
     int64_t area;               // offset of this mode's area in every buffer
     int64_t off_staged_x;       // [max_tokens, row_bytes]
     int64_t off_staged_scales;  // [max_tokens, scale_cols]
-    int64_t off_staged_topk;    // [max_tokens, topk]
-    int64_t off_staged_weights; // [max_tokens, topk]
     int64_t off_slot_rank;      // [max_tokens, topk] position in its expert
-    int64_t off_rank_lists;     // [world, max_tokens] tokens for each rank
     int64_t off_rank_pos;       // [max_tokens, world] position or -1
     int64_t off_chunk_counts;   // [chunks, world + experts]
     int64_t off_totals;         // [world + experts]
+    // Records pushed by the sources, [source, max_tokens] rows:
+    int64_t off_in_token;       // [world, max_tokens] token index
+    int64_t off_in_local;       // [world, max_tokens, topk] local expert or -1
+    int64_t off_in_rank;        // [world, max_tokens, topk] position in the expert
+    int64_t off_in_weight;      // [world, max_tokens, topk] weight or 0
     int64_t recv_capacity;
     int64_t expert_capacity;
     int num_tokens;
@@ -171,19 +179,6 @@ __device__ __forceinline__ int ep_effective_expert(const int* ids, int slot, int
 // after a failed barrier must not trust what peers wrote.
 __device__ __forceinline__ bool ep_failed(const EpDeviceStatus* status) {
     return ep_ld_relaxed_sys(&status->code) != EP_STATUS_OK;
-}
-
-// The effective expert of slot `lane` for the whole warp, where lane k < topk
-// holds the id of slot k (the same rule as ep_effective_expert, with the
-// ids read once and compared through shuffles).
-__device__ __forceinline__ int ep_warp_effective_expert(int id, int lane, int topk,
-                                                        int num_experts) {
-    bool valid = lane < topk && id >= 0 && id < num_experts;
-    for (int k = 0; k < topk; ++k) {
-        const int earlier = __shfl_sync(0xffffffffu, id, k);
-        valid = valid && !(k < lane && earlier == id);
-    }
-    return valid ? id : -1;
 }
 
 // Copies `bytes` (a multiple of 16) from `src` to `dst` (unless nullptr)
@@ -347,13 +342,15 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
 // ---------------------------------------------------------------------------
 
 // Blocks below the chunk count finish their chunk's positions (adding the
-// counts of earlier chunks) and write the per-rank token lists and the
-// handle's is-token-in-rank; block 0 also writes the totals peers read.
-// Then all blocks copy the tokens, scales, ids and weights into the area.
+// counts of earlier chunks), push the records of their tokens to the
+// destination ranks and write the handle's is-token-in-rank; block 0 also
+// writes the totals peers read. Then all blocks copy the tokens and scales
+// into the area.
 extern "C" __global__ void ep_dispatch_stage_kernel(const DispatchParams p) {
     extern __shared__ int chunk_base[];  // [world + experts]
     const int columns = p.world + p.num_experts;
     const int chunks = (p.num_tokens + EP_CHUNK_TOKENS - 1) / EP_CHUNK_TOKENS;
+    const int local_experts = p.num_experts / p.world;
     const int* chunk_counts = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_chunk_counts);
 
     if (blockIdx.x == 0) {
@@ -377,44 +374,61 @@ extern "C" __global__ void ep_dispatch_stage_kernel(const DispatchParams p) {
         __syncthreads();
         const int token = blockIdx.x * EP_CHUNK_TOKENS + threadIdx.x;
         if (token < p.num_tokens) {
-            int* slot_rank = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_slot_rank);
-            const int* rank_pos = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_rank_pos);
-            int* rank_lists = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_rank_lists);
+            const int* slot_rank = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_slot_rank) +
+                                   static_cast<int64_t>(token) * p.topk;
+            const int* rank_pos = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_rank_pos) +
+                                  static_cast<int64_t>(token) * p.world;
             const int* ids = p.topk_idx + static_cast<int64_t>(token) * p.topk;
-            for (int k = 0; k < p.topk; ++k) {
-                const int e = ep_effective_expert(ids, k, p.num_experts);
-                if (e >= 0) {
-                    slot_rank[static_cast<int64_t>(token) * p.topk + k] += chunk_base[p.world + e];
-                }
-            }
+            const float* weights = p.topk_weights + static_cast<int64_t>(token) * p.topk;
             for (int r = 0; r < p.world; ++r) {
-                const int pos = rank_pos[static_cast<int64_t>(token) * p.world + r];
-                if (pos >= 0) {
-                    rank_lists[static_cast<int64_t>(r) * p.max_tokens + chunk_base[r] + pos] = token;
-                }
+                const int pos = rank_pos[r];
                 p.handle_in_rank[static_cast<int64_t>(token) * p.world + r] = pos >= 0;
+                if (pos < 0) {
+                    continue;
+                }
+                // The record goes to row (this rank, pos) of rank r's area.
+                const int64_t record = static_cast<int64_t>(p.rank) * p.max_tokens + chunk_base[r] + pos;
+                ep_area<int>(p.peer_bases, r, p.area, p.off_in_token)[record] = token;
+                int* in_local = ep_area<int>(p.peer_bases, r, p.area, p.off_in_local) + record * p.topk;
+                int* in_rank = ep_area<int>(p.peer_bases, r, p.area, p.off_in_rank) + record * p.topk;
+                float* in_weight =
+                    ep_area<float>(p.peer_bases, r, p.area, p.off_in_weight) + record * p.topk;
+                for (int k = 0; k < p.topk; ++k) {
+                    const int e = ep_effective_expert(ids, k, p.num_experts);
+                    const bool here = e >= 0 && e / local_experts == r;
+                    in_local[k] = here ? e - r * local_experts : -1;
+                    in_rank[k] = here ? chunk_base[p.world + e] + slot_rank[k] : 0;
+                    in_weight[k] = here ? weights[k] : 0.0f;
+                }
             }
         }
     }
 
-    // Stage the inputs, a flat grid-stride copy of each array.
+    // Stage the tokens and scales: a grid-stride copy with EP_COPY_UNROLL
+    // loads in flight per thread.
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
     const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     const int4* x = reinterpret_cast<const int4*>(p.x);
     int4* staged_x = ep_area<int4>(p.peer_bases, p.rank, p.area, p.off_staged_x);
     const int64_t vectors = static_cast<int64_t>(p.num_tokens) * p.row_bytes / 16;
-    for (int64_t i = first; i < vectors; i += stride) {
-        staged_x[i] = x[i];
+    for (int64_t base = first; base < vectors; base += stride * EP_COPY_UNROLL) {
+        int4 v[EP_COPY_UNROLL];
+#pragma unroll
+        for (int u = 0; u < EP_COPY_UNROLL; ++u) {
+            if (base + u * stride < vectors) {
+                v[u] = x[base + u * stride];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < EP_COPY_UNROLL; ++u) {
+            if (base + u * stride < vectors) {
+                staged_x[base + u * stride] = v[u];
+            }
+        }
     }
     float* staged_scales = ep_area<float>(p.peer_bases, p.rank, p.area, p.off_staged_scales);
     for (int64_t i = first; i < static_cast<int64_t>(p.num_tokens) * p.scale_cols; i += stride) {
         staged_scales[i] = p.x_scales[i];
-    }
-    int* staged_topk = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_staged_topk);
-    float* staged_weights = ep_area<float>(p.peer_bases, p.rank, p.area, p.off_staged_weights);
-    for (int64_t i = first; i < static_cast<int64_t>(p.num_tokens) * p.topk; i += stride) {
-        staged_topk[i] = p.topk_idx[i];
-        staged_weights[i] = p.topk_weights[i];
     }
 }
 
@@ -519,32 +533,33 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     }
 
     const int rows = layout.source_offset[p.world];
-    const int first_local = p.rank * local_experts;
     const int warps = gridDim.x * EP_MOVE_WARPS;
     for (int row = blockIdx.x * EP_MOVE_WARPS + warp; row < rows; row += warps) {
         int source = 0;
         while (layout.source_offset[source + 1] <= row) {
             ++source;
         }
-        const int* list = ep_area<int>(p.peer_bases, source, p.area, p.off_rank_lists);
-        const int token = list[static_cast<int64_t>(p.rank) * p.max_tokens + row -
-                               layout.source_offset[source]];
+        // The source's record for this row, in this rank's own area.
+        const int64_t record =
+            static_cast<int64_t>(source) * p.max_tokens + row - layout.source_offset[source];
+        const int token = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_in_token)[record];
 
         // Lane k < topk handles slot k: its local expert, weight and
         // expert-major row.
-        const int64_t flat = static_cast<int64_t>(token) * p.topk + lane;
-        const int* ids = ep_area<int>(p.peer_bases, source, p.area, p.off_staged_topk);
-        const int e = ep_warp_effective_expert(lane < p.topk ? ids[flat] : -1, lane, p.topk,
-                                               p.num_experts);
         int local = -1;
         float weight = 0.0f;
         int pos = -1;
-        if (e >= first_local && e < first_local + local_experts) {
-            local = e - first_local;
-            weight = ep_area<float>(p.peer_bases, source, p.area, p.off_staged_weights)[flat];
-            pos = layout.expert_offset[local] +
-                  layout.expert_base[source * local_experts + local] +
-                  ep_area<int>(p.peer_bases, source, p.area, p.off_slot_rank)[flat];
+        if (lane < p.topk) {
+            const int64_t slot = record * p.topk + lane;
+            local = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_in_local)[slot];
+            if (local >= 0 && local < local_experts) {
+                weight = ep_area<float>(p.peer_bases, p.rank, p.area, p.off_in_weight)[slot];
+                pos = layout.expert_offset[local] +
+                      layout.expert_base[source * local_experts + local] +
+                      ep_area<int>(p.peer_bases, p.rank, p.area, p.off_in_rank)[slot];
+            } else {
+                local = -1;
+            }
         }
         if (lane < p.topk) {
             const int64_t out = static_cast<int64_t>(row) * p.topk + lane;
@@ -698,18 +713,34 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
         }
         __syncwarp();
         const int terms = __popc(valid);
-        for (int v = lane; v < vectors; v += 32) {
-            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int base = lane; base < vectors; base += 32 * EP_SUM_UNROLL) {
+            float acc[EP_SUM_UNROLL][8] = {};
             for (int i = 0; i < terms; ++i) {
-                float y[8];
-                ep_unpack_bf16x8(x[static_cast<int64_t>(slot_rows[warp][i]) * vectors + v], y);
+                const int4* y = x + static_cast<int64_t>(slot_rows[warp][i]) * vectors;
                 const float w = slot_weights[warp][i];
+                int4 raw[EP_SUM_UNROLL];
 #pragma unroll
-                for (int c = 0; c < 8; ++c) {
-                    acc[c] = __fadd_rn(acc[c], __fmul_rn(w, y[c]));
+                for (int u = 0; u < EP_SUM_UNROLL; ++u) {
+                    if (base + u * 32 < vectors) {
+                        raw[u] = y[base + u * 32];
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < EP_SUM_UNROLL; ++u) {
+                    float f[8];
+                    ep_unpack_bf16x8(raw[u], f);
+#pragma unroll
+                    for (int c = 0; c < 8; ++c) {
+                        acc[u][c] = __fadd_rn(acc[u][c], __fmul_rn(w, f[c]));
+                    }
                 }
             }
-            dst[v] = ep_pack_bf16x8(acc);
+#pragma unroll
+            for (int u = 0; u < EP_SUM_UNROLL; ++u) {
+                if (base + u * 32 < vectors) {
+                    dst[base + u * 32] = ep_pack_bf16x8(acc[u]);
+                }
+            }
         }
         __syncwarp();
     }
@@ -730,21 +761,36 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     int4* out = reinterpret_cast<int4*>(p.out);
     for (int token = blockIdx.x * EP_MOVE_WARPS + warp; token < p.num_tokens; token += warps) {
         const uint8_t* in_rank = p.handle_in_rank + static_cast<int64_t>(token) * p.world;
-        for (int v = lane; v < vectors; v += 32) {
-            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int base = lane; base < vectors; base += 32 * EP_SUM_UNROLL) {
+            float acc[EP_SUM_UNROLL][8] = {};
             for (int r = 0; r < p.world; ++r) {
                 if (!in_rank[r]) {
                     continue;
                 }
-                float y[8];
-                ep_unpack_bf16x8(
-                    returned[(static_cast<int64_t>(r) * p.max_tokens + token) * vectors + v], y);
+                const int4* y = returned + (static_cast<int64_t>(r) * p.max_tokens + token) * vectors;
+                int4 raw[EP_SUM_UNROLL];
 #pragma unroll
-                for (int c = 0; c < 8; ++c) {
-                    acc[c] = __fadd_rn(acc[c], y[c]);
+                for (int u = 0; u < EP_SUM_UNROLL; ++u) {
+                    if (base + u * 32 < vectors) {
+                        raw[u] = y[base + u * 32];
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < EP_SUM_UNROLL; ++u) {
+                    float f[8];
+                    ep_unpack_bf16x8(raw[u], f);
+#pragma unroll
+                    for (int c = 0; c < 8; ++c) {
+                        acc[u][c] = __fadd_rn(acc[u][c], f[c]);
+                    }
                 }
             }
-            out[static_cast<int64_t>(token) * vectors + v] = ep_pack_bf16x8(acc);
+#pragma unroll
+            for (int u = 0; u < EP_SUM_UNROLL; ++u) {
+                if (base + u * 32 < vectors) {
+                    out[static_cast<int64_t>(token) * vectors + base + u * 32] = ep_pack_bf16x8(acc[u]);
+                }
+            }
         }
     }
 }

@@ -30,6 +30,7 @@ pub fn device_count() -> usize {
 pub fn use_device(ordinal: usize) {
     // SAFETY: plain driver calls.
     unsafe {
+        cu(sys::cuInit(0), "cuInit");
         let mut dev = 0;
         cu(sys::cuDeviceGet(&mut dev, ordinal as i32), "cuDeviceGet");
         let mut ctx = null_mut();

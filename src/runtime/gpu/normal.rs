@@ -34,19 +34,23 @@ struct Area {
     staged_x: usize,
     /// `[T, hidden / 128]` their FP8 scales.
     staged_scales: usize,
-    /// `[T, topk]` their expert ids and weights.
-    staged_topk: usize,
-    staged_weights: usize,
-    /// `[T, topk]` position of each (token, slot) among its expert's pairs.
+    /// `[T, topk]` position of each (token, slot) among its chunk's, then
+    /// among all, pairs of its expert.
     slot_rank: usize,
-    /// `[W, T]` the tokens that go to each rank, in token order.
-    rank_lists: usize,
-    /// `[T, W]` position of each token in each rank's list, or -1.
+    /// `[T, W]` position of each token among its chunk's tokens for each
+    /// rank, or -1.
     rank_pos: usize,
     /// `[chunks, W + E]` the count kernel's per-chunk counts.
     chunk_counts: usize,
     /// `[W + E]` tokens per rank, then pairs per expert (read by peers).
     totals: usize,
+    /// Records the sources push here, one per token they send, `[W, T]`
+    /// rows: the token index, and per slot the local expert (or -1), its
+    /// position among that source's pairs of the expert, and the weight.
+    in_token: usize,
+    in_local: usize,
+    in_rank: usize,
+    in_weight: usize,
     /// `[W, T, hidden]` BF16 rows the ranks return in a combine.
     returned: usize,
     /// Bytes of the whole area.
@@ -69,13 +73,14 @@ impl Area {
         Area {
             staged_x: take(tokens * cfg.token_dtype.row_bytes(t.hidden)),
             staged_scales: take(tokens * Dtype::Fp8E4m3.scales_per_row(t.hidden) * 4),
-            staged_topk: take(tokens * t.topk * 4),
-            staged_weights: take(tokens * t.topk * 4),
             slot_rank: take(tokens * t.topk * 4),
-            rank_lists: take(world * tokens * 4),
             rank_pos: take(tokens * world * 4),
             chunk_counts: take(chunks * columns * 4),
             totals: take(columns * 4),
+            in_token: take(world * tokens * 4),
+            in_local: take(world * tokens * t.topk * 4),
+            in_rank: take(world * tokens * t.topk * 4),
+            in_weight: take(world * tokens * t.topk * 4),
             returned: take(world * tokens * t.hidden * 2),
             bytes: next,
         }
@@ -119,13 +124,14 @@ struct DispatchParams {
     area: i64,
     off_staged_x: i64,
     off_staged_scales: i64,
-    off_staged_topk: i64,
-    off_staged_weights: i64,
     off_slot_rank: i64,
-    off_rank_lists: i64,
     off_rank_pos: i64,
     off_chunk_counts: i64,
     off_totals: i64,
+    off_in_token: i64,
+    off_in_local: i64,
+    off_in_rank: i64,
+    off_in_weight: i64,
     recv_capacity: i64,
     expert_capacity: i64,
     num_tokens: i32,
@@ -345,13 +351,14 @@ impl NormalMode {
             area: self.offset as i64,
             off_staged_x: a.staged_x as i64,
             off_staged_scales: a.staged_scales as i64,
-            off_staged_topk: a.staged_topk as i64,
-            off_staged_weights: a.staged_weights as i64,
             off_slot_rank: a.slot_rank as i64,
-            off_rank_lists: a.rank_lists as i64,
             off_rank_pos: a.rank_pos as i64,
             off_chunk_counts: a.chunk_counts as i64,
             off_totals: a.totals as i64,
+            off_in_token: a.in_token as i64,
+            off_in_local: a.in_local as i64,
+            off_in_rank: a.in_rank as i64,
+            off_in_weight: a.in_weight as i64,
             recv_capacity: recv.map_or(0, |r| r.capacity as i64),
             expert_capacity: expert.map_or(0, |e| e.capacity as i64),
             num_tokens: op.num_tokens as i32,
