@@ -27,14 +27,17 @@
 // can hold `epoch` or `epoch + 1` when it is read, and "reached" (>=) is true
 // for both. The comparison (ep_reached) survives the int wrapping around.
 //
-// Where the epoch comes from: `*epoch_counter`, a word of device memory of
+// Where the epoch comes from: `epoch_counter[0]`, a word of device memory of
 // this rank that counts its barriers (zero before the first). The kernel
 // reads it, uses the next value and stores that back, so the epoch advances
 // on the device: a barrier captured in a CUDA graph gets a fresh epoch at
 // every replay, which a value baked into the launch parameters would not.
 // Every rank runs the same sequence of barriers, so the counters agree.
 // Barriers of one rank must not run concurrently (they are ordered on the
-// context's streams by the one-thread-per-context rule).
+// context's streams by the one-thread-per-context rule). When every wait
+// succeeded, `epoch_counter[1]` becomes the epoch too: kernels after the
+// barrier compare the two words (ep_last_barrier_passed) to learn, from
+// device memory, whether the barrier failed.
 //
 // Launch: one block of at least `world` threads (a multiple of 32, e.g. 32
 // for world <= 32, 64 for world <= 64). Thread p signals and waits for rank p;
@@ -58,24 +61,29 @@ extern "C" __global__ void ep_barrier_kernel(int** peer_signals, int rank, int w
         }
         return;
     }
-    const int epoch = *epoch_counter + 1;
+    const int epoch = epoch_counter[0] + 1;
     // Every thread has read the old count before thread 0 replaces it.
     __syncthreads();
     if (threadIdx.x == 0) {
-        *epoch_counter = epoch;
+        epoch_counter[0] = epoch;
     }
     const int peer = threadIdx.x;
-    if (peer >= world) {
-        return;
+    bool arrived = true;
+    if (peer < world) {
+        // Step 1: tell `peer` that this rank has arrived. The fence orders
+        // the writes of the kernels before this one on the stream, which
+        // this thread has not observed itself, before the signal.
+        __threadfence_system();
+        ep_st_release_sys(peer_signals[peer] + rank, epoch);
+
+        // Step 2: wait for `peer` to arrive here. A thread that fails stops
+        // waiting; its siblings notice the recorded error on their next
+        // poll and stop as well (see ep_wait_until_ge).
+        const int* my_slot_for_peer = peer_signals[rank] + peer;
+        arrived = ep_wait_until_ge(my_slot_for_peer, epoch, ep_deadline_after(timeout_ns),
+                                   abort_flag, status, peer, EP_PHASE_BARRIER);
     }
-
-    // Step 1: tell `peer` that this rank has arrived.
-    ep_st_release_sys(peer_signals[peer] + rank, epoch);
-
-    // Step 2: wait for `peer` to arrive here. A thread that fails returns;
-    // its siblings notice the recorded error on their next check and return
-    // as well (see ep_wait_until_ge).
-    const int* my_slot_for_peer = peer_signals[rank] + peer;
-    ep_wait_until_ge(my_slot_for_peer, epoch, ep_deadline_after(timeout_ns), abort_flag, status,
-                     peer, EP_PHASE_BARRIER);
+    if (__syncthreads_and(arrived) && threadIdx.x == 0) {
+        epoch_counter[1] = epoch;
+    }
 }

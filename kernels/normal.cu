@@ -175,12 +175,6 @@ __device__ __forceinline__ int ep_effective_expert(const int* ids, int slot, int
     return id;
 }
 
-// True when an earlier kernel of this rank recorded an error: the kernels
-// after a failed barrier must not trust what peers wrote.
-__device__ __forceinline__ bool ep_failed(const EpDeviceStatus* status) {
-    return ep_ld_relaxed_sys(&status->code) != EP_STATUS_OK;
-}
-
 // Copies `bytes` (a multiple of 16) from `src` to `dst` (unless nullptr)
 // and to the rows `extra_rows[0..num_extra)` of `extra_base`, with the
 // whole warp: every lane keeps EP_COPY_UNROLL 16-byte loads in flight before
@@ -448,8 +442,9 @@ struct PullLayout {
 extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     ep_dispatch_pull_kernel(const DispatchParams p) {
     __shared__ PullLayout layout;
+    __shared__ bool sane;
     __shared__ bool fits;
-    if (ep_failed(p.status)) {
+    if (!ep_last_barrier_passed(p.peer_bases[p.rank])) {
         return;
     }
     const int local_experts = p.num_experts / p.world;
@@ -479,7 +474,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        bool sane = true;
+        sane = true;
         layout.source_offset[0] = 0;
         for (int s = 0; s < p.world; ++s) {
             const int count = layout.source_offset[s + 1];
@@ -513,7 +508,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
         }
     }
     __syncthreads();
-    if (blockIdx.x == 0 && !ep_failed(p.status)) {
+    if (blockIdx.x == 0 && sane) {
         for (int le = threadIdx.x; le <= local_experts; le += blockDim.x) {
             if (p.expert_x != nullptr) {
                 p.expert_offsets[le] = layout.expert_offset[le];
@@ -667,7 +662,8 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     ep_combine_send_kernel(const CombineParams p) {
     __shared__ int slot_rows[EP_MOVE_WARPS][EP_MAX_TOPK];
     __shared__ float slot_weights[EP_MOVE_WARPS][EP_MAX_TOPK];
-    if (ep_failed(p.status)) {
+    // After a failed dispatch the handle's rows cannot be trusted.
+    if (!ep_last_barrier_passed(p.peer_bases[p.rank])) {
         return;
     }
     const int warp = threadIdx.x / 32;
@@ -750,7 +746,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
 // token of this rank sums the rows the ranks returned for it.
 extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     ep_combine_reduce_kernel(const CombineParams p) {
-    if (ep_failed(p.status)) {
+    if (!ep_last_barrier_passed(p.peer_bases[p.rank])) {
         return;
     }
     const int warp = threadIdx.x / 32;

@@ -276,7 +276,7 @@ impl Signals {
         timeout: Duration,
     ) -> (DeviceStatus, Duration) {
         let kernel = module.function("ep_barrier_kernel").unwrap();
-        let counter = upload(device, &[epoch - 1]);
+        let counter = upload(device, &[epoch - 1, epoch - 1]);
         let mut p_table = self.table.ptr();
         let mut p_counter = counter.ptr();
         let (mut r, mut w) = (rank as i32, self.world as i32);

@@ -147,11 +147,16 @@ __device__ __forceinline__ bool ep_reached(int value, int target) {
     return static_cast<int>(static_cast<unsigned>(value) - static_cast<unsigned>(target)) >= 0;
 }
 
-// How many spins a wait does between two looks at the clock, the abort flag
-// and the status. The abort flag and the status are in host memory, a
-// round trip over PCIe each (about a microsecond): checking them on every
-// spin would slow down noticing the flag we are actually waiting for.
+// How many spins a wait does between two looks at the clock.
 #define EP_WAIT_CHECK_EVERY 64
+
+// How long a wait spins before it first looks at the abort flag and the
+// status, and how often it looks again. Both live in host memory, and a
+// read of host memory from the GPU is slow (a PCIe round trip, far slower
+// under virtualization): polling them from the start would put that round
+// trip into every barrier, while waits that end within this time (the
+// normal case) never need them.
+#define EP_HOST_POLL_NS 100000ull
 
 // Spins until the int at `addr` reaches `target` (see ep_reached), with
 // acquire semantics: when it returns true, whatever the writer did before
@@ -163,11 +168,13 @@ __device__ __forceinline__ bool ep_reached(int value, int target) {
 //   - `status` already holds an error (another thread of this rank failed,
 //     or an earlier kernel did and the host has not cleared it): records
 //     nothing, the first error stays.
+// The first two are looked at only after EP_HOST_POLL_NS of waiting.
 // `rank` and `phase` go into the record: the rank whose signal this wait is
 // for, and the kernel's EP_PHASE_*. The caller must then leave the kernel.
 __device__ __forceinline__ bool ep_wait_until_ge(const int* addr, int target, uint64_t deadline_ns,
                                                  const int* abort_flag, EpDeviceStatus* status,
                                                  int rank, int phase) {
+    uint64_t next_poll_ns = 0;
     for (uint32_t spin = 0;; ++spin) {
         int value = ep_ld_acquire_sys(addr);
         if (ep_reached(value, target)) {
@@ -176,6 +183,18 @@ __device__ __forceinline__ bool ep_wait_until_ge(const int* addr, int target, ui
         if (spin % EP_WAIT_CHECK_EVERY != 0) {
             continue;
         }
+        const uint64_t now = ep_globaltimer_ns();
+        if (now >= deadline_ns) {
+            ep_record_error(status, EP_STATUS_TIMEOUT, rank, phase, value);
+            return false;
+        }
+        if (next_poll_ns == 0) {
+            next_poll_ns = now + EP_HOST_POLL_NS;
+        }
+        if (now < next_poll_ns) {
+            continue;
+        }
+        next_poll_ns = now + EP_HOST_POLL_NS;
         if (ep_ld_relaxed_sys(abort_flag) != 0) {
             ep_record_error(status, EP_STATUS_ABORTED, rank, phase, value);
             return false;
@@ -183,9 +202,24 @@ __device__ __forceinline__ bool ep_wait_until_ge(const int* addr, int target, ui
         if (ep_ld_relaxed_sys(&status->code) != EP_STATUS_OK) {
             return false;
         }
-        if (ep_globaltimer_ns() >= deadline_ns) {
-            ep_record_error(status, EP_STATUS_TIMEOUT, rank, phase, value);
-            return false;
-        }
     }
+}
+
+// ---------------------------------------------------------------------------
+// The barrier's words in every rank's buffer
+// ---------------------------------------------------------------------------
+
+// Every rank's symmetric buffer starts with the barrier's [world] signal
+// slots; at this offset follow two words of the rank itself: the number of
+// barriers it has entered, then the number of the last one it passed.
+// Mirrored by BARRIER_COUNTER_OFFSET in src/runtime/gpu/mod.rs.
+#define EP_BARRIER_COUNTER_OFFSET 256
+
+// True when this rank passed its latest barrier (or has run none), read
+// from its own buffer `own_base`: kernels that use what peers wrote before
+// a barrier check it first, and do nothing after a barrier that timed out
+// or was aborted. Device memory, so the check costs no host round trip.
+__device__ __forceinline__ bool ep_last_barrier_passed(uint64_t own_base) {
+    const volatile int* words = reinterpret_cast<const volatile int*>(own_base + EP_BARRIER_COUNTER_OFFSET);
+    return words[0] == words[1];
 }

@@ -27,8 +27,9 @@ use symmetric::SymmetricMemory;
 /// Bytes at the start of every rank's buffer for cross-rank signals of the
 /// runtime itself, before the modes' areas: the barrier's `[world]` slots at
 /// offset 0 (so the table of peer buffers is also the barrier's table of
-/// peer slot arrays), then this rank's barrier count.
+/// peer slot arrays), then this rank's barrier counts (entered, passed).
 const SIGNAL_BYTES: usize = 64 * 1024;
+/// Mirrors `EP_BARRIER_COUNTER_OFFSET` in kernels/include/ep_device.cuh.
 const BARRIER_COUNTER_OFFSET: usize = MAX_WORLD_SIZE * 4;
 
 /// Threads of the barrier kernel's one block: one per rank.
