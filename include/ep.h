@@ -64,8 +64,12 @@ struct CUstream_st;
 #define EP_DISPATCH_NO_HOST_SYNC 1
 
 // `ep_dispatch_args_t.flags`: reuse the routing stored in the handle by an
-// earlier dispatch with the same `topk_idx` and `num_tokens`; skips the
-// layout and the count exchange.
+// earlier dispatch with the same `topk_idx` and `num_tokens`: the call
+// skips the host synchronisation and writes the `host_*` outputs from the
+// handle (the counts of that earlier dispatch, if it learned them). The
+// host backend checks that the routing is the same and fails otherwise; the
+// GPU backend cannot check without a synchronisation: its device outputs
+// follow the routing passed, its host counts stay the handle's.
 #define EP_DISPATCH_REUSE_LAYOUT 2
 
 // `ep_combine_args_t.input_layout`: one row per received source-order row
@@ -178,6 +182,9 @@ typedef struct CUstream_st *ep_stream_t;
 // rows contiguous (in source order), each expert's segment starting at a
 // multiple of `expert_alignment`. Either output may be skipped by passing a
 // NULL `recv_x` or `expert_x`.
+//
+// On the GPU backend `x`, `recv_x` and `expert_x` must be 16-byte aligned
+// (rows move as 16-byte vectors; `cudaMalloc` memory is).
 typedef struct ep_dispatch_args_t {
   uint32_t struct_size;
   // `EP_DISPATCH_ARGS_MAGIC`.
@@ -240,7 +247,8 @@ typedef struct ep_dispatch_args_t {
 } ep_dispatch_args_t;
 
 // Arguments of `ep_combine` (normal mode): sums the rows that came back for
-// each of this rank's tokens, in fp32, into BF16 `out`.
+// each of this rank's tokens, in fp32, into BF16 `out`. On the GPU backend
+// `x` and `out` must be 16-byte aligned.
 typedef struct ep_combine_args_t {
   uint32_t struct_size;
   // `EP_COMBINE_ARGS_MAGIC`.

@@ -193,16 +193,22 @@ __device__ __forceinline__ void ep_warp_copy_row(const uint8_t* src, uint8_t* ds
                 v[u] = s[i];
             }
         }
+        if (dst != nullptr) {
 #pragma unroll
-        for (int u = 0; u < EP_COPY_UNROLL; ++u) {
-            const int i = base + u * 32 + lane;
-            if (i < vectors) {
-                if (dst != nullptr) {
+            for (int u = 0; u < EP_COPY_UNROLL; ++u) {
+                const int i = base + u * 32 + lane;
+                if (i < vectors) {
                     reinterpret_cast<int4*>(dst)[i] = v[u];
                 }
-                for (int e = 0; e < num_extra; ++e) {
-                    int4* row = reinterpret_cast<int4*>(
-                        extra_base + static_cast<int64_t>(extra_rows[e]) * bytes);
+            }
+        }
+        for (int e = 0; e < num_extra; ++e) {
+            int4* row =
+                reinterpret_cast<int4*>(extra_base + static_cast<int64_t>(extra_rows[e]) * bytes);
+#pragma unroll
+            for (int u = 0; u < EP_COPY_UNROLL; ++u) {
+                const int i = base + u * 32 + lane;
+                if (i < vectors) {
                     row[i] = v[u];
                 }
             }

@@ -94,8 +94,12 @@ pub const EP_DTYPE_FP8_E4M3: i32 = 2;
 /// (`ep_get_dispatch_capacity`), and the call can be captured in a CUDA graph.
 pub const EP_DISPATCH_NO_HOST_SYNC: u32 = 1;
 /// `ep_dispatch_args_t.flags`: reuse the routing stored in the handle by an
-/// earlier dispatch with the same `topk_idx` and `num_tokens`; skips the
-/// layout and the count exchange.
+/// earlier dispatch with the same `topk_idx` and `num_tokens`: the call
+/// skips the host synchronisation and writes the `host_*` outputs from the
+/// handle (the counts of that earlier dispatch, if it learned them). The
+/// host backend checks that the routing is the same and fails otherwise; the
+/// GPU backend cannot check without a synchronisation: its device outputs
+/// follow the routing passed, its host counts stay the handle's.
 pub const EP_DISPATCH_REUSE_LAYOUT: u32 = 2;
 
 /// `ep_combine_args_t.input_layout`: one row per received source-order row
@@ -207,6 +211,9 @@ pub const EP_CONFIG_MIN_SIZE: u32 = 32;
 /// rows contiguous (in source order), each expert's segment starting at a
 /// multiple of `expert_alignment`. Either output may be skipped by passing a
 /// NULL `recv_x` or `expert_x`.
+///
+/// On the GPU backend `x`, `recv_x` and `expert_x` must be 16-byte aligned
+/// (rows move as 16-byte vectors; `cudaMalloc` memory is).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct ep_dispatch_args_t {
@@ -277,7 +284,8 @@ pub struct ep_dispatch_args_t {
 pub const EP_DISPATCH_ARGS_MIN_SIZE: u32 = std::mem::size_of::<ep_dispatch_args_t>() as u32;
 
 /// Arguments of `ep_combine` (normal mode): sums the rows that came back for
-/// each of this rank's tokens, in fp32, into BF16 `out`.
+/// each of this rank's tokens, in fp32, into BF16 `out`. On the GPU backend
+/// `x` and `out` must be 16-byte aligned.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct ep_combine_args_t {
