@@ -662,6 +662,41 @@ __device__ __forceinline__ int4 ep_pack_bf16x8(const float in[8]) {
     return v;
 }
 
+// acc[u] += w * row[base + 32 u] for the EP_SUM_UNROLL vectors of one lane,
+// in fp32, each product rounded before it is added (the reference's order;
+// with w = 1 the product is exact, so plain sums use this too).
+__device__ __forceinline__ void ep_add_weighted_vectors(float (&acc)[EP_SUM_UNROLL][8],
+                                                        const int4* row, float w, int base,
+                                                        int vectors) {
+    int4 raw[EP_SUM_UNROLL];
+#pragma unroll
+    for (int u = 0; u < EP_SUM_UNROLL; ++u) {
+        if (base + u * 32 < vectors) {
+            raw[u] = row[base + u * 32];
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < EP_SUM_UNROLL; ++u) {
+        float f[8];
+        ep_unpack_bf16x8(raw[u], f);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+            acc[u][c] = __fadd_rn(acc[u][c], __fmul_rn(w, f[c]));
+        }
+    }
+}
+
+// row[base + 32 u] = BF16 of acc[u], for the vectors of one lane.
+__device__ __forceinline__ void ep_store_bf16_vectors(int4* row, const float (&acc)[EP_SUM_UNROLL][8],
+                                                      int base, int vectors) {
+#pragma unroll
+    for (int u = 0; u < EP_SUM_UNROLL; ++u) {
+        if (base + u * 32 < vectors) {
+            row[base + u * 32] = ep_pack_bf16x8(acc[u]);
+        }
+    }
+}
+
 // Combine 1: send (grid = SM budget, EP_MOVE_THREADS threads). A warp per
 // received row writes its BF16 row into the source's returned rows.
 extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
@@ -718,31 +753,10 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
         for (int base = lane; base < vectors; base += 32 * EP_SUM_UNROLL) {
             float acc[EP_SUM_UNROLL][8] = {};
             for (int i = 0; i < terms; ++i) {
-                const int4* y = x + static_cast<int64_t>(slot_rows[warp][i]) * vectors;
-                const float w = slot_weights[warp][i];
-                int4 raw[EP_SUM_UNROLL];
-#pragma unroll
-                for (int u = 0; u < EP_SUM_UNROLL; ++u) {
-                    if (base + u * 32 < vectors) {
-                        raw[u] = y[base + u * 32];
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < EP_SUM_UNROLL; ++u) {
-                    float f[8];
-                    ep_unpack_bf16x8(raw[u], f);
-#pragma unroll
-                    for (int c = 0; c < 8; ++c) {
-                        acc[u][c] = __fadd_rn(acc[u][c], __fmul_rn(w, f[c]));
-                    }
-                }
+                ep_add_weighted_vectors(acc, x + static_cast<int64_t>(slot_rows[warp][i]) * vectors,
+                                        slot_weights[warp][i], base, vectors);
             }
-#pragma unroll
-            for (int u = 0; u < EP_SUM_UNROLL; ++u) {
-                if (base + u * 32 < vectors) {
-                    dst[base + u * 32] = ep_pack_bf16x8(acc[u]);
-                }
-            }
+            ep_store_bf16_vectors(dst, acc, base, vectors);
         }
         __syncwarp();
     }
@@ -769,30 +783,11 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
                 if (!in_rank[r]) {
                     continue;
                 }
-                const int4* y = returned + (static_cast<int64_t>(r) * p.max_tokens + token) * vectors;
-                int4 raw[EP_SUM_UNROLL];
-#pragma unroll
-                for (int u = 0; u < EP_SUM_UNROLL; ++u) {
-                    if (base + u * 32 < vectors) {
-                        raw[u] = y[base + u * 32];
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < EP_SUM_UNROLL; ++u) {
-                    float f[8];
-                    ep_unpack_bf16x8(raw[u], f);
-#pragma unroll
-                    for (int c = 0; c < 8; ++c) {
-                        acc[u][c] = __fadd_rn(acc[u][c], f[c]);
-                    }
-                }
+                ep_add_weighted_vectors(
+                    acc, returned + (static_cast<int64_t>(r) * p.max_tokens + token) * vectors,
+                    1.0f, base, vectors);
             }
-#pragma unroll
-            for (int u = 0; u < EP_SUM_UNROLL; ++u) {
-                if (base + u * 32 < vectors) {
-                    out[static_cast<int64_t>(token) * vectors + base + u * 32] = ep_pack_bf16x8(acc[u]);
-                }
-            }
+            ep_store_bf16_vectors(out + static_cast<int64_t>(token) * vectors, acc, base, vectors);
         }
     }
 }

@@ -3,7 +3,7 @@
 //! freed on drop, GPU configs, and a runner that starts one rank per GPU as
 //! threads of this process.
 
-use super::{last_error, unique_id, Ctx, POISON};
+use super::{last_error, run_ranks, Ctx, POISON};
 use cudarc::driver::sys;
 use ep::capi::*;
 use std::ptr::null_mut;
@@ -164,31 +164,18 @@ pub fn run_gpu_world<T: Send>(
     cfg: &ep_config_t,
     body: impl Fn(usize, &Ctx) -> T + Sync,
 ) -> Vec<T> {
-    let id = unique_id();
-    std::thread::scope(|s| {
-        let threads: Vec<_> = (0..world)
-            .map(|rank| {
-                let body = &body;
-                let cfg = *cfg;
-                s.spawn(move || {
-                    use_device(rank);
-                    let mut before = null_mut();
-                    let mut after = null_mut();
-                    // SAFETY: plain driver calls.
-                    cu(unsafe { sys::cuCtxGetCurrent(&mut before) }, "current");
-                    let ctx = Ctx::create_on(world as i32, id, rank as i32, rank as i32, &cfg);
-                    cu(unsafe { sys::cuCtxGetCurrent(&mut after) }, "current");
-                    assert_eq!(before, after, "ep_ctx_create changed the current context");
-                    body(rank, &ctx)
-                })
-            })
-            .collect();
-        threads
-            .into_iter()
-            .enumerate()
-            .map(|(rank, t)| t.join().unwrap_or_else(|_| panic!("rank {rank} panicked")))
-            .collect()
-    })
+    let join = |rank: usize, id| {
+        use_device(rank);
+        let mut before = null_mut();
+        let mut after = null_mut();
+        // SAFETY: plain driver calls.
+        cu(unsafe { sys::cuCtxGetCurrent(&mut before) }, "current");
+        let ctx = Ctx::create_on(world as i32, id, rank as i32, rank as i32, cfg);
+        cu(unsafe { sys::cuCtxGetCurrent(&mut after) }, "current");
+        assert_eq!(before, after, "ep_ctx_create changed the current context");
+        ctx
+    };
+    run_ranks(world, join, body)
 }
 
 /// The context's async error status.

@@ -243,16 +243,27 @@ pub fn run_world<T: Send>(
     cfg: &ep_config_t,
     body: impl Fn(usize, &Ctx) -> T + Sync,
 ) -> Vec<T> {
+    run_ranks(
+        world,
+        |rank, id| Ctx::create(world as i32, id, rank as i32, cfg),
+        body,
+    )
+}
+
+/// Starts `world` threads; thread `rank` makes its context with
+/// `join(rank, id)` (one unique id for all) and runs `body` on it. Returns
+/// the results in rank order; a panic on any rank fails the caller.
+pub fn run_ranks<T: Send>(
+    world: usize,
+    join: impl Fn(usize, ep_unique_id_t) -> Ctx + Sync,
+    body: impl Fn(usize, &Ctx) -> T + Sync,
+) -> Vec<T> {
     let id = unique_id();
     std::thread::scope(|s| {
         let threads: Vec<_> = (0..world)
             .map(|rank| {
-                let body = &body;
-                let cfg = *cfg;
-                s.spawn(move || {
-                    let ctx = Ctx::create(world as i32, id, rank as i32, &cfg);
-                    body(rank, &ctx)
-                })
+                let (join, body) = (&join, &body);
+                s.spawn(move || body(rank, &join(rank, id)))
             })
             .collect();
         threads
