@@ -792,6 +792,8 @@ mod tests {
             "ep_dispatch_pull_kernel",
             "ep_combine_send_kernel",
             "ep_combine_reduce_kernel",
+            "ep_ll_dispatch_kernel",
+            "ep_ll_combine_kernel",
         ] {
             assert!(contains(name.as_bytes()), "{name}");
         }

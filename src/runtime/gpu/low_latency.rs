@@ -1,39 +1,387 @@
 //! Low-latency mode on GPUs: one-kernel FP8 dispatch and combine for decode.
+//!
+//! The kernels, the buffer layout and the signal protocol are described in
+//! `kernels/low_latency.cu`. This side carves the mode's area of the
+//! symmetric buffer, checks what only the host can check (alignment, the
+//! order of send-only and receive-only calls, whether the dispatch had
+//! weights), and enqueues one launch per call.
+//!
+//! # Calls in flight
+//! Each operation (dispatch, combine) alternates between two buffer sets,
+//! and its call number lives in device memory, so CUDA graph replays advance
+//! it. A rank may be one call ahead of a peer: its send phase of call `n`
+//! writes set `n % 2` while the peer may still read set `(n - 1) % 2`, and
+//! before writing it waits (bounded) until the peer has acknowledged reading
+//! call `n - 2`. On one context, an `EP_LL_SEND_ONLY` call must be followed by
+//! its `EP_LL_RECV_ONLY` call before any other low-latency call: this is
+//! checked here and answered with `EP_ERR_INVALID_ARGUMENT`. A peer that does
+//! not keep up (or never calls) ends in `EP_ERR_TIMEOUT` from the async error
+//! status, never in rows of another call.
+//!
+//! # The combine's view of the dispatch
+//! The combine returns the rows of this context's LAST dispatch: which rows
+//! belong to which (source, token, slot), and the weights given at dispatch,
+//! are kept on the device by that dispatch. `src_info` and `layout_range`
+//! must be that dispatch's outputs (as the API requires); the kernels do not
+//! read them. Weights at dispatch are checked on this rank only (its last
+//! dispatch had weights); if ranks disagree, those that expect rows no peer
+//! sends time out.
 
-use super::Runtime;
+use super::{arg, Runtime};
 use crate::error::{Error, Result};
+use crate::reference::Dtype;
 use crate::runtime::backend::Stream;
 use crate::runtime::config::Config;
 use crate::runtime::ops::{LlCombineOp, LlDispatchOp};
 
-/// Bytes of symmetric buffer the low-latency mode needs for `cfg`.
-pub fn buffer_bytes(_cfg: &Config) -> usize {
-    0
+/// Threads per block of both kernels (`EP_LL_THREADS` in the kernel file).
+const THREADS: u32 = 512;
+/// Bytes of a dispatch message header (`EP_LL_HEADER_BYTES`): per slot of
+/// up to 16, the local expert, then the weight.
+const HEADER_BYTES: usize = 128;
+/// Bytes of the `LlCounters` struct of the kernel file.
+const COUNTERS_BYTES: usize = 16;
+
+/// Byte offsets of the mode's arrays inside its area of every rank's buffer
+/// (the same on every rank); see the layout in `kernels/low_latency.cu`.
+/// `W` = world, `M` = `ll_max_tokens`, `K` = topk, `L` = local experts,
+/// `H` = hidden, `J` = `K + W`.
+#[derive(Debug, Clone, Copy)]
+struct Area {
+    /// `LlCounters`: sequence numbers and arrival counts (this rank only).
+    counters: usize,
+    /// `[2, W]` announce flags and token counts the sources write.
+    dispatch_flags: usize,
+    dispatch_counts: usize,
+    /// `[2, W, M]` per-token arrival tags.
+    dispatch_tags: usize,
+    /// `[2, W, M]` messages of `msg_bytes`.
+    dispatch_msgs: usize,
+    /// `[W]` each rank's last finished dispatch receive.
+    dispatch_acks: usize,
+    /// `[2, M, J]` return-row tags and `[2, M, J, H]` BF16 return rows.
+    combine_tags: usize,
+    combine_rows: usize,
+    /// `[W]` each rank's last finished combine receive.
+    combine_acks: usize,
+    /// `[L, W, M]` dispatch scratch.
+    scan_origin: usize,
+    /// `[W]` tokens per source of the last dispatch.
+    dispatch_tokens: usize,
+    /// `[W, M, K]` row and weight of each received (source, token, slot).
+    token_rows: usize,
+    token_weights: usize,
+    /// `[L, W * M, H]` BF16 zero-copy combine buffer.
+    combine_buffer: usize,
+    combine_buffer_bytes: usize,
+    /// Header, then the larger of a BF16 row and an FP8 row with scales.
+    msg_bytes: usize,
+    /// Bytes of the whole area.
+    bytes: usize,
 }
 
-pub struct LlMode {}
+impl Area {
+    fn new(cfg: &Config) -> Area {
+        let t = &cfg.topo;
+        let (m, world, topk, hidden) = (cfg.ll_max_tokens, t.world, t.topk, t.hidden);
+        let local = t.local_experts();
+        let msg_bytes = HEADER_BYTES + 2 * hidden;
+        let combine_buffer_bytes = local * world * m * hidden * 2;
+        let mut next = 0;
+        // 256-byte aligned pieces: rows are moved as 16-byte vectors.
+        let mut take = |bytes: usize| {
+            let at = next;
+            next = (at + bytes).div_ceil(256) * 256;
+            at
+        };
+        Area {
+            counters: take(COUNTERS_BYTES),
+            dispatch_flags: take(2 * world * 4),
+            dispatch_counts: take(2 * world * 4),
+            dispatch_tags: take(2 * world * m * 4),
+            dispatch_msgs: take(2 * world * m * msg_bytes),
+            dispatch_acks: take(world * 4),
+            combine_tags: take(2 * m * (topk + world) * 4),
+            combine_rows: take(2 * m * (topk + world) * hidden * 2),
+            combine_acks: take(world * 4),
+            scan_origin: take(local * world * m * 4),
+            dispatch_tokens: take(world * 4),
+            token_rows: take(world * m * topk * 4),
+            token_weights: take(world * m * topk * 4),
+            combine_buffer: take(combine_buffer_bytes),
+            combine_buffer_bytes,
+            msg_bytes,
+            bytes: next,
+        }
+    }
+}
+
+/// Bytes of symmetric buffer the low-latency mode needs for `cfg` (none when
+/// the mode is disabled).
+pub fn buffer_bytes(cfg: &Config) -> usize {
+    if cfg.ll_max_tokens == 0 {
+        return 0;
+    }
+    Area::new(cfg).bytes
+}
+
+/// Kernel parameters of both kernels; mirrors `LlParams` in
+/// kernels/low_latency.cu field by field.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+struct LlParams {
+    x: u64,
+    topk_idx: u64,
+    topk_weights: u64,
+    recv_x: u64,
+    recv_scales: u64,
+    recv_count: u64,
+    recv_src_info: u64,
+    recv_layout_range: u64,
+    out: u64,
+    peer_bases: u64,
+    status: u64,
+    abort_flag: u64,
+    timeout_ns: u64,
+    area: i64,
+    off_counters: i64,
+    off_dispatch_flags: i64,
+    off_dispatch_counts: i64,
+    off_dispatch_tags: i64,
+    off_dispatch_msgs: i64,
+    off_dispatch_acks: i64,
+    off_combine_tags: i64,
+    off_combine_rows: i64,
+    off_combine_acks: i64,
+    off_scan_origin: i64,
+    off_dispatch_tokens: i64,
+    off_token_rows: i64,
+    off_token_weights: i64,
+    msg_bytes: i64,
+    num_tokens: i32,
+    rank: i32,
+    world: i32,
+    num_experts: i32,
+    topk: i32,
+    hidden: i32,
+    max_tokens: i32,
+    fp8: i32,
+    ue8m0: i32,
+    weighted: i32,
+    do_send: i32,
+    do_recv: i32,
+}
+
+/// The receive phase a send-only call left due.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pending {
+    DispatchRecv,
+    /// `weighted`: the send phase had weights at combine.
+    CombineRecv {
+        weighted: bool,
+    },
+}
+
+pub struct LlMode {
+    /// Where the mode's area starts in every rank's buffer.
+    offset: usize,
+    area: Area,
+    /// Blocks per launch: one per SM.
+    grid: u32,
+    pending: Option<Pending>,
+    /// Whether this rank's last dispatch was given weights (`None` before
+    /// the first dispatch).
+    dispatch_had_weights: Option<bool>,
+}
+
+/// A device pointer argument: 0 for "not given".
+fn ptr<T>(p: *const T) -> u64 {
+    p as u64
+}
+
+/// Checks that a row array is 16-byte aligned: the kernels move rows as
+/// 16-byte vectors.
+fn check_aligned<T>(name: &str, p: *const T) -> Result<()> {
+    if !(p as usize).is_multiple_of(16) {
+        return Err(Error::invalid(format!(
+            "{name} = {p:p} is not 16-byte aligned (the GPU backend moves rows as 16-byte vectors)"
+        )));
+    }
+    Ok(())
+}
 
 impl LlMode {
     /// The mode's area starts at `offset` of every rank's symmetric buffer.
-    pub fn new(_rt: &Runtime, _offset: usize) -> Result<LlMode> {
-        Ok(LlMode {})
+    pub fn new(rt: &Runtime, offset: usize) -> Result<LlMode> {
+        Ok(LlMode {
+            offset,
+            area: Area::new(&rt.cfg),
+            grid: rt.device.sm_count()?,
+            pending: None,
+            dispatch_had_weights: None,
+        })
     }
 
-    pub fn dispatch(&mut self, _rt: &Runtime, _op: &LlDispatchOp, _stream: Stream) -> Result<()> {
-        Err(Error::unsupported(
-            "the low-latency dispatch is not available on the GPU backend in this build",
-        ))
+    /// Parameters every launch shares; the caller fills in the operation's.
+    fn params(&self, rt: &Runtime) -> LlParams {
+        let (cfg, a) = (&rt.cfg, &self.area);
+        let topo = cfg.topo;
+        LlParams {
+            peer_bases: rt.memory.peer_bases(),
+            status: rt.status_ptr(),
+            abort_flag: rt.abort_ptr(),
+            timeout_ns: rt.timeout_ns,
+            area: self.offset as i64,
+            off_counters: a.counters as i64,
+            off_dispatch_flags: a.dispatch_flags as i64,
+            off_dispatch_counts: a.dispatch_counts as i64,
+            off_dispatch_tags: a.dispatch_tags as i64,
+            off_dispatch_msgs: a.dispatch_msgs as i64,
+            off_dispatch_acks: a.dispatch_acks as i64,
+            off_combine_tags: a.combine_tags as i64,
+            off_combine_rows: a.combine_rows as i64,
+            off_combine_acks: a.combine_acks as i64,
+            off_scan_origin: a.scan_origin as i64,
+            off_dispatch_tokens: a.dispatch_tokens as i64,
+            off_token_rows: a.token_rows as i64,
+            off_token_weights: a.token_weights as i64,
+            msg_bytes: a.msg_bytes as i64,
+            rank: cfg.rank as i32,
+            world: topo.world as i32,
+            num_experts: topo.num_experts as i32,
+            topk: topo.topk as i32,
+            hidden: topo.hidden as i32,
+            max_tokens: cfg.ll_max_tokens as i32,
+            ..LlParams::default()
+        }
     }
 
-    pub fn combine(&mut self, _rt: &Runtime, _op: &LlCombineOp, _stream: Stream) -> Result<()> {
-        Err(Error::unsupported(
-            "the low-latency combine is not available on the GPU backend in this build",
-        ))
+    /// Checks the order of split calls: a send phase needs nothing due, a
+    /// receive-only call needs its send-only call (`want`) just before.
+    fn expect_pending(&self, want: Option<Pending>) -> Result<()> {
+        if self.pending == want {
+            return Ok(());
+        }
+        Err(Error::invalid(match (self.pending, want) {
+            (Some(Pending::DispatchRecv), _) => {
+                "a low-latency dispatch ran its send phase only: call it again with EP_LL_RECV_ONLY first"
+            }
+            (Some(Pending::CombineRecv { .. }), Some(Pending::CombineRecv { .. })) => {
+                "EP_LL_RECV_ONLY combine with topk_weights given or not unlike its EP_LL_SEND_ONLY call"
+            }
+            (Some(Pending::CombineRecv { .. }), _) => {
+                "a low-latency combine ran its send phase only: call it again with EP_LL_RECV_ONLY first"
+            }
+            (None, _) => "EP_LL_RECV_ONLY without a matching EP_LL_SEND_ONLY call",
+        }))
     }
 
-    pub fn combine_buffer(&mut self, _rt: &Runtime) -> Result<(*mut u8, usize)> {
-        Err(Error::unsupported(
-            "the low-latency combine buffer is not available on the GPU backend in this build",
-        ))
+    /// Launches `kernel` with `params` on `stream`.
+    fn launch(
+        &self,
+        rt: &Runtime,
+        kernel: &str,
+        params: &mut LlParams,
+        stream: Stream,
+    ) -> Result<()> {
+        let mut p = arg(params);
+        // SAFETY: the parameter struct mirrors the kernels' `LlParams`; the
+        // caller's arrays stay valid until the stream has run the kernel
+        // (API rule), the context's buffers until it is destroyed.
+        unsafe {
+            rt.launch(
+                kernel,
+                self.grid,
+                THREADS,
+                0,
+                stream,
+                std::slice::from_mut(&mut p),
+            )
+        }
+    }
+
+    pub fn dispatch(&mut self, rt: &Runtime, op: &LlDispatchOp, stream: Stream) -> Result<()> {
+        let phases = op.phases;
+        self.expect_pending((!phases.send).then_some(Pending::DispatchRecv))?;
+        if phases.send && op.num_tokens > 0 {
+            check_aligned("x", op.x)?;
+        }
+        if phases.recv {
+            check_aligned("recv_x", op.recv_x)?;
+        }
+        let mut params = LlParams {
+            x: ptr(op.x),
+            topk_idx: ptr(op.topk_idx),
+            topk_weights: ptr(op.topk_weights),
+            recv_x: ptr(op.recv_x),
+            recv_scales: ptr(op.recv_scales),
+            recv_count: ptr(op.recv_count),
+            recv_src_info: ptr(op.recv_src_info),
+            recv_layout_range: ptr(op.recv_layout_range),
+            num_tokens: op.num_tokens as i32,
+            fp8: (op.out_dtype == Dtype::Fp8E4m3) as i32,
+            ue8m0: op.ue8m0 as i32,
+            do_send: phases.send as i32,
+            do_recv: phases.recv as i32,
+            ..self.params(rt)
+        };
+        self.launch(rt, "ep_ll_dispatch_kernel", &mut params, stream)?;
+        if phases.send {
+            self.dispatch_had_weights = Some(!op.topk_weights.is_null());
+        }
+        self.pending = (!phases.recv).then_some(Pending::DispatchRecv);
+        Ok(())
+    }
+
+    pub fn combine(&mut self, rt: &Runtime, op: &LlCombineOp, stream: Stream) -> Result<()> {
+        let phases = op.phases;
+        let weighted = !op.topk_weights.is_null();
+        self.expect_pending((!phases.send).then_some(Pending::CombineRecv { weighted }))?;
+        let x = if op.zero_copy {
+            self.combine_buffer(rt)?.0 as *const u8
+        } else {
+            op.x
+        };
+        if phases.send {
+            check_aligned("x", x)?;
+            match self.dispatch_had_weights {
+                None => {
+                    return Err(Error::invalid(
+                        "low-latency combine before any low-latency dispatch on this context",
+                    ))
+                }
+                Some(false) if !weighted => {
+                    return Err(Error::invalid(
+                        "topk_weights is NULL but this rank's low-latency dispatch was given no weights",
+                    ))
+                }
+                _ => {}
+            }
+        }
+        if phases.recv && op.num_tokens > 0 {
+            check_aligned("out", op.out)?;
+        }
+        let mut params = LlParams {
+            x: ptr(x),
+            topk_idx: ptr(op.topk_idx),
+            topk_weights: ptr(op.topk_weights),
+            out: ptr(op.out),
+            num_tokens: op.num_tokens as i32,
+            weighted: weighted as i32,
+            do_send: phases.send as i32,
+            do_recv: phases.recv as i32,
+            ..self.params(rt)
+        };
+        self.launch(rt, "ep_ll_combine_kernel", &mut params, stream)?;
+        self.pending = (!phases.recv).then_some(Pending::CombineRecv { weighted });
+        Ok(())
+    }
+
+    /// This rank's BF16 `[L, W * M, hidden]` zero-copy combine buffer. Only
+    /// the caller writes it; the kernels read it in an `EP_LL_ZERO_COPY`
+    /// combine.
+    pub fn combine_buffer(&mut self, rt: &Runtime) -> Result<(*mut u8, usize)> {
+        let at = rt.memory.base(rt.cfg.rank) + (self.offset + self.area.combine_buffer) as u64;
+        Ok((at as *mut u8, self.area.combine_buffer_bytes))
     }
 }

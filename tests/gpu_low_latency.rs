@@ -1,0 +1,613 @@
+//! The low-latency mode on real GPUs against the reference
+//! (`ep::reference::low_latency`): every rank rebuilds all ranks' inputs from
+//! a seed, runs the GPU dispatch and combine, and compares its outputs with
+//! the reference computed on the host. Also: send/receive split, several
+//! rounds on one context (alternating buffer sets), a CUDA graph replayed
+//! with new inputs, a peer that never calls (timeout), and misuse.
+//! Needs CUDA GPUs: `cargo test --release --test gpu_low_latency -- --ignored`.
+
+mod common;
+
+use common::gpu::*;
+use common::{
+    bits, bytes_to_bf16, ll_combine_args, ll_dispatch_args, random_bf16, routing, weights, Ctx, Rng,
+};
+use cudarc::driver::sys;
+use ep::capi::*;
+use ep::reference::low_latency::{
+    ll_combine, ll_dispatch, LlDispatched, LlExpertOutputs, LlRankTokens,
+};
+use ep::reference::{Dtype, Topology};
+use half::bf16;
+use std::ptr::{null, null_mut};
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+/// One test configuration.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    world: usize,
+    hidden: usize,
+    topk: usize,
+    experts: usize,
+    /// `ll_max_tokens_per_rank`.
+    max_tokens: usize,
+    fp8: bool,
+    ue8m0: bool,
+    weights_at_dispatch: bool,
+    zero_copy: bool,
+    split: bool,
+    /// Skew the routing towards expert 0.
+    skewed: bool,
+    seed: u64,
+}
+
+impl Case {
+    fn new(world: usize, hidden: usize, topk: usize, experts: usize, max_tokens: usize) -> Case {
+        Case {
+            world,
+            hidden,
+            topk,
+            experts: experts - experts % world,
+            max_tokens,
+            fp8: true,
+            ue8m0: false,
+            weights_at_dispatch: false,
+            zero_copy: false,
+            split: false,
+            skewed: false,
+            seed: 1,
+        }
+    }
+
+    fn topo(&self) -> Topology {
+        Topology {
+            world: self.world,
+            num_experts: self.experts,
+            topk: self.topk,
+            hidden: self.hidden,
+        }
+    }
+
+    fn dtype(&self) -> Dtype {
+        if self.fp8 {
+            Dtype::Fp8E4m3
+        } else {
+            Dtype::Bf16
+        }
+    }
+
+    fn rows(&self) -> usize {
+        self.experts * self.max_tokens
+    }
+
+    fn config(&self, timeout_ms: u32) -> ep_config_t {
+        gpu_config(
+            self.hidden as i32,
+            self.topk as i32,
+            self.experts as i32,
+            16,
+            self.max_tokens as i32,
+            timeout_ms,
+        )
+    }
+}
+
+/// One rank's inputs of one round.
+struct Input {
+    n: usize,
+    x: Vec<bf16>,
+    idx: Vec<i32>,
+    w: Vec<f32>,
+    /// The expert outputs this rank combines, `[L, W * M, hidden]`.
+    y: Vec<bf16>,
+}
+
+impl Input {
+    fn tokens(&self, with_weights: bool) -> LlRankTokens<'_> {
+        LlRankTokens {
+            num_tokens: self.n,
+            x: &self.x,
+            topk_idx: &self.idx,
+            topk_weights: with_weights.then_some(&self.w[..]),
+        }
+    }
+}
+
+/// Every rank's inputs of round `round`, with `tokens[r]` tokens on rank r.
+fn inputs(case: &Case, round: u64, tokens: &[usize]) -> Vec<Input> {
+    tokens
+        .iter()
+        .enumerate()
+        .map(|(r, &n)| {
+            let mut rng = Rng::new(case.seed * 1_000_003 + round * 101 + r as u64);
+            let hot = case.skewed.then_some(0);
+            Input {
+                n,
+                x: random_bf16(&mut rng, n * case.hidden),
+                idx: routing(&mut rng, case.experts, case.topk, n, 0.1, hot),
+                w: weights(&mut rng, n * case.topk),
+                y: random_bf16(&mut rng, case.rows() * case.hidden),
+            }
+        })
+        .collect()
+}
+
+/// The device buffers of one rank's dispatch and combine.
+struct Bufs {
+    x: DevBuf,
+    idx: DevBuf,
+    w: DevBuf,
+    recv_x: DevBuf,
+    recv_scales: DevBuf,
+    recv_count: DevBuf,
+    recv_src_info: DevBuf,
+    recv_range: DevBuf,
+    y: DevBuf,
+    out: DevBuf,
+}
+
+impl Bufs {
+    /// Poisoned buffers sized for `case` and `me`'s inputs (uploaded).
+    fn new(case: &Case, me: &Input) -> Bufs {
+        let (m, h, k) = (case.max_tokens, case.hidden, case.topk);
+        let local = case.experts / case.world;
+        let rows = case.rows();
+        let bufs = Bufs {
+            x: DevBuf::of::<bf16>(m * h),
+            idx: DevBuf::of::<i32>(m * k),
+            w: DevBuf::of::<f32>(m * k),
+            recv_x: DevBuf::poisoned(rows * case.dtype().row_bytes(h)),
+            recv_scales: DevBuf::of::<f32>(rows * h / 128),
+            recv_count: DevBuf::of::<i32>(local),
+            recv_src_info: DevBuf::of::<i32>(rows),
+            recv_range: DevBuf::of::<i32>(local * case.world * 2),
+            y: DevBuf::of::<bf16>(rows * h),
+            out: DevBuf::of::<bf16>(m * h),
+        };
+        bufs.upload(me);
+        bufs
+    }
+
+    fn upload(&self, me: &Input) {
+        self.x.upload(&me.x);
+        self.idx.upload(&me.idx);
+        self.w.upload(&me.w);
+        self.y.upload(&me.y);
+    }
+
+    fn poison_outputs(&self) {
+        for b in [
+            &self.recv_x,
+            &self.recv_scales,
+            &self.recv_count,
+            &self.recv_src_info,
+            &self.recv_range,
+            &self.out,
+        ] {
+            b.poison();
+        }
+    }
+
+    fn dispatch_args(&self, case: &Case, n: usize, flags: u32) -> ep_ll_dispatch_args_t {
+        let mut a = ll_dispatch_args();
+        a.flags = flags | if case.ue8m0 { EP_LL_UE8M0_SCALES } else { 0 };
+        a.num_tokens = n as i32;
+        a.out_dtype = if case.fp8 {
+            EP_DTYPE_FP8_E4M3
+        } else {
+            EP_DTYPE_BF16
+        };
+        a.x = self.x.as_const();
+        a.topk_idx = self.idx.as_const();
+        a.topk_weights = if case.weights_at_dispatch {
+            self.w.as_const()
+        } else {
+            null()
+        };
+        a.recv_x = self.recv_x.as_mut();
+        a.recv_x_scales = if case.fp8 {
+            self.recv_scales.as_mut()
+        } else {
+            null_mut()
+        };
+        a.recv_count = self.recv_count.as_mut();
+        a.recv_src_info = self.recv_src_info.as_mut();
+        a.recv_layout_range = self.recv_range.as_mut();
+        a
+    }
+
+    fn combine_args(&self, case: &Case, n: usize, flags: u32) -> ep_ll_combine_args_t {
+        let mut a = ll_combine_args();
+        a.flags = flags | if case.zero_copy { EP_LL_ZERO_COPY } else { 0 };
+        a.num_tokens = n as i32;
+        a.x = if case.zero_copy {
+            null()
+        } else {
+            self.y.as_const()
+        };
+        a.topk_idx = self.idx.as_const();
+        a.topk_weights = if case.weights_at_dispatch {
+            null()
+        } else {
+            self.w.as_const()
+        };
+        a.src_info = self.recv_src_info.as_const();
+        a.layout_range = self.recv_range.as_const();
+        a.out = self.out.as_mut();
+        a
+    }
+}
+
+/// Writes `y` into the context's zero-copy combine buffer.
+fn fill_combine_buffer(ctx: &Ctx, y: &[bf16]) {
+    let mut buffer = null_mut();
+    let mut bytes = 0;
+    // SAFETY: live context, valid out-parameters.
+    ok(
+        unsafe { ep_ll_get_combine_buffer(ctx.0, &mut buffer, &mut bytes) },
+        "combine buffer",
+    );
+    assert_eq!(bytes, std::mem::size_of_val(y));
+    // SAFETY: the buffer is device memory of `bytes` bytes.
+    cu(
+        unsafe { sys::cuMemcpyHtoD_v2(buffer as u64, y.as_ptr() as *const _, bytes) },
+        "fill combine buffer",
+    );
+}
+
+/// Runs one dispatch and one combine (split in send and receive calls when
+/// `case.split`) on `stream`.
+fn run_ops(ctx: &Ctx, case: &Case, bufs: &Bufs, n: usize, stream: ep_stream_t) {
+    let phases: &[u32] = if case.split {
+        &[EP_LL_SEND_ONLY, EP_LL_RECV_ONLY]
+    } else {
+        &[0]
+    };
+    for &flags in phases {
+        let a = bufs.dispatch_args(case, n, flags);
+        // SAFETY: device buffers sized for the config.
+        ok(unsafe { ep_ll_dispatch(ctx.0, &a, stream) }, "ll dispatch");
+    }
+    for &flags in phases {
+        let a = bufs.combine_args(case, n, flags);
+        // SAFETY: as above.
+        ok(unsafe { ep_ll_combine(ctx.0, &a, stream) }, "ll combine");
+    }
+}
+
+/// Compares one rank's GPU results with the reference.
+fn check(case: &Case, rank: usize, all: &[Input], bufs: &Bufs, what: &str) {
+    let topo = case.topo();
+    let (m, h, world) = (case.max_tokens, case.hidden, case.world);
+    let local = case.experts / world;
+    let capacity = world * m;
+    let sources: Vec<LlRankTokens> = all
+        .iter()
+        .map(|i| i.tokens(case.weights_at_dispatch))
+        .collect();
+    let dispatched: Vec<LlDispatched> = (0..world)
+        .map(|r| ll_dispatch(topo, m, &sources, r, case.dtype(), case.ue8m0))
+        .collect();
+    let want = &dispatched[rank];
+
+    let row_bytes = case.dtype().row_bytes(h);
+    let count: Vec<i32> = bufs.recv_count.download(local);
+    assert_eq!(count, want.recv_count, "{what}: recv_count");
+    let range: Vec<i32> = bufs.recv_range.download(local * world * 2);
+    assert_eq!(range, want.recv_layout_range, "{what}: layout range");
+    let recv_x: Vec<u8> = bufs.recv_x.download(case.rows() * row_bytes);
+    let src: Vec<i32> = bufs.recv_src_info.download(case.rows());
+    let scales: Vec<f32> = if case.fp8 {
+        bufs.recv_scales.download(case.rows() * h / 128)
+    } else {
+        vec![]
+    };
+    for (le, &rows) in count.iter().enumerate() {
+        let rows = le * capacity..le * capacity + rows as usize;
+        assert_eq!(
+            src[rows.clone()],
+            want.recv_src_info[rows.clone()],
+            "{what}: src_info of expert {le}"
+        );
+        let bytes = rows.start * row_bytes..rows.end * row_bytes;
+        assert!(
+            recv_x[bytes.clone()] == want.recv_x[bytes],
+            "{what}: recv_x of expert {le}"
+        );
+        if case.fp8 {
+            let s = rows.start * h / 128..rows.end * h / 128;
+            assert_eq!(
+                bits(&scales[s.clone()]),
+                bits(&want.recv_scales[s]),
+                "{what}: scales of expert {le}"
+            );
+        }
+    }
+
+    let experts: Vec<LlExpertOutputs> = (0..world)
+        .map(|r| LlExpertOutputs {
+            y: &all[r].y,
+            src_info: &dispatched[r].recv_src_info,
+            layout_range: &dispatched[r].recv_layout_range,
+            weights: dispatched[r].recv_weights.as_deref(),
+        })
+        .collect();
+    let me = &all[rank];
+    let weights = (!case.weights_at_dispatch).then_some(&me.w[..]);
+    let want_out = ll_combine(topo, m, rank, me.n, &me.idx, weights, &experts);
+    let out: Vec<u8> = bufs.out.download(me.n * h * 2);
+    let out = bytes_to_bf16(&out);
+    let mismatch = out
+        .iter()
+        .zip(&want_out)
+        .position(|(a, b)| a.to_bits() != b.to_bits());
+    if let Some(i) = mismatch {
+        panic!(
+            "{what}: combine out[{}][{}] = {} but the reference has {}",
+            i / h,
+            i % h,
+            out[i],
+            want_out[i]
+        );
+    }
+}
+
+/// Runs `rounds` rounds of `case` on one context per rank; round r uses
+/// `tokens(r, rank)` tokens on each rank.
+fn run_case(case: Case, rounds: u64, tokens: impl Fn(u64, usize) -> usize + Sync) {
+    let world = case.world;
+    run_gpu_world(world, &case.config(20_000), |rank, ctx| {
+        for round in 0..rounds {
+            let counts: Vec<usize> = (0..world).map(|r| tokens(round, r)).collect();
+            let all = inputs(&case, round, &counts);
+            let me = &all[rank];
+            let bufs = Bufs::new(&case, me);
+            if case.zero_copy {
+                fill_combine_buffer(ctx, &me.y);
+            }
+            run_ops(ctx, &case, &bufs, me.n, null_mut());
+            sync();
+            assert_eq!(async_status(ctx), EP_SUCCESS, "{case:?} round {round}");
+            check(
+                &case,
+                rank,
+                &all,
+                &bufs,
+                &format!("{case:?} round {round} rank {rank}"),
+            );
+        }
+    });
+}
+
+fn world() -> usize {
+    device_count().min(4)
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn dispatch_and_combine_match_the_reference() {
+    let mut worlds = vec![world()];
+    if world() > 2 {
+        worlds.push(2);
+    }
+    for world in worlds {
+        for (hidden, topk, experts, m) in [
+            (128, 1, 8, 17),
+            (2048, 4, 64, 32),
+            (128, 8, 256, 128),
+            (7168, 8, 8, 128),
+            (128, 16, 64, 256),
+        ] {
+            let topk = topk.min(experts - experts % world);
+            let case = Case::new(world, hidden, topk, experts, m);
+            // Uneven counts, 0 and 1 included, over two rounds.
+            let counts = [[m, 1, 0, m / 2 + 1], [0, m, m / 2 + 1, 1]];
+            run_case(case, 2, |round, r| counts[round as usize][r % 4]);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn variants_match_the_reference() {
+    let world = world();
+    let base = Case::new(world, 2048, 8, 64, 64);
+    let cases = [
+        Case { fp8: false, ..base },
+        Case {
+            ue8m0: true,
+            ..base
+        },
+        Case {
+            weights_at_dispatch: true,
+            ..base
+        },
+        Case {
+            weights_at_dispatch: true,
+            fp8: false,
+            ..base
+        },
+        Case {
+            zero_copy: true,
+            ..base
+        },
+        Case {
+            zero_copy: true,
+            weights_at_dispatch: true,
+            ..base
+        },
+        Case {
+            split: true,
+            ..base
+        },
+        Case {
+            split: true,
+            weights_at_dispatch: true,
+            zero_copy: true,
+            ..base
+        },
+        Case {
+            skewed: true,
+            ..base
+        },
+        Case {
+            skewed: true,
+            weights_at_dispatch: true,
+            topk: 16,
+            ..base
+        },
+    ];
+    for case in cases {
+        run_case(case, 1, |_, r| 64 - 7 * r);
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn rounds_alternate_buffer_sets_with_changing_counts() {
+    let world = world();
+    let base = Case::new(world, 1024, 8, 64, 128);
+    let counts = |round: u64, r: usize| [128, 0, 17, 1, 100, 128][(round as usize + r) % 6];
+    run_case(base, 6, counts);
+    run_case(
+        Case {
+            split: true,
+            weights_at_dispatch: true,
+            ..base
+        },
+        5,
+        counts,
+    );
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn graph_replays_see_new_inputs() {
+    let world = world();
+    let case = Case {
+        skewed: true,
+        ..Case::new(world, 256, 4, 16, 32)
+    };
+    let replays = 200;
+    run_gpu_world(world, &case.config(20_000), |rank, ctx| {
+        let n = 20 + rank;
+        let counts: Vec<usize> = (0..world).map(|r| 20 + r).collect();
+        let first = inputs(&case, 0, &counts);
+        let bufs = Bufs::new(&case, &first[rank]);
+        let mut stream = null_mut();
+        let mut graph = null_mut();
+        let mut exec = null_mut();
+        // SAFETY: plain driver calls on this thread's current context; the
+        // captured operations use buffers that outlive the graph.
+        unsafe {
+            cu(sys::cuStreamCreate(&mut stream, 0), "cuStreamCreate");
+            cu(
+                sys::cuStreamBeginCapture_v2(
+                    stream,
+                    sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                ),
+                "begin capture",
+            );
+            run_ops(ctx, &case, &bufs, n, stream as ep_stream_t);
+            cu(sys::cuStreamEndCapture(stream, &mut graph), "end capture");
+            cu(
+                sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0),
+                "instantiate",
+            );
+        }
+        for replay in 1..=replays {
+            let all = inputs(&case, replay, &counts);
+            bufs.upload(&all[rank]);
+            bufs.poison_outputs();
+            // SAFETY: the instantiated graph on our stream.
+            unsafe {
+                cu(sys::cuGraphLaunch(exec, stream), "cuGraphLaunch");
+                cu(sys::cuStreamSynchronize(stream), "sync");
+            }
+            assert_eq!(async_status(ctx), EP_SUCCESS, "replay {replay}");
+            check(
+                &case,
+                rank,
+                &all,
+                &bufs,
+                &format!("replay {replay} rank {rank}"),
+            );
+        }
+        // SAFETY: nothing runs any more.
+        unsafe {
+            sys::cuGraphExecDestroy(exec);
+            sys::cuGraphDestroy(graph);
+            sys::cuStreamDestroy_v2(stream);
+        }
+    });
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn a_missing_peer_times_out() {
+    let world = world().min(2);
+    let case = Case::new(world, 128, 2, 8, 8);
+    let timeout_ms = 2000;
+    let done = Barrier::new(world);
+    run_gpu_world(world, &case.config(timeout_ms), |rank, ctx| {
+        if rank == 0 {
+            let counts: Vec<usize> = vec![4; world];
+            let all = inputs(&case, 0, &counts);
+            let bufs = Bufs::new(&case, &all[0]);
+            let start = Instant::now();
+            let a = bufs.dispatch_args(&case, 4, 0);
+            // SAFETY: device buffers sized for the config.
+            ok(
+                unsafe { ep_ll_dispatch(ctx.0, &a, null_mut()) },
+                "ll dispatch",
+            );
+            sync();
+            let elapsed = start.elapsed();
+            assert_eq!(async_status(ctx), EP_ERR_TIMEOUT);
+            assert!(
+                elapsed < Duration::from_millis(timeout_ms as u64 + 3000),
+                "took {elapsed:?}"
+            );
+        }
+        // The others keep their buffers mapped until rank 0 is done.
+        done.wait();
+    });
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn split_calls_out_of_order_are_rejected() {
+    let world = world();
+    let case = Case::new(world, 128, 2, 8, 8);
+    run_gpu_world(world, &case.config(20_000), |rank, ctx| {
+        let counts = vec![3; world];
+        let all = inputs(&case, 0, &counts);
+        let bufs = Bufs::new(&case, &all[rank]);
+        let dispatch = |flags| {
+            let a = bufs.dispatch_args(&case, 3, flags);
+            // SAFETY: device buffers sized for the config.
+            unsafe { ep_ll_dispatch(ctx.0, &a, null_mut()) }
+        };
+        let combine = |flags| {
+            let a = bufs.combine_args(&case, 3, flags);
+            // SAFETY: as above.
+            unsafe { ep_ll_combine(ctx.0, &a, null_mut()) }
+        };
+        assert_eq!(dispatch(EP_LL_RECV_ONLY), EP_ERR_INVALID_ARGUMENT);
+        assert_eq!(
+            combine(EP_LL_SEND_ONLY),
+            EP_ERR_INVALID_ARGUMENT,
+            "no dispatch yet"
+        );
+        ok(dispatch(EP_LL_SEND_ONLY), "send");
+        assert_eq!(dispatch(EP_LL_SEND_ONLY), EP_ERR_INVALID_ARGUMENT);
+        assert_eq!(combine(0), EP_ERR_INVALID_ARGUMENT);
+        ok(dispatch(EP_LL_RECV_ONLY), "receive");
+        assert_eq!(combine(EP_LL_RECV_ONLY), EP_ERR_INVALID_ARGUMENT);
+        ok(combine(0), "combine");
+        sync();
+        assert_eq!(async_status(ctx), EP_SUCCESS);
+        check(&case, rank, &all, &bufs, "after rejected calls");
+    });
+}
