@@ -2,7 +2,7 @@
 # Runs on the GPU machine (no Rust there), from the repository root, on what
 # scripts/gpu-package.sh put into .gpu/:
 #   bash .gpu/gpu-check.sh [budget-seconds]     (default budget 540)
-# Order: GPU tests, C demo (4 then 2 ranks), ep-bench normal and ll (4 ranks,
+# Order: GPU tests, C demo (all GPUs, then 2 ranks), ep-bench normal and ll (all GPUs,
 # then 2), then an SM sweep and a token sweep while the budget allows. Logs go
 # to $OUT (default ./gpu-out); a summary table comes last. Never changes
 # clocks or resets GPUs.
@@ -49,7 +49,7 @@ step() {
   nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv
 } 2>&1 | tee "$OUT/gpus.log"
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-R=$(( NGPU < 4 ? NGPU : 4 ))
+R=$NGPU
 
 # 1. Correctness: every GPU test binary, one test at a time.
 for t in "$G"/tests/gpu_*; do
@@ -57,10 +57,10 @@ for t in "$G"/tests/gpu_*; do
   step "test $(basename "$t")" 30 240 "$t" --ignored --test-threads=1
 done
 
-# 2. The C demo over the GPU backend, 4 then 2 ranks.
+# 2. The C demo over the GPU backend (ranks as processes), all GPUs then 2.
 if [ -x "$G/demo" ]; then
-  [ "$R" -ge 4 ] && step "demo gpu 4 ranks" 20 60 env EP_BACKEND=gpu "$G/demo" 4
-  [ "$R" -ge 2 ] && step "demo gpu 2 ranks" 20 60 env EP_BACKEND=gpu "$G/demo" 2
+  step "demo gpu ${R} ranks" 20 60 env EP_BACKEND=gpu "$G/demo" "$R"
+  [ "$R" -gt 2 ] && step "demo gpu 2 ranks" 20 60 env EP_BACKEND=gpu "$G/demo" 2
 fi
 
 # 3. Benchmarks: W1 normal and W2 low-latency, all ranks then 2.

@@ -418,7 +418,7 @@ fn check_shape(world: usize, hidden: usize, topk: usize, experts: usize, seed: u
 fn worlds() -> Vec<usize> {
     let n = device_count();
     assert!(n >= 2, "these tests need at least 2 GPUs");
-    [2, 4].into_iter().filter(|&w| w <= n).collect()
+    [2, 4, 8].into_iter().filter(|&w| w <= n).collect()
 }
 
 #[test]

@@ -18,7 +18,7 @@ NCCL all-to-all of the same payload. Prints Markdown tables for bench/RESULTS.md
 
 USAGE: ep-bench [OPTIONS]
 
-  --ranks N              ranks (default: all visible GPUs, at most 4; host: 2)
+  --ranks N              ranks (default: all visible GPUs; host: 2)
   --mode normal|ll|all   which operations (default all)
   --tokens T             tokens per rank (default 4096 normal, 128 ll)
   --hidden H             elements per token, multiple of 128 (default 7168)
@@ -217,7 +217,7 @@ fn main() {
         if count <= 0 {
             fail("no CUDA device visible");
         }
-        let world = opts.ranks.unwrap_or(count.min(4) as usize);
+        let world = opts.ranks.unwrap_or(count as usize);
         if world == 0 || world > count as usize {
             fail(&format!("--ranks {world}: {count} GPUs visible"));
         }
