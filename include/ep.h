@@ -533,7 +533,9 @@ ep_status_t ep_ll_dispatch(struct ep_ctx_t *ctx,
 
 // Low-latency combine: returns expert outputs to the ranks their tokens came
 // from and writes the weighted sums (see `ep_ll_combine_args_t`). Same phase
-// rules as `ep_ll_dispatch`. Every rank of the context must call it.
+// rules as `ep_ll_dispatch`. Every rank of the context must call it. It
+// combines the context's most recent low-latency dispatch: call the two in
+// pairs (dispatch, combine, dispatch, combine).
 ep_status_t ep_ll_combine(struct ep_ctx_t *ctx,
                           const struct ep_ll_combine_args_t *args,
                           ep_stream_t stream);

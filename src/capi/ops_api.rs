@@ -295,7 +295,9 @@ pub unsafe extern "C" fn ep_ll_dispatch(
 
 /// Low-latency combine: returns expert outputs to the ranks their tokens came
 /// from and writes the weighted sums (see `ep_ll_combine_args_t`). Same phase
-/// rules as `ep_ll_dispatch`. Every rank of the context must call it.
+/// rules as `ep_ll_dispatch`. Every rank of the context must call it. It
+/// combines the context's most recent low-latency dispatch: call the two in
+/// pairs (dispatch, combine, dispatch, combine).
 #[no_mangle]
 pub unsafe extern "C" fn ep_ll_combine(
     ctx: *mut ep_ctx_t,

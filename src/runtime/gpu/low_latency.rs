@@ -27,7 +27,7 @@
 //! dispatch had weights); if ranks disagree, those that expect rows no peer
 //! sends time out.
 
-use super::{arg, Runtime};
+use super::{arg, check_aligned, ptr, Runtime};
 use crate::error::{Error, Result};
 use crate::reference::Dtype;
 use crate::runtime::backend::Stream;
@@ -192,22 +192,6 @@ pub struct LlMode {
     /// Whether this rank's last dispatch was given weights (`None` before
     /// the first dispatch).
     dispatch_had_weights: Option<bool>,
-}
-
-/// A device pointer argument: 0 for "not given".
-fn ptr<T>(p: *const T) -> u64 {
-    p as u64
-}
-
-/// Checks that a row array is 16-byte aligned: the kernels move rows as
-/// 16-byte vectors.
-fn check_aligned<T>(name: &str, p: *const T) -> Result<()> {
-    if !(p as usize).is_multiple_of(16) {
-        return Err(Error::invalid(format!(
-            "{name} = {p:p} is not 16-byte aligned (the GPU backend moves rows as 16-byte vectors)"
-        )));
-    }
-    Ok(())
 }
 
 impl LlMode {

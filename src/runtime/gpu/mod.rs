@@ -16,7 +16,7 @@ use super::bootstrap::Bootstrap;
 use super::config::{agree_on_config, Config, MAX_WORLD_SIZE};
 use super::cuda::{Device, DeviceStatus, MappedHost, Module};
 use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use low_latency::LlMode;
 use normal::NormalMode;
 use std::os::raw::c_void;
@@ -186,6 +186,22 @@ impl Runtime {
         unsafe { self.device.stream_synchronize(stream as _)? };
         self.monitor.async_error()
     }
+}
+
+/// A device pointer kernel argument: 0 for "not given".
+pub fn ptr<T>(p: *const T) -> u64 {
+    p as u64
+}
+
+/// Checks that a caller's row array is 16-byte aligned: the kernels move
+/// rows as 16-byte vectors.
+pub fn check_aligned<T>(name: &str, p: *const T) -> Result<()> {
+    if !(p as usize).is_multiple_of(16) {
+        return Err(Error::invalid(format!(
+            "{name} = {p:p} is not 16-byte aligned (the GPU backend moves rows as 16-byte vectors)"
+        )));
+    }
+    Ok(())
 }
 
 /// A kernel parameter: the address of the value, as `cuLaunchKernel` takes it.

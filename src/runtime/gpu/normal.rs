@@ -6,7 +6,7 @@
 //! dispatch/combine pair needs no host synchronisation and can be captured
 //! in a CUDA graph), and enqueues the launches.
 
-use super::{arg, Runtime};
+use super::{arg, check_aligned, ptr, Runtime};
 use crate::error::{Error, Result};
 use crate::reference::{normal::worst_case_rows, Dtype};
 use crate::runtime::backend::{HandleState, Stream};
@@ -203,22 +203,6 @@ pub struct NormalMode {
     /// `[1 + local experts]`: rows received, then rows per local expert,
     /// written by the pull kernel for the host-synchronised dispatch.
     host_counts: MappedHost<i32>,
-}
-
-/// A device pointer argument: 0 for "not given".
-fn ptr<T>(p: *const T) -> u64 {
-    p as u64
-}
-
-/// Checks that a caller's row array is 16-byte aligned: the kernels move
-/// rows as 16-byte vectors.
-fn check_aligned<T>(name: &str, p: *const T) -> Result<()> {
-    if !(p as usize).is_multiple_of(16) {
-        return Err(Error::invalid(format!(
-            "{name} = {p:p} is not 16-byte aligned (the GPU backend moves rows as 16-byte vectors)"
-        )));
-    }
-    Ok(())
 }
 
 impl NormalMode {
