@@ -218,54 +218,13 @@ __device__ __forceinline__ int64_t token_entry(const LlParams& p, int source, in
     return (static_cast<int64_t>(source) * p.max_tokens + token) * p.topk + slot;
 }
 
-__device__ __forceinline__ unsigned lanemask_lt() {
-    unsigned mask;
-    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(mask));
-    return mask;
-}
-
 // ---------------------------------------------------------------------------
 // Routing
 // ---------------------------------------------------------------------------
 
-// The expert slot k of a token really uses: its id, or -1 when the slot is
-// dropped, not an expert id, or repeats an earlier slot of the token.
-__device__ __forceinline__ int effective_expert(const int* ids, int k, int num_experts) {
-    const int id = ids[k];
-    if (id < 0 || id >= num_experts) {
-        return -1;
-    }
-    for (int j = 0; j < k; ++j) {
-        if (ids[j] == id) {
-            return -1;
-        }
-    }
-    return id;
-}
-
 // ---------------------------------------------------------------------------
 // FP8 quantization (src/reference/fp8.rs, quantize_row)
 // ---------------------------------------------------------------------------
-
-__device__ __forceinline__ void unpack_bf16x8(const int4& raw, float (&out)[8]) {
-    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(pairs[i]);
-        out[2 * i] = f.x;
-        out[2 * i + 1] = f.y;
-    }
-}
-
-__device__ __forceinline__ int4 pack_bf16x8(const float (&in)[8]) {
-    int4 raw;
-    __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        pairs[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
-    }
-    return raw;
-}
 
 struct Fp8Vector {
     uint2 codes;  // 8 E4M3 codes, channel order
@@ -277,7 +236,7 @@ struct Fp8Vector {
 // maximum is a shuffle reduction); lanes without data pass zeros.
 __device__ __forceinline__ Fp8Vector quantize_vector(const int4& raw, bool ue8m0) {
     float v[8];
-    unpack_bf16x8(raw, v);
+    ep_unpack_bf16x8(raw, v);
     // fmaxf ignores a NaN operand, as the reference's f32::max does.
     float amax = 0.0f;
 #pragma unroll
@@ -448,7 +407,7 @@ __device__ bool dispatch_send(const LlParams& p, int seq, uint64_t deadline) {
         __syncthreads();
         if (tid < p.topk) {
             const int* ids = p.topk_idx + static_cast<int64_t>(t) * p.topk;
-            const int expert = effective_expert(ids, tid, p.num_experts);
+            const int expert = ep_effective_expert(ids, tid, p.num_experts);
             if (expert < 0 && ids[tid] != -1) {
                 ep_record_error(p.status, EP_STATUS_INVALID_EXPERT, -1, EP_PHASE_LL_DISPATCH,
                                 t * p.topk + tid);
@@ -545,7 +504,7 @@ __device__ bool dispatch_receive_expert(const LlParams& p, int seq, int le, uint
             }
             const unsigned hits = __ballot_sync(0xffffffffu, slot >= 0);
             if (slot >= 0) {
-                origin[s * M + found + __popc(hits & lanemask_lt())] = t | slot << 16;
+                origin[s * M + found + __popc(hits & ep_lanemask_lt())] = t | slot << 16;
             }
             found += __popc(hits);
         }
@@ -619,7 +578,7 @@ __device__ __forceinline__ void accumulate_row(float (&acc)[EP_LL_SUM_VECS][8],
 #pragma unroll
     for (int u = 0; u < EP_LL_SUM_VECS; ++u) {
         float y[8];
-        unpack_bf16x8(raw[u], y);
+        ep_unpack_bf16x8(raw[u], y);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             acc[u][i] = __fadd_rn(acc[u][i], weighted ? __fmul_rn(w, y[i]) : y[i]);
@@ -635,7 +594,7 @@ __device__ __forceinline__ void store_row(__nv_bfloat16* row, const float (&acc)
     for (int u = 0; u < EP_LL_SUM_VECS; ++u) {
         const int v = first_vec + 32 * u + lane;
         if (v < vecs) {
-            reinterpret_cast<int4*>(row)[v] = pack_bf16x8(acc[u]);
+            reinterpret_cast<int4*>(row)[v] = ep_pack_bf16x8(acc[u]);
         }
     }
 }
@@ -751,7 +710,7 @@ __device__ bool combine_receive(const LlParams& p, int seq, uint64_t deadline) {
         // ranks ascending (each rank holding an expert of t once).
         uint64_t ranks = 0;
         for (int k = 0; k < K && !p.weighted; ++k) {
-            const int e = effective_expert(ids, k, p.num_experts);
+            const int e = ep_effective_expert(ids, k, p.num_experts);
             if (e >= 0) {
                 ranks |= 1ull << (e / L);
             }
@@ -760,7 +719,7 @@ __device__ bool combine_receive(const LlParams& p, int seq, uint64_t deadline) {
         for (int i = 0; i < terms && ok; ++i) {
             int from_rank;
             if (p.weighted) {
-                const int e = effective_expert(ids, i, p.num_experts);
+                const int e = ep_effective_expert(ids, i, p.num_experts);
                 if (e < 0) {
                     continue;
                 }

@@ -154,27 +154,6 @@ __device__ __forceinline__ T* ep_area(const uint64_t* peer_bases, int r, int64_t
     return reinterpret_cast<T*>(peer_bases[r] + area + offset);
 }
 
-__device__ __forceinline__ unsigned ep_lanemask_lt() {
-    unsigned mask;
-    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(mask));
-    return mask;
-}
-
-// The effective expert of `slot` of the token whose ids start at `ids`:
-// -1 for a dropped, out-of-range or repeated id (see the file comment).
-__device__ __forceinline__ int ep_effective_expert(const int* ids, int slot, int num_experts) {
-    const int id = ids[slot];
-    if (id < 0 || id >= num_experts) {
-        return -1;
-    }
-    for (int k = 0; k < slot; ++k) {
-        if (ids[k] == id) {
-            return -1;
-        }
-    }
-    return id;
-}
-
 // Copies `bytes` (a multiple of 16) from `src` to `dst` (unless nullptr)
 // and to the rows `extra_rows[0..num_extra)` of `extra_base`, with the
 // whole warp: every lane keeps EP_COPY_UNROLL 16-byte loads in flight before
@@ -639,28 +618,6 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
 // ---------------------------------------------------------------------------
 // Combine
 // ---------------------------------------------------------------------------
-
-// 8 BF16 values of a 16-byte vector, widened to fp32.
-__device__ __forceinline__ void ep_unpack_bf16x8(const int4& v, float out[8]) {
-    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(pairs[i]);
-        out[2 * i] = f.x;
-        out[2 * i + 1] = f.y;
-    }
-}
-
-// 8 fp32 values rounded to BF16 (to nearest, ties to even), packed.
-__device__ __forceinline__ int4 ep_pack_bf16x8(const float in[8]) {
-    int4 v;
-    __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        pairs[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
-    }
-    return v;
-}
 
 // acc[u] += w * row[base + 32 u] for the EP_SUM_UNROLL vectors of one lane,
 // in fp32, each product rounded before it is added (the reference's order;

@@ -496,36 +496,12 @@ fn graph_replays_see_new_inputs() {
         let counts: Vec<usize> = (0..world).map(|r| 20 + r).collect();
         let first = inputs(&case, 0, &counts);
         let bufs = Bufs::new(&case, &first[rank]);
-        let mut stream = null_mut();
-        let mut graph = null_mut();
-        let mut exec = null_mut();
-        // SAFETY: plain driver calls on this thread's current context; the
-        // captured operations use buffers that outlive the graph.
-        unsafe {
-            cu(sys::cuStreamCreate(&mut stream, 0), "cuStreamCreate");
-            cu(
-                sys::cuStreamBeginCapture_v2(
-                    stream,
-                    sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-                ),
-                "begin capture",
-            );
-            run_ops(ctx, &case, &bufs, n, stream as ep_stream_t);
-            cu(sys::cuStreamEndCapture(stream, &mut graph), "end capture");
-            cu(
-                sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0),
-                "instantiate",
-            );
-        }
+        let graph = Graph::capture(|stream| run_ops(ctx, &case, &bufs, n, stream));
         for replay in 1..=replays {
             let all = inputs(&case, replay, &counts);
             bufs.upload(&all[rank]);
             bufs.poison_outputs();
-            // SAFETY: the instantiated graph on our stream.
-            unsafe {
-                cu(sys::cuGraphLaunch(exec, stream), "cuGraphLaunch");
-                cu(sys::cuStreamSynchronize(stream), "sync");
-            }
+            graph.replay();
             assert_eq!(async_status(ctx), EP_SUCCESS, "replay {replay}");
             check(
                 &case,
@@ -534,12 +510,6 @@ fn graph_replays_see_new_inputs() {
                 &bufs,
                 &format!("replay {replay} rank {rank}"),
             );
-        }
-        // SAFETY: nothing runs any more.
-        unsafe {
-            sys::cuGraphExecDestroy(exec);
-            sys::cuGraphDestroy(graph);
-            sys::cuStreamDestroy_v2(stream);
         }
     });
 }

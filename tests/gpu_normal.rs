@@ -10,7 +10,6 @@ mod common;
 
 use common::gpu::*;
 use common::{bf16_to_bytes, bits, bytes_to_bf16, random_bf16, routing, weights, Ctx, Rng};
-use cudarc::driver::sys;
 use ep::capi::*;
 use ep::reference::normal::{combine, dispatch, expert_partials, Dispatched, RankTokens, Returned};
 use ep::reference::{Dtype, Topology};
@@ -473,34 +472,14 @@ fn no_sync_dispatch_and_combine_replay_in_a_cuda_graph() {
         let mut c = common::combine_args();
         c.x = out.recv_x.as_const();
         c.out = y.as_mut();
-        let mut stream = null_mut();
-        let mut graph = null_mut();
-        let mut exec = null_mut();
-        // SAFETY: plain driver calls and C API calls on buffers that outlive
-        // every replay.
-        unsafe {
-            cu(sys::cuStreamCreate(&mut stream, 1), "cuStreamCreate");
-            cu(
-                sys::cuStreamBeginCapture_v2(
-                    stream,
-                    sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-                ),
-                "begin capture",
-            );
+        // SAFETY (both calls): device buffers that outlive every replay.
+        let graph = Graph::capture(|stream| unsafe {
             ok(
-                ep_dispatch(ctx.0, &args, handle.0, stream as _),
+                ep_dispatch(ctx.0, &args, handle.0, stream),
                 "captured dispatch",
             );
-            ok(
-                ep_combine(ctx.0, &c, handle.0, stream as _),
-                "captured combine",
-            );
-            cu(sys::cuStreamEndCapture(stream, &mut graph), "end capture");
-            cu(
-                sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0),
-                "instantiate",
-            );
-        }
+            ok(ep_combine(ctx.0, &c, handle.0, stream), "captured combine");
+        });
         for (i, inputs) in rounds.iter().enumerate() {
             let mine = &inputs[rank];
             input.x.upload(&mine.x);
@@ -508,11 +487,7 @@ fn no_sync_dispatch_and_combine_replay_in_a_cuda_graph() {
             input.topk_weights.upload(&mine.topk_weights);
             out.poison();
             y.poison();
-            // SAFETY: the graph's buffers are alive.
-            unsafe {
-                cu(sys::cuGraphLaunch(exec, stream), "replay");
-                cu(sys::cuStreamSynchronize(stream), "sync");
-            }
+            graph.replay();
             let views: Vec<RankTokens> = inputs.iter().map(Input::view).collect();
             let all: Vec<Dispatched> = (0..world)
                 .map(|r| dispatch(topo, Dtype::Bf16, &views, r, 16))
@@ -531,12 +506,6 @@ fn no_sync_dispatch_and_combine_replay_in_a_cuda_graph() {
             let want = combine(topo, rank, n, &returned);
             assert_close(&y.download::<bf16>(n * topo.hidden), &want, &what);
             assert_eq!(async_status(ctx), EP_SUCCESS, "{what}");
-        }
-        // SAFETY: created above; nothing runs any more.
-        unsafe {
-            sys::cuGraphExecDestroy(exec);
-            sys::cuGraphDestroy(graph);
-            sys::cuStreamDestroy_v2(stream);
         }
     });
 }

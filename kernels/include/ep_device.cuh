@@ -14,6 +14,7 @@
 // status after the stream synchronizes and turns it into an error.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <stdint.h>
 
 // ---------------------------------------------------------------------------
@@ -222,4 +223,54 @@ __device__ __forceinline__ bool ep_wait_until_ge(const int* addr, int target, ui
 __device__ __forceinline__ bool ep_last_barrier_passed(uint64_t own_base) {
     const volatile int* words = reinterpret_cast<const volatile int*>(own_base + EP_BARRIER_COUNTER_OFFSET);
     return words[0] == words[1];
+}
+
+// ---------------------------------------------------------------------------
+// Warps, routing and BF16 vectors
+// ---------------------------------------------------------------------------
+
+// Bit l set for every lane l below the calling lane.
+__device__ __forceinline__ unsigned ep_lanemask_lt() {
+    unsigned mask;
+    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(mask));
+    return mask;
+}
+
+// The expert slot `slot` of a token really uses, from the token's ids at
+// `ids`: the id, or -1 when the slot is dropped (-1), is not an expert id,
+// or repeats an earlier slot of the same token. Every kernel routes by this
+// function, so an id from the caller is never used as an address unchecked.
+__device__ __forceinline__ int ep_effective_expert(const int* ids, int slot, int num_experts) {
+    const int id = ids[slot];
+    if (id < 0 || id >= num_experts) {
+        return -1;
+    }
+    for (int k = 0; k < slot; ++k) {
+        if (ids[k] == id) {
+            return -1;
+        }
+    }
+    return id;
+}
+
+// The 8 BF16 values of a 16-byte vector, widened to fp32 (exact).
+__device__ __forceinline__ void ep_unpack_bf16x8(const int4& raw, float (&out)[8]) {
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(pairs[i]);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
+// 8 fp32 values rounded to BF16 (to nearest, ties to even), packed.
+__device__ __forceinline__ int4 ep_pack_bf16x8(const float (&in)[8]) {
+    int4 raw;
+    __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        pairs[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+    }
+    return raw;
 }

@@ -188,3 +188,66 @@ pub fn async_status(ctx: &Ctx) -> ep_status_t {
     );
     status
 }
+
+/// A CUDA graph of the work `record(stream)` enqueues on a new stream of the
+/// current context, captured once; freed on drop.
+pub struct Graph {
+    stream: sys::CUstream,
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+}
+
+impl Graph {
+    pub fn capture(record: impl FnOnce(ep_stream_t)) -> Graph {
+        let mut g = Graph {
+            stream: null_mut(),
+            graph: null_mut(),
+            exec: null_mut(),
+        };
+        // SAFETY: plain driver calls on this thread's current context.
+        unsafe {
+            cu(sys::cuStreamCreate(&mut g.stream, 0), "cuStreamCreate");
+            cu(
+                sys::cuStreamBeginCapture_v2(
+                    g.stream,
+                    sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                ),
+                "begin capture",
+            );
+        }
+        record(g.stream as ep_stream_t);
+        // SAFETY: ends the capture begun above.
+        unsafe {
+            cu(
+                sys::cuStreamEndCapture(g.stream, &mut g.graph),
+                "end capture",
+            );
+            cu(
+                sys::cuGraphInstantiateWithFlags(&mut g.exec, g.graph, 0),
+                "instantiate",
+            );
+        }
+        g
+    }
+
+    /// Runs the graph once and waits for it.
+    pub fn replay(&self) {
+        // SAFETY: the instantiated graph on its stream; the caller keeps
+        // the captured buffers alive.
+        unsafe {
+            cu(sys::cuGraphLaunch(self.exec, self.stream), "cuGraphLaunch");
+            cu(sys::cuStreamSynchronize(self.stream), "sync");
+        }
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: created in capture; nothing runs any more after replay.
+        unsafe {
+            sys::cuGraphExecDestroy(self.exec);
+            sys::cuGraphDestroy(self.graph);
+            sys::cuStreamDestroy_v2(self.stream);
+        }
+    }
+}
