@@ -54,9 +54,9 @@
 //      [set][rank][t] of EVERY rank (local experts of that rank or -1), and
 //      the quantized row (or BF16 copy) into the ranks that hold at least one
 //      of its experts: a token crosses NVLink once per destination rank, not
-//      once per expert. Then every thread fences (__threadfence_system: its
-//      own plain stores are performed system-wide), __syncthreads, and thread
-//      d RELEASE-stores seq into rank d's dispatch_tags[set][rank][t].
+//      once per expert. Then __syncthreads, and thread d RELEASE-stores seq
+//      into rank d's dispatch_tags[set][rank][t] (a release is cumulative:
+//      it publishes the other threads' stores the barrier ordered before it).
 // Receive (a block per local expert le):
 //   4. warp per source s: ACQUIRE-wait dispatch_flags[set][s] >= seq, read
 //      the count n; each lane ACQUIRE-waits the tag of its token, reads the
@@ -310,34 +310,37 @@ __device__ bool wait_for_acks(const LlParams& p, const int* acks, int seq, uint6
     return !__syncthreads_or(failed);
 }
 
-// Block-wide; true in thread 0 of the last block of the grid to get here,
-// after every block has. The counter is reset for the next launch.
+// Block-wide; true in every thread of the last block of the grid to get
+// here, after every block has. The counter is reset for the next launch.
+//
+// GPU-scope fences suffice here although the blocks' work includes stores
+// to peers: the last block's later system-scope release stores are
+// cumulative (PTX memory model), so they cover everything the blocks
+// ordered before their arrival, and a system-scope fence per block would
+// cost a full NVLink drain on the critical path.
 __device__ bool last_block_to_arrive(int* arrivals) {
+    __shared__ bool s_last;
     __syncthreads();
-    bool last = false;
     if (threadIdx.x == 0) {
-        // Everything this block did (reads of the receive sets included) is
-        // performed before the arrival is; the last block fences again, so
-        // its later release stores cover every block's work.
-        __threadfence_system();
-        last = atomicAdd(arrivals, 1) == static_cast<int>(gridDim.x) - 1;
-        if (last) {
-            __threadfence_system();
+        __threadfence();
+        s_last = atomicAdd(arrivals, 1) == static_cast<int>(gridDim.x) - 1;
+        if (s_last) {
+            __threadfence();
             *arrivals = 0;
         }
     }
-    return last;
+    __syncthreads();
+    return s_last;
 }
 
-// Run by the last block's thread 0: publishes the end of call `seq`.
+// Run by the last block: publishes the end of call `seq`, thread d
+// acknowledging to rank d (the release stores go out in parallel).
 __device__ void finish_call(const LlParams& p, int seq, int* seq_counter, int64_t off_acks) {
-    if (p.do_send) {
+    if (p.do_send && threadIdx.x == 0) {
         *seq_counter = seq;
     }
-    if (p.do_recv) {
-        for (int d = 0; d < p.world; ++d) {
-            ep_st_release_sys(ll_at<int>(p, d, off_acks) + p.rank, seq);
-        }
+    if (p.do_recv && threadIdx.x < p.world) {
+        ep_st_release_sys(ll_at<int>(p, threadIdx.x, off_acks) + p.rank, seq);
     }
 }
 
@@ -440,9 +443,8 @@ __device__ bool dispatch_send(const LlParams& p, int seq, uint64_t deadline) {
             reinterpret_cast<int*>(s_slot[d])[j] = word;
         }
         send_token_row(p, t, dest_mask, s_slot);
-        // Each thread's header and row stores are performed system-wide
-        // before the barrier; thread d's release store then publishes them.
-        __threadfence_system();
+        // The barrier orders every thread's header and row stores before
+        // thread d's release store, which (being cumulative) publishes them.
         __syncthreads();
         if (tid < p.world) {
             ep_st_release_sys(dispatch_tag(p, tid, set, p.rank, t), seq);
@@ -675,9 +677,8 @@ __device__ bool combine_send(const LlParams& p, int seq, uint64_t deadline) {
         } else {
             send_partial(p, rows + combine_slot(p, set, t, K + p.rank) * p.hidden, row, w);
         }
-        // Every lane's row stores are performed system-wide before the
-        // warp barrier; the release stores after it publish them.
-        __threadfence_system();
+        // The warp barrier orders every lane's row stores before the
+        // release stores, which publish them.
         __syncwarp();
         if (p.weighted && row >= 0) {
             ep_st_release_sys(tags + combine_slot(p, set, t, lane), seq);
