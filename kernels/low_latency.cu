@@ -4,23 +4,33 @@
 // (and src/reference/fp8.rs for the quantization), bit for bit.
 //
 // Notation: W = world, M = ll_max_tokens_per_rank, K = topk, L = local
-// experts, H = hidden, J = K + W (return rows per token, see below).
+// experts, H = hidden, J = K + W (return rows per token, see below), C =
+// ceil(H / 512) (512-channel chunks of a combine row).
+//
+// The design goal is a short critical path: every receiver learns where each
+// row goes from the first message of each source (its per-expert counts),
+// so rows are placed as they arrive, and the combine moves and sums rows in
+// chunks spread over every warp of the GPU, each chunk with its own signal.
 //
 // ---------------------------------------------------------------------------
 // Buffer layout (byte offsets computed in src/runtime/gpu/low_latency.rs,
 // identical on every rank, the area zeroed when the context is created)
 // ---------------------------------------------------------------------------
 // Written by peers (the sets alternate between calls: set = seq & 1):
-//   dispatch_flags  [2][W] int    source s announces call `seq` here
-//   dispatch_counts [2][W] int    ...and how many tokens it has (0..M)
+//   dispatch_flags  [2][W] int    source s announces call `seq` here, after
+//   dispatch_counts [2][W][L+1]   ...its rows for each local expert of THIS
+//                                 rank, then its token count (entry L)
 //   dispatch_tags   [2][W][M] int token t of source s has arrived (= seq)
 //   dispatch_msgs   [2][W][M] messages, `msg_bytes` each:
-//       int   local[16]   per slot: the local expert of THIS rank, or -1
+//       int   route[16]   per slot: local expert of THIS rank | position of
+//                         the (token, slot) among the source's rows for that
+//                         expert << 16; -1 when the slot's expert is elsewhere
 //       float weight[16]  per slot: the routing weight (0 without weights)
 //       data              FP8: H codes then H/128 fp32 scales; BF16: 2H bytes
 //   dispatch_acks   [W] int       rank d has finished receiving its dispatch
 //                                 call `value` (rank d writes slot [d])
-//   combine_tags    [2][M][J] int return row j of token t has arrived
+//   combine_tags    [2][M][J][C]  chunk c of return row j of token t has
+//                                 arrived (= seq)
 //   combine_rows    [2][M][J][H] BF16 return rows: j < K is the expert row
 //                                 of slot j (weights at combine); j = K + r
 //                                 is expert rank r's partial sum (weights
@@ -31,8 +41,6 @@
 //                                 call `value`
 // Used by this rank only:
 //   counters        LlCounters    sequence numbers and grid arrival counts
-//   scan_origin     [L][W][M] int dispatch scratch: (token | slot << 16) of
-//                                 the n-th row of (local expert, source)
 //   dispatch_tokens [W] int       tokens each source sent in the last dispatch
 //   token_rows      [W][M][K] int masked-layout row of each received (source,
 //                                 token, slot), or -1: what the combine sends
@@ -47,39 +55,46 @@
 // Send (every block):
 //   1. wait until dispatch_acks[d] >= seq - 2 for every rank d: d has read
 //      everything of the set we are about to overwrite (call seq - 2 used it);
-//   2. block 0: for every rank d, store count = num_tokens into d's
-//      dispatch_counts[set][rank], then RELEASE-store seq into
-//      dispatch_flags[set][rank] (same thread: the release orders the count);
-//   3. per token t (a block per token): write the message header into slot
-//      [set][rank][t] of EVERY rank (local experts of that rank or -1), and
-//      the quantized row (or BF16 copy) into the ranks that hold at least one
-//      of its experts: a token crosses NVLink once per destination rank, not
-//      once per expert. Then __syncthreads, and thread d RELEASE-stores seq
-//      into rank d's dispatch_tags[set][rank][t] (a release is cumulative:
-//      it publishes the other threads' stores the barrier ordered before it).
-// Receive (a block per local expert le):
-//   4. warp per source s: ACQUIRE-wait dispatch_flags[set][s] >= seq, read
-//      the count n; each lane ACQUIRE-waits the tag of its token, reads the
-//      header and, with a ballot, gives each token routed to le its position
-//      among source s's tokens for le (earlier tokens first, as the
-//      reference). Data acquired by one lane is read by other warps after a
-//      __syncthreads, which orders it at block scope.
-//   5. prefix over sources -> recv_layout_range / recv_count; copy each row
-//      (codes, scales, src_info) from the message into the caller's arrays
-//      and note (row, weight) in token_rows / token_weights for the combine.
-// Finish (every launch): each block fences and bumps an arrival counter; the
-// last block to arrive resets it, stores seq into counters.dispatch_seq when
-// the send phase ran (every block has read the old value by then: it read it
-// before arriving), and when the receive phase ran RELEASE-stores seq into
+//   2. every block reads the whole routing into shared memory (the effective
+//      expert of each (token, slot): -1 for dropped, invalid and repeated
+//      ids); it is a few KB, read from L2;
+//   3. block d (for each rank d): counts this rank's rows for each of d's
+//      local experts, stores them and the token count into d's
+//      dispatch_counts[set][rank], then __syncthreads and RELEASE-stores seq
+//      into d's dispatch_flags[set][rank];
+//   4. per token t (a block per token): the position of each (t, slot) among
+//      this rank's rows for its expert (the number of earlier tokens routed
+//      to that expert, one warp per slot); the header into slot
+//      [set][rank][t] of EVERY rank, and the quantized row (or BF16 copy)
+//      into the ranks that hold at least one of its experts: a token crosses
+//      NVLink once per destination rank, not once per expert. Then
+//      __syncthreads, and thread d RELEASE-stores seq into rank d's
+//      dispatch_tags[set][rank][t] (a release is cumulative: it publishes
+//      the other threads' stores the barrier ordered before it).
+// Receive (every block):
+//   5. ACQUIRE-wait every source's flag; the prefix over sources of the
+//      counts gives the first row of each (local expert, source); block 0
+//      writes recv_count, recv_layout_range and dispatch_tokens;
+//   6. a warp per (source, token), as soon as its tag arrives: reads the
+//      header and copies the row to every local expert's row the header
+//      names (row = first row of (expert, source) + position), with its
+//      scales and src_info, and notes (row, weight) per slot in token_rows /
+//      token_weights for the combine.
+// Finish (every launch): each block bumps an arrival counter; the last block
+// to arrive resets it, stores seq into counters.dispatch_seq when the send
+// phase ran (every block has read the old value by then: it read it before
+// arriving), and when the receive phase ran RELEASE-stores seq into
 // dispatch_acks[rank] of every rank (step 1 of their call seq + 2).
 //
-// Combine mirrors it: the expert side waits combine_acks >= seq - 2, sends
-// for each (source, token) of the last dispatch either its rows (j = slot)
-// or one partial row sum_{local experts ascending} w * y rounded to BF16
-// (j = K + rank), fences, and RELEASE-stores the tags; the source side
-// ACQUIRE-waits the tags of the rows its routing expects and sums them in
-// fp32 (slots ascending, or expert ranks ascending), products rounded before
-// they are added (__fmul_rn / __fadd_rn, never an FMA), as the reference.
+// Combine mirrors it, in 512-channel chunks: the expert side waits
+// combine_acks >= seq - 2; a warp per (source, token, chunk) of the last
+// dispatch sends either the chunk of each of its rows (j = slot) or of one
+// partial row sum_{local experts ascending} w * y rounded to BF16 (j = K +
+// rank), then RELEASE-stores the chunk's tags. On the source side a warp per
+// (token, chunk) ACQUIRE-waits the tags of the rows its routing expects and
+// sums them in fp32 (slots ascending, or expert ranks ascending), products
+// rounded before they are added (__fmul_rn / __fadd_rn, never an FMA), as
+// the reference.
 //
 // In flight: a rank may run the send phase of call seq while a peer still
 // receives call seq - 1 (the other set); it waits for the peer to finish
@@ -88,8 +103,9 @@
 // peers time out (EP_STATUS_TIMEOUT), never read a half-written set.
 //
 // Co-residency: the grid has one block per SM, so every block runs at once
-// and a block that waits (step 4) never waits for one that has not started.
-// Waits are bounded all the same (ep_wait_until_ge); kernels never trap.
+// and a block that waits (steps 5, 6) never waits for one that has not
+// started. Waits are bounded all the same (ep_wait_until_ge); kernels never
+// trap.
 //
 // Expert ids: an id outside [0, E) other than -1, or one repeated within a
 // token, counts as -1 everywhere and the dispatch reports
@@ -102,14 +118,22 @@
 // Threads of both kernels' blocks (src/runtime/gpu/low_latency.rs).
 #define EP_LL_THREADS 512
 #define EP_LL_WARPS (EP_LL_THREADS / 32)
+// Limits of src/runtime/config.rs the shared arrays are sized for.
 #define EP_LL_MAX_TOPK 16
 #define EP_LL_MAX_WORLD 64
-// Message header: int local[16] then float weight[16].
+#define EP_LL_MAX_TOKENS 1024
+#define EP_LL_MAX_EXPERTS 1024
+// FP8 scales of a row per lane: 16384 / 128 / 32.
+#define EP_LL_SCALES_PER_LANE 4
+// Message header: int route[16] then float weight[16].
 #define EP_LL_HEADER_BYTES 128
-// 16-byte vectors each thread loads before it stores, per pass of a copy.
-#define EP_LL_COPY_UNROLL 4
-// 16-byte vectors (8 channels) per lane in one pass of a combine sum.
-#define EP_LL_SUM_VECS 4
+// 16-byte vectors each lane loads before it stores, per pass of a row copy.
+#define EP_LL_COPY_UNROLL 8
+// 16-byte vectors (8 channels) of a combine chunk: 512 channels, 2 per lane.
+#define EP_LL_CHUNK_VECS 64
+#define EP_LL_LANE_VECS (EP_LL_CHUNK_VECS / 32)
+// Rows whose chunks a combine warp loads before it adds or stores them.
+#define EP_LL_ROWS_IN_FLIGHT 4
 // src/reference/fp8.rs: AMAX_FLOOR and E4M3_MAX.
 #define EP_LL_AMAX_FLOOR 1e-4f
 #define EP_LL_E4M3_MAX 448.0f
@@ -143,7 +167,6 @@ struct LlParams {
     int64_t off_combine_tags;
     int64_t off_combine_rows;
     int64_t off_combine_acks;
-    int64_t off_scan_origin;
     int64_t off_dispatch_tokens;
     int64_t off_token_rows;
     int64_t off_token_weights;
@@ -189,6 +212,12 @@ __device__ __forceinline__ LlCounters* counters(const LlParams& p) {
     return ll_at<LlCounters>(p, p.rank, p.off_counters);
 }
 
+// Source `source`'s counts [L + 1] of set `set` in `rank`'s buffer.
+__device__ __forceinline__ int* dispatch_counts(const LlParams& p, int rank, int set, int source) {
+    return ll_at<int>(p, rank, p.off_dispatch_counts) +
+           (static_cast<int64_t>(set) * p.world + source) * (local_experts(p) + 1);
+}
+
 // Message slot [set][source][token] in `rank`'s buffer.
 __device__ __forceinline__ uint8_t* dispatch_msg(const LlParams& p, int rank, int set, int source,
                                                  int token) {
@@ -206,10 +235,25 @@ __device__ __forceinline__ int combine_rows_per_token(const LlParams& p) {
     return p.topk + p.world;
 }
 
-// Index of return row j of token t in set `set`: for combine_tags and,
-// times H, combine_rows.
+// 16-byte vectors of a BF16 row, and the combine's chunks of one.
+__device__ __forceinline__ int row_vecs(const LlParams& p) {
+    return p.hidden / 8;
+}
+
+__device__ __forceinline__ int chunks_per_row(const LlParams& p) {
+    return (row_vecs(p) + EP_LL_CHUNK_VECS - 1) / EP_LL_CHUNK_VECS;
+}
+
+// Index of return row j of token t in set `set`, in combine_rows (times H).
 __device__ __forceinline__ int64_t combine_slot(const LlParams& p, int set, int token, int j) {
     return (static_cast<int64_t>(set) * p.max_tokens + token) * combine_rows_per_token(p) + j;
+}
+
+// The tag of chunk c of that row, in `rank`'s buffer.
+__device__ __forceinline__ int* combine_tag(const LlParams& p, int rank, int set, int token, int j,
+                                            int c) {
+    return ll_at<int>(p, rank, p.off_combine_tags) +
+           combine_slot(p, set, token, j) * chunks_per_row(p) + c;
 }
 
 // (source, token, slot) entry of token_rows / token_weights.
@@ -219,32 +263,30 @@ __device__ __forceinline__ int64_t token_entry(const LlParams& p, int source, in
 }
 
 // ---------------------------------------------------------------------------
-// Routing
-// ---------------------------------------------------------------------------
-
-// ---------------------------------------------------------------------------
 // FP8 quantization (src/reference/fp8.rs, quantize_row)
 // ---------------------------------------------------------------------------
 
 struct Fp8Vector {
-    uint2 codes;  // 8 E4M3 codes, channel order
+    int4 codes;   // 16 E4M3 codes, channel order
     float scale;  // the scale of the vector's 128-channel block
 };
 
-// Quantizes 8 channels. The 16 lanes of each half-warp hold the 16 vectors
-// of one 128-channel block: every lane of the warp must call this (the block
-// maximum is a shuffle reduction); lanes without data pass zeros.
-__device__ __forceinline__ Fp8Vector quantize_vector(const int4& raw, bool ue8m0) {
-    float v[8];
-    ep_unpack_bf16x8(raw, v);
+// Quantizes 16 channels. The 8 lanes of each aligned group of 8 hold the
+// 8 pairs of vectors of one 128-channel block: every lane of the warp must
+// call this (the block maximum is a shuffle reduction); lanes without data
+// pass zeros.
+__device__ __forceinline__ Fp8Vector quantize_16(const int4& lo, const int4& hi, bool ue8m0) {
+    float v[16];
+    ep_unpack_bf16x8(lo, *reinterpret_cast<float(*)[8]>(&v[0]));
+    ep_unpack_bf16x8(hi, *reinterpret_cast<float(*)[8]>(&v[8]));
     // fmaxf ignores a NaN operand, as the reference's f32::max does.
     float amax = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < 16; ++i) {
         amax = fmaxf(amax, fabsf(v[i]));
     }
 #pragma unroll
-    for (int offset = 8; offset > 0; offset /= 2) {
+    for (int offset = 4; offset > 0; offset /= 2) {
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     }
     amax = fmaxf(amax, EP_LL_AMAX_FLOOR);
@@ -266,7 +308,7 @@ __device__ __forceinline__ Fp8Vector quantize_vector(const int4& raw, bool ue8m0
     Fp8Vector q;
     uint8_t* codes = reinterpret_cast<uint8_t*>(&q.codes);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < 16; ++i) {
         codes[i] = __nv_cvt_float_to_fp8(__fmul_rn(v[i], multiplier), __NV_SATFINITE, __NV_E4M3);
     }
     q.scale = scale;
@@ -277,28 +319,6 @@ __device__ __forceinline__ Fp8Vector quantize_vector(const int4& raw, bool ue8m0
 // Block and warp building blocks
 // ---------------------------------------------------------------------------
 
-// Warp-wide copy of `n` 16-byte vectors, loads issued before stores.
-__device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n) {
-    const int lane = threadIdx.x % 32;
-    for (int base = lane; base < n; base += 32 * EP_LL_COPY_UNROLL) {
-        int4 v[EP_LL_COPY_UNROLL];
-#pragma unroll
-        for (int u = 0; u < EP_LL_COPY_UNROLL; ++u) {
-            const int i = base + 32 * u;
-            if (i < n) {
-                v[u] = src[i];
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < EP_LL_COPY_UNROLL; ++u) {
-            const int i = base + 32 * u;
-            if (i < n) {
-                dst[i] = v[u];
-            }
-        }
-    }
-}
-
 // Block-wide: waits until every rank d has acknowledged call seq - 2 in
 // `acks[d]` (the set this call writes is then free on d). Returns false in
 // every thread when a wait failed (the error is recorded).
@@ -308,6 +328,19 @@ __device__ bool wait_for_acks(const LlParams& p, const int* acks, int seq, uint6
     const bool failed = d < p.world && !ep_wait_until_ge(acks + d, seq - 2, deadline, p.abort_flag,
                                                           p.status, d, phase);
     return !__syncthreads_or(failed);
+}
+
+// Warp-wide: lane 0 ACQUIRE-waits `*tag >= seq`; true in every lane when it
+// arrived. The warp barrier orders the other lanes' later reads after the
+// acquire (a shuffle alone orders no memory).
+__device__ __forceinline__ bool warp_wait_tag(const LlParams& p, const int* tag, int seq,
+                                              uint64_t deadline, int from_rank, int phase) {
+    bool arrived = true;
+    if (threadIdx.x % 32 == 0) {
+        arrived = ep_wait_until_ge(tag, seq, deadline, p.abort_flag, p.status, from_rank, phase);
+    }
+    __syncwarp();
+    return __shfl_sync(0xffffffffu, arrived, 0);
 }
 
 // Block-wide; true in every thread of the last block of the grid to get
@@ -345,87 +378,140 @@ __device__ void finish_call(const LlParams& p, int seq, int* seq_counter, int64_
 }
 
 // ---------------------------------------------------------------------------
-// Dispatch
+// Dispatch: send phase
 // ---------------------------------------------------------------------------
 
-// Block-wide: writes token t's row (quantized or BF16) into the message slot
-// `slots[d]` of every rank d in `dest_mask`.
+// Block-wide (step 2): the effective expert of every (token, slot) of this
+// rank into `experts` (token-major), from the caller's topk_idx. Block 0
+// reports ids that are neither -1 nor effective.
+__device__ void load_routing(const LlParams& p, int16_t* experts) {
+    const int entries = p.num_tokens * p.topk;
+    for (int i = threadIdx.x; i < entries; i += blockDim.x) {
+        const int* ids = p.topk_idx + static_cast<int64_t>(i / p.topk) * p.topk;
+        const int slot = i % p.topk;
+        const int expert = ep_effective_expert(ids, slot, p.num_experts);
+        if (blockIdx.x == 0 && expert < 0 && ids[slot] != -1) {
+            ep_record_error(p.status, EP_STATUS_INVALID_EXPERT, -1, EP_PHASE_LL_DISPATCH, i);
+        }
+        experts[i] = static_cast<int16_t>(expert);
+    }
+}
+
+// Block-wide (step 3) for destination rank d: this rank's row count for
+// each of d's local experts, then the token count, then the flag.
+__device__ void send_counts(const LlParams& p, int seq, int d, const int16_t* experts,
+                            int* counts) {
+    const int L = local_experts(p);
+    const int entries = p.num_tokens * p.topk;
+    for (int le = threadIdx.x; le < L; le += blockDim.x) {
+        counts[le] = 0;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < entries; i += blockDim.x) {
+        const int e = experts[i];
+        if (e >= 0 && e / L == d) {
+            atomicAdd(&counts[e - d * L], 1);
+        }
+    }
+    __syncthreads();
+    int* dst = dispatch_counts(p, d, seq & 1, p.rank);
+    for (int le = threadIdx.x; le <= L; le += blockDim.x) {
+        dst[le] = le < L ? counts[le] : p.num_tokens;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ep_st_release_sys(ll_at<int>(p, d, p.off_dispatch_flags) + (seq & 1) * p.world + p.rank,
+                          seq);
+    }
+}
+
+// Block-wide: writes token t's row (quantized or BF16) into the message
+// slot `slots[d]` of every rank d in `dest_mask`. A thread moves 16
+// channels: one 16-byte store of FP8 codes, or two of BF16.
 __device__ void send_token_row(const LlParams& p, int t, uint64_t dest_mask, uint8_t* const* slots) {
-    const int vecs = p.hidden / 8;  // a multiple of 16: whole scale blocks
-    const int4* row = reinterpret_cast<const int4*>(p.x) + static_cast<int64_t>(t) * vecs;
+    const int pairs = p.hidden / 16;  // a multiple of 8: whole scale blocks
+    const int4* row = reinterpret_cast<const int4*>(p.x) + static_cast<int64_t>(t) * (p.hidden / 8);
     // Every thread runs the same passes, so whole warps take part in the
     // quantization shuffles.
-    for (int base = 0; base < vecs; base += blockDim.x * EP_LL_COPY_UNROLL) {
-        int4 raw[EP_LL_COPY_UNROLL];
-#pragma unroll
-        for (int u = 0; u < EP_LL_COPY_UNROLL; ++u) {
-            const int v = base + u * blockDim.x + threadIdx.x;
-            raw[u] = v < vecs ? __ldg(row + v) : make_int4(0, 0, 0, 0);
+    for (int base = 0; base < pairs; base += blockDim.x) {
+        const int v = base + threadIdx.x;
+        int4 lo = make_int4(0, 0, 0, 0), hi = lo;
+        if (v < pairs) {
+            lo = __ldg(row + 2 * v);
+            hi = __ldg(row + 2 * v + 1);
         }
-#pragma unroll
-        for (int u = 0; u < EP_LL_COPY_UNROLL; ++u) {
-            const int v = base + u * blockDim.x + threadIdx.x;
-            if (p.fp8) {
-                const Fp8Vector q = quantize_vector(raw[u], p.ue8m0 != 0);
-                if (v >= vecs) {
-                    continue;
+        if (p.fp8) {
+            const Fp8Vector q = quantize_16(lo, hi, p.ue8m0 != 0);
+            if (v >= pairs) {
+                continue;
+            }
+            for (uint64_t m = dest_mask; m != 0; m &= m - 1) {
+                uint8_t* data = slots[__ffsll(static_cast<long long>(m)) - 1] + EP_LL_HEADER_BYTES;
+                reinterpret_cast<int4*>(data)[v] = q.codes;
+                if (v % 8 == 0) {
+                    reinterpret_cast<float*>(data + p.hidden)[v / 8] = q.scale;
                 }
-                for (uint64_t m = dest_mask; m != 0; m &= m - 1) {
-                    uint8_t* data = slots[__ffsll(static_cast<long long>(m)) - 1] +
-                                    EP_LL_HEADER_BYTES;
-                    reinterpret_cast<uint2*>(data)[v] = q.codes;
-                    if (v % 16 == 0) {
-                        reinterpret_cast<float*>(data + p.hidden)[v / 16] = q.scale;
-                    }
-                }
-            } else if (v < vecs) {
-                for (uint64_t m = dest_mask; m != 0; m &= m - 1) {
-                    uint8_t* data = slots[__ffsll(static_cast<long long>(m)) - 1] +
-                                    EP_LL_HEADER_BYTES;
-                    reinterpret_cast<int4*>(data)[v] = raw[u];
-                }
+            }
+        } else if (v < pairs) {
+            for (uint64_t m = dest_mask; m != 0; m &= m - 1) {
+                int4* data = reinterpret_cast<int4*>(slots[__ffsll(static_cast<long long>(m)) - 1] +
+                                                     EP_LL_HEADER_BYTES);
+                data[2 * v] = lo;
+                data[2 * v + 1] = hi;
             }
         }
     }
 }
 
-// Block-wide send phase of dispatch call `seq` (steps 1-3 of the header).
+// Block-wide send phase of dispatch call `seq` (steps 1-4 of the header).
 __device__ bool dispatch_send(const LlParams& p, int seq, uint64_t deadline) {
+    __shared__ int16_t s_experts[EP_LL_MAX_TOKENS * EP_LL_MAX_TOPK];
+    __shared__ int s_counts[EP_LL_MAX_EXPERTS];
+    __shared__ int s_route[EP_LL_MAX_TOPK];  // as in the header, for rank e / L
     __shared__ int s_expert[EP_LL_MAX_TOPK];
     __shared__ float s_weight[EP_LL_MAX_TOPK];
     __shared__ uint8_t* s_slot[EP_LL_MAX_WORLD];
     const int set = seq & 1;
-    const int tid = threadIdx.x;
-    const int L = local_experts(p);
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int K = p.topk, L = local_experts(p);
     if (!wait_for_acks(p, ll_at<int>(p, p.rank, p.off_dispatch_acks), seq, deadline,
                        EP_PHASE_LL_DISPATCH)) {
         return false;
     }
-    if (blockIdx.x == 0 && tid < p.world) {
-        ll_at<int>(p, tid, p.off_dispatch_counts)[set * p.world + p.rank] = p.num_tokens;
-        ep_st_release_sys(ll_at<int>(p, tid, p.off_dispatch_flags) + set * p.world + p.rank, seq);
+    load_routing(p, s_experts);
+    __syncthreads();
+    for (int d = blockIdx.x; d < p.world; d += gridDim.x) {
+        send_counts(p, seq, d, s_experts, s_counts);
     }
     for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
         // The previous token's readers of the shared arrays are done.
         __syncthreads();
-        if (tid < p.topk) {
-            const int* ids = p.topk_idx + static_cast<int64_t>(t) * p.topk;
-            const int expert = ep_effective_expert(ids, tid, p.num_experts);
-            if (expert < 0 && ids[tid] != -1) {
-                ep_record_error(p.status, EP_STATUS_INVALID_EXPERT, -1, EP_PHASE_LL_DISPATCH,
-                                t * p.topk + tid);
+        // Warp k: the position of slot k among this rank's rows for its
+        // expert = the earlier (token, slot) entries with the same expert
+        // (a token lists an expert at most once).
+        if (warp < K) {
+            const int expert = s_experts[t * K + warp];
+            int earlier = 0;
+            if (expert >= 0) {
+                for (int i = lane; i < t * K; i += 32) {
+                    earlier += s_experts[i] == expert;
+                }
             }
-            s_expert[tid] = expert;
-            s_weight[tid] =
-                p.topk_weights != nullptr ? p.topk_weights[static_cast<int64_t>(t) * p.topk + tid]
-                                          : 0.0f;
+            earlier = __reduce_add_sync(0xffffffffu, earlier);
+            if (lane == 0) {
+                s_expert[warp] = expert;
+                s_route[warp] = expert >= 0 ? expert % L | earlier << 16 : -1;
+                s_weight[warp] = p.topk_weights != nullptr
+                                     ? p.topk_weights[static_cast<int64_t>(t) * K + warp]
+                                     : 0.0f;
+            }
         }
         if (tid < p.world) {
             s_slot[tid] = dispatch_msg(p, tid, set, p.rank, t);
         }
         __syncthreads();
         uint64_t dest_mask = 0;
-        for (int k = 0; k < p.topk; ++k) {
+        for (int k = 0; k < K; ++k) {
             if (s_expert[k] >= 0) {
                 dest_mask |= 1ull << (s_expert[k] / L);
             }
@@ -435,10 +521,9 @@ __device__ bool dispatch_send(const LlParams& p, int seq, uint64_t deadline) {
             const int d = i / 32, j = i % 32;
             int word;
             if (j < EP_LL_MAX_TOPK) {
-                const int e = j < p.topk ? s_expert[j] : -1;
-                word = e >= 0 && e / L == d ? e % L : -1;
+                word = j < K && s_expert[j] >= 0 && s_expert[j] / L == d ? s_route[j] : -1;
             } else {
-                word = __float_as_int(j - 16 < p.topk ? s_weight[j - 16] : 0.0f);
+                word = __float_as_int(j - 16 < K ? s_weight[j - 16] : 0.0f);
             }
             reinterpret_cast<int*>(s_slot[d])[j] = word;
         }
@@ -453,193 +538,236 @@ __device__ bool dispatch_send(const LlParams& p, int seq, uint64_t deadline) {
     return true;
 }
 
-// Block-wide receive phase of dispatch call `seq` for local expert `le`
-// (steps 4-5 of the header).
-__device__ bool dispatch_receive_expert(const LlParams& p, int seq, int le, uint64_t deadline) {
-    __shared__ int s_count[EP_LL_MAX_WORLD];
-    __shared__ int s_first[EP_LL_MAX_WORLD];
+// ---------------------------------------------------------------------------
+// Dispatch: receive phase
+// ---------------------------------------------------------------------------
+
+// Warp-wide: copies the message data of one token (`bytes`, a multiple of
+// 16) to each of the rows `row` of the lanes in `rows_mask`, at
+// `dst + row * bytes`. Each pass loads before it stores.
+__device__ __forceinline__ void warp_copy_to_rows(uint8_t* dst, const uint8_t* src, int bytes,
+                                                  int row, unsigned rows_mask) {
+    const int lane = threadIdx.x % 32;
+    const int n = bytes / 16;
+    const int4* from = reinterpret_cast<const int4*>(src);
+    for (int base = 0; base < n; base += 32 * EP_LL_COPY_UNROLL) {
+        int4 v[EP_LL_COPY_UNROLL];
+#pragma unroll
+        for (int u = 0; u < EP_LL_COPY_UNROLL; ++u) {
+            const int i = base + 32 * u + lane;
+            if (i < n) {
+                v[u] = from[i];
+            }
+        }
+        for (unsigned m = rows_mask; m != 0; m &= m - 1) {
+            const int r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+            int4* to = reinterpret_cast<int4*>(dst + static_cast<int64_t>(r) * bytes);
+#pragma unroll
+            for (int u = 0; u < EP_LL_COPY_UNROLL; ++u) {
+                const int i = base + 32 * u + lane;
+                if (i < n) {
+                    to[i] = v[u];
+                }
+            }
+        }
+    }
+}
+
+// Block-wide receive phase of dispatch call `seq` (steps 5-6 of the header).
+// Returns early when a wait failed (the error is recorded).
+__device__ void dispatch_receive(const LlParams& p, int seq, uint64_t deadline) {
+    // First row of (local expert le, source s) at [le * W + s]; tokens of s.
+    __shared__ int s_first[EP_LL_MAX_EXPERTS];
+    __shared__ int s_tokens[EP_LL_MAX_WORLD];
     const int set = seq & 1;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int W = p.world, M = p.max_tokens, K = p.topk;
-    int* origin = ll_at<int>(p, p.rank, p.off_scan_origin) + static_cast<int64_t>(le) * W * M;
-    int* token_rows = ll_at<int>(p, p.rank, p.off_token_rows);
-    float* token_weights = ll_at<float>(p, p.rank, p.off_token_weights);
+    const int W = p.world, M = p.max_tokens, K = p.topk, L = local_experts(p);
+    const int capacity = W * M;
 
-    // Step 4: positions of the tokens routed to `le`, per source.
-    bool ok = true;
-    for (int s = warp; s < W && ok; s += EP_LL_WARPS) {
-        ok = ep_wait_until_ge(ll_at<int>(p, p.rank, p.off_dispatch_flags) + set * W + s, seq,
-                              deadline, p.abort_flag, p.status, s, EP_PHASE_LL_DISPATCH);
-        if (!__all_sync(0xffffffffu, ok)) {
-            ok = false;
-            break;
-        }
-        const int n = ll_at<int>(p, p.rank, p.off_dispatch_counts)[set * W + s];
-        if (le == 0 && lane == 0) {
-            ll_at<int>(p, p.rank, p.off_dispatch_tokens)[s] = n;
-        }
-        int found = 0;
-        for (int base = 0; base < n; base += 32) {
-            const int t = base + lane;
-            int slot = -1;
-            bool arrived = true;
-            if (t < n) {
-                arrived = ep_wait_until_ge(dispatch_tag(p, p.rank, set, s, t), seq, deadline,
-                                           p.abort_flag, p.status, s, EP_PHASE_LL_DISPATCH);
-            }
-            if (!__all_sync(0xffffffffu, arrived)) {
-                ok = false;
-                break;
-            }
-            if (t < n) {
-                const int* local = reinterpret_cast<const int*>(dispatch_msg(p, p.rank, set, s, t));
-                for (int k = 0; k < K; ++k) {
-                    const int l = local[k];
-                    if (l == le) {
-                        slot = k;
-                    }
-                    // Block 0's expert also marks the slots of no local expert.
-                    if (le == 0 && l < 0) {
-                        token_rows[token_entry(p, s, t, k)] = -1;
-                    }
-                }
-            }
-            const unsigned hits = __ballot_sync(0xffffffffu, slot >= 0);
-            if (slot >= 0) {
-                origin[s * M + found + __popc(hits & ep_lanemask_lt())] = t | slot << 16;
-            }
-            found += __popc(hits);
-        }
-        if (lane == 0) {
-            s_count[s] = found;
-        }
+    // Step 5.
+    const bool failed =
+        threadIdx.x < W &&
+        !ep_wait_until_ge(ll_at<int>(p, p.rank, p.off_dispatch_flags) + set * W + threadIdx.x, seq,
+                          deadline, p.abort_flag, p.status, threadIdx.x, EP_PHASE_LL_DISPATCH);
+    if (__syncthreads_or(failed)) {
+        return;
     }
-    if (__syncthreads_or(!ok)) {
-        return false;
-    }
-
-    // Step 5: the layout, then the rows.
-    if (threadIdx.x == 0) {
+    // The flags were acquired by threads 0..W-1; the barrier above orders
+    // every thread's reads of the counts after those acquires.
+    for (int le = threadIdx.x; le < L; le += blockDim.x) {
         int first = 0;
         for (int s = 0; s < W; ++s) {
-            s_first[s] = first;
-            first += s_count[s];
+            const int count = dispatch_counts(p, p.rank, set, s)[le];
+            s_first[le * W + s] = first;
+            if (blockIdx.x == 0) {
+                p.recv_layout_range[(le * W + s) * 2] = first;
+                p.recv_layout_range[(le * W + s) * 2 + 1] = count;
+            }
+            first += count;
         }
-        p.recv_count[le] = first;
+        if (blockIdx.x == 0) {
+            p.recv_count[le] = first;
+        }
+    }
+    if (threadIdx.x < W) {
+        const int n = dispatch_counts(p, p.rank, set, threadIdx.x)[L];
+        s_tokens[threadIdx.x] = n;
+        if (blockIdx.x == 0) {
+            ll_at<int>(p, p.rank, p.off_dispatch_tokens)[threadIdx.x] = n;
+        }
     }
     __syncthreads();
-    if (threadIdx.x < W) {
-        const int s = threadIdx.x;
-        p.recv_layout_range[(le * W + s) * 2] = s_first[s];
-        p.recv_layout_range[(le * W + s) * 2 + 1] = s_count[s];
-    }
+
+    // Step 6: a warp per (source, token).
+    int* token_rows = ll_at<int>(p, p.rank, p.off_token_rows);
+    float* token_weights = ll_at<float>(p, p.rank, p.off_token_weights);
     const int row_bytes = p.fp8 ? p.hidden : 2 * p.hidden;
     const int scale_cols = p.hidden / 128;
-    for (int s = 0; s < W; ++s) {
-        for (int pos = warp; pos < s_count[s]; pos += EP_LL_WARPS) {
-            const int packed = origin[s * M + pos];
-            const int t = packed & 0xffff, k = packed >> 16;
-            const int row = le * W * M + s_first[s] + pos;
-            const uint8_t* msg = dispatch_msg(p, p.rank, set, s, t);
-            const uint8_t* data = msg + EP_LL_HEADER_BYTES;
-            warp_copy(reinterpret_cast<int4*>(p.recv_x + static_cast<int64_t>(row) * row_bytes),
-                      reinterpret_cast<const int4*>(data), row_bytes / 16);
-            if (p.fp8) {
-                const float* scales = reinterpret_cast<const float*>(data + p.hidden);
-                for (int c = lane; c < scale_cols; c += 32) {
-                    p.recv_scales[static_cast<int64_t>(row) * scale_cols + c] = scales[c];
-                }
+    for (int item = blockIdx.x * EP_LL_WARPS + warp; item < W * M;
+         item += gridDim.x * EP_LL_WARPS) {
+        const int s = item / M, t = item % M;
+        if (t >= s_tokens[s]) {
+            continue;
+        }
+        if (!warp_wait_tag(p, dispatch_tag(p, p.rank, set, s, t), seq, deadline, s,
+                           EP_PHASE_LL_DISPATCH)) {
+            return;
+        }
+        const uint8_t* msg = dispatch_msg(p, p.rank, set, s, t);
+        int row = -1;
+        float weight = 0.0f;
+        if (lane < K) {
+            const int route = reinterpret_cast<const int*>(msg)[lane];
+            weight = reinterpret_cast<const float*>(msg)[EP_LL_MAX_TOPK + lane];
+            const int le = route & 0xffff, pos = route >> 16;
+            // A position past the expert's segment cannot come from a peer
+            // with this configuration; guard the caller's arrays anyway.
+            if (route >= 0 && le < L && s_first[le * W + s] + pos < capacity) {
+                row = le * capacity + s_first[le * W + s] + pos;
             }
-            if (lane == 0) {
+            token_rows[token_entry(p, s, t, lane)] = row;
+            token_weights[token_entry(p, s, t, lane)] = weight;
+            if (row >= 0) {
                 p.recv_src_info[row] = t;
-                token_rows[token_entry(p, s, t, k)] = row;
-                token_weights[token_entry(p, s, t, k)] =
-                    reinterpret_cast<const float*>(msg)[EP_LL_MAX_TOPK + k];
+            }
+        }
+        const unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
+        if (rows_mask == 0) {
+            continue;
+        }
+        const uint8_t* data = msg + EP_LL_HEADER_BYTES;
+        warp_copy_to_rows(p.recv_x, data, row_bytes, row, rows_mask);
+        if (p.fp8) {
+            const float* scales = reinterpret_cast<const float*>(data + p.hidden);
+            float scale[EP_LL_SCALES_PER_LANE];
+#pragma unroll
+            for (int u = 0; u < EP_LL_SCALES_PER_LANE; ++u) {
+                const int c = lane + 32 * u;
+                scale[u] = c < scale_cols ? scales[c] : 0.0f;
+            }
+            for (unsigned m = rows_mask; m != 0; m &= m - 1) {
+                const int r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+#pragma unroll
+                for (int u = 0; u < EP_LL_SCALES_PER_LANE; ++u) {
+                    const int c = lane + 32 * u;
+                    if (c < scale_cols) {
+                        p.recv_scales[static_cast<int64_t>(r) * scale_cols + c] = scale[u];
+                    }
+                }
             }
         }
     }
-    return true;
 }
 
 // ---------------------------------------------------------------------------
 // Combine
 // ---------------------------------------------------------------------------
 
-// Adds `w * y` (or `y` when !weighted) for 32 * EP_LL_SUM_VECS channels of a
-// BF16 row, starting at vector `first_vec`; products rounded, then added.
-__device__ __forceinline__ void accumulate_row(float (&acc)[EP_LL_SUM_VECS][8],
-                                               const __nv_bfloat16* row, int first_vec, int vecs,
-                                               bool weighted, float w) {
+// A lane's share of one 512-channel chunk of a BF16 row: vectors
+// first_vec + lane and first_vec + 32 + lane (zeros past the row's end).
+__device__ __forceinline__ void load_chunk(int4 (&v)[EP_LL_LANE_VECS], const __nv_bfloat16* row,
+                                           int first_vec, int vecs) {
     const int lane = threadIdx.x % 32;
-    int4 raw[EP_LL_SUM_VECS];
 #pragma unroll
-    for (int u = 0; u < EP_LL_SUM_VECS; ++u) {
-        const int v = first_vec + 32 * u + lane;
-        raw[u] = v < vecs ? reinterpret_cast<const int4*>(row)[v] : make_int4(0, 0, 0, 0);
+    for (int u = 0; u < EP_LL_LANE_VECS; ++u) {
+        const int i = first_vec + 32 * u + lane;
+        v[u] = i < vecs ? reinterpret_cast<const int4*>(row)[i] : make_int4(0, 0, 0, 0);
     }
+}
+
+__device__ __forceinline__ void store_chunk(__nv_bfloat16* row, const int4 (&v)[EP_LL_LANE_VECS],
+                                            int first_vec, int vecs) {
+    const int lane = threadIdx.x % 32;
 #pragma unroll
-    for (int u = 0; u < EP_LL_SUM_VECS; ++u) {
-        float y[8];
-        ep_unpack_bf16x8(raw[u], y);
+    for (int u = 0; u < EP_LL_LANE_VECS; ++u) {
+        const int i = first_vec + 32 * u + lane;
+        if (i < vecs) {
+            reinterpret_cast<int4*>(row)[i] = v[u];
+        }
+    }
+}
+
+// acc += w * y (or y when !weighted) for a lane's share of a chunk; each
+// product rounded before it is added, as the reference.
+__device__ __forceinline__ void accumulate(float (&acc)[EP_LL_LANE_VECS][8],
+                                           const int4 (&y)[EP_LL_LANE_VECS], bool weighted,
+                                           float w) {
+#pragma unroll
+    for (int u = 0; u < EP_LL_LANE_VECS; ++u) {
+        float f[8];
+        ep_unpack_bf16x8(y[u], f);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            acc[u][i] = __fadd_rn(acc[u][i], weighted ? __fmul_rn(w, y[i]) : y[i]);
+            acc[u][i] = __fadd_rn(acc[u][i], weighted ? __fmul_rn(w, f[i]) : f[i]);
         }
     }
 }
 
-// Stores the sums as BF16 (round to nearest even).
-__device__ __forceinline__ void store_row(__nv_bfloat16* row, const float (&acc)[EP_LL_SUM_VECS][8],
-                                          int first_vec, int vecs) {
-    const int lane = threadIdx.x % 32;
+// Warp-wide: acc = the sum, in ascending order of term, over the set bits i
+// of `terms` of w_i * (chunk of row `row_of(i)`) (or the plain row when
+// !weighted; `w_of(i)` is called only when weighted). Loads of up to
+// EP_LL_ROWS_IN_FLIGHT rows are issued before their sums.
+template <typename RowOf, typename WeightOf>
+__device__ __forceinline__ void sum_chunk(float (&acc)[EP_LL_LANE_VECS][8], uint64_t terms,
+                                          bool weighted, int first_vec, int vecs, RowOf row_of,
+                                          WeightOf w_of) {
 #pragma unroll
-    for (int u = 0; u < EP_LL_SUM_VECS; ++u) {
-        const int v = first_vec + 32 * u + lane;
-        if (v < vecs) {
-            reinterpret_cast<int4*>(row)[v] = ep_pack_bf16x8(acc[u]);
-        }
-    }
-}
-
-__device__ __forceinline__ void zero(float (&acc)[EP_LL_SUM_VECS][8]) {
-#pragma unroll
-    for (int u = 0; u < EP_LL_SUM_VECS; ++u) {
+    for (int u = 0; u < EP_LL_LANE_VECS; ++u) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             acc[u][i] = 0.0f;
         }
     }
-}
-
-// Warp-wide, weights at dispatch: source s's token t partial sum over this
-// rank's rows of it, local experts ascending (= rows ascending), into the
-// source's return row K + rank. `row`/`w`: lane k's entry (row -1: none).
-__device__ void send_partial(const LlParams& p, __nv_bfloat16* dst, int row, float w) {
-    const int vecs = p.hidden / 8;
-    // Lane k's rank among the valid entries, by row.
-    int order = 0;
-    for (int j = 0; j < p.topk; ++j) {
-        const int other = __shfl_sync(0xffffffffu, row, j);
-        if (row >= 0 && other >= 0 && other < row) {
-            ++order;
+    while (terms != 0) {
+        int term[EP_LL_ROWS_IN_FLIGHT];
+        int4 y[EP_LL_ROWS_IN_FLIGHT][EP_LL_LANE_VECS];
+#pragma unroll
+        for (int g = 0; g < EP_LL_ROWS_IN_FLIGHT; ++g) {
+            term[g] = terms != 0 ? __ffsll(static_cast<long long>(terms)) - 1 : -1;
+            terms &= terms - 1;
+            if (term[g] >= 0) {
+                load_chunk(y[g], row_of(term[g]), first_vec, vecs);
+            }
         }
-    }
-    const int entries = __popc(__ballot_sync(0xffffffffu, row >= 0));
-    for (int first_vec = 0; first_vec < vecs; first_vec += 32 * EP_LL_SUM_VECS) {
-        float acc[EP_LL_SUM_VECS][8];
-        zero(acc);
-        for (int i = 0; i < entries; ++i) {
-            const int src = __ffs(__ballot_sync(0xffffffffu, row >= 0 && order == i)) - 1;
-            const int r = __shfl_sync(0xffffffffu, row, src);
-            const float wr = __shfl_sync(0xffffffffu, w, src);
-            accumulate_row(acc, p.x + static_cast<int64_t>(r) * p.hidden, first_vec, vecs, true,
-                           wr);
+#pragma unroll
+        for (int g = 0; g < EP_LL_ROWS_IN_FLIGHT; ++g) {
+            if (term[g] >= 0) {
+                accumulate(acc, y[g], weighted, weighted ? w_of(term[g]) : 1.0f);
+            }
         }
-        store_row(dst, acc, first_vec, vecs);
     }
 }
 
-// Block-wide send phase (expert side) of combine call `seq`.
+__device__ __forceinline__ void pack_chunk(int4 (&v)[EP_LL_LANE_VECS],
+                                           const float (&acc)[EP_LL_LANE_VECS][8]) {
+#pragma unroll
+    for (int u = 0; u < EP_LL_LANE_VECS; ++u) {
+        v[u] = ep_pack_bf16x8(acc[u]);
+    }
+}
+
+// Block-wide send phase (expert side) of combine call `seq`: a warp per
+// (source, token, chunk) of the last dispatch.
 __device__ bool combine_send(const LlParams& p, int seq, uint64_t deadline) {
     if (!wait_for_acks(p, ll_at<int>(p, p.rank, p.off_combine_acks), seq, deadline,
                        EP_PHASE_LL_COMBINE)) {
@@ -647,14 +775,13 @@ __device__ bool combine_send(const LlParams& p, int seq, uint64_t deadline) {
     }
     const int set = seq & 1;
     const int lane = threadIdx.x % 32;
-    const int M = p.max_tokens, K = p.topk;
+    const int M = p.max_tokens, K = p.topk, C = chunks_per_row(p), vecs = row_vecs(p);
     const int* dispatched = ll_at<int>(p, p.rank, p.off_dispatch_tokens);
     const int* token_rows = ll_at<int>(p, p.rank, p.off_token_rows);
     const float* token_weights = ll_at<float>(p, p.rank, p.off_token_weights);
-    const int warps = gridDim.x * EP_LL_WARPS;
-    for (int item = blockIdx.x * EP_LL_WARPS + threadIdx.x / 32; item < p.world * M;
-         item += warps) {
-        const int s = item / M, t = item % M;
+    for (int item = blockIdx.x * EP_LL_WARPS + threadIdx.x / 32; item < p.world * M * C;
+         item += gridDim.x * EP_LL_WARPS) {
+        const int c = item % C, t = item / C % M, s = item / (C * M);
         if (t >= dispatched[s]) {
             continue;
         }
@@ -664,89 +791,121 @@ __device__ bool combine_send(const LlParams& p, int seq, uint64_t deadline) {
         if (valid == 0) {
             continue;  // no expert of this rank: the source expects nothing
         }
+        const int first_vec = c * EP_LL_CHUNK_VECS;
         __nv_bfloat16* rows = ll_at<__nv_bfloat16>(p, s, p.off_combine_rows);
-        int* tags = ll_at<int>(p, s, p.off_combine_tags);
+        const auto expert_row = [&](int r) { return p.x + static_cast<int64_t>(r) * p.hidden; };
         if (p.weighted) {
-            for (unsigned m = valid; m != 0; m &= m - 1) {
-                const int k = __ffs(m) - 1;
-                const int r = __shfl_sync(0xffffffffu, row, k);
-                warp_copy(reinterpret_cast<int4*>(rows + combine_slot(p, set, t, k) * p.hidden),
-                          reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(r) * p.hidden),
-                          p.hidden / 8);
+            // The chunk of each of the token's rows, to return row j = slot.
+            for (unsigned m = valid; m != 0;) {
+                int slot[EP_LL_ROWS_IN_FLIGHT];
+                int4 y[EP_LL_ROWS_IN_FLIGHT][EP_LL_LANE_VECS];
+#pragma unroll
+                for (int g = 0; g < EP_LL_ROWS_IN_FLIGHT; ++g) {
+                    slot[g] = m != 0 ? __ffs(m) - 1 : -1;
+                    m &= m - 1;
+                    const int r = __shfl_sync(0xffffffffu, row, slot[g] & 31);
+                    if (slot[g] >= 0) {
+                        load_chunk(y[g], expert_row(r), first_vec, vecs);
+                    }
+                }
+#pragma unroll
+                for (int g = 0; g < EP_LL_ROWS_IN_FLIGHT; ++g) {
+                    if (slot[g] >= 0) {
+                        store_chunk(rows + combine_slot(p, set, t, slot[g]) * p.hidden, y[g],
+                                    first_vec, vecs);
+                    }
+                }
             }
         } else {
-            send_partial(p, rows + combine_slot(p, set, t, K + p.rank) * p.hidden, row, w);
+            // One partial sum over the token's rows here, rows ascending
+            // (= local experts ascending), to return row j = K + rank. Term
+            // i is the lane of the i-th smallest row.
+            int order = 0;
+            for (int k = 0; k < K; ++k) {
+                const int other = __shfl_sync(0xffffffffu, row, k);
+                order += row >= 0 && other >= 0 && other < row;
+            }
+            const uint64_t terms = (1ull << __popc(valid)) - 1;
+            const auto lane_of = [&](int i) {
+                return __ffs(__ballot_sync(0xffffffffu, row >= 0 && order == i)) - 1;
+            };
+            float acc[EP_LL_LANE_VECS][8];
+            sum_chunk(
+                acc, terms, true, first_vec, vecs,
+                [&](int i) { return expert_row(__shfl_sync(0xffffffffu, row, lane_of(i))); },
+                [&](int i) { return __shfl_sync(0xffffffffu, w, lane_of(i)); });
+            int4 partial[EP_LL_LANE_VECS];
+            pack_chunk(partial, acc);
+            store_chunk(rows + combine_slot(p, set, t, K + p.rank) * p.hidden, partial, first_vec,
+                        vecs);
         }
         // The warp barrier orders every lane's row stores before the
         // release stores, which publish them.
         __syncwarp();
         if (p.weighted && row >= 0) {
-            ep_st_release_sys(tags + combine_slot(p, set, t, lane), seq);
+            ep_st_release_sys(combine_tag(p, s, set, t, lane, c), seq);
         } else if (!p.weighted && lane == 0) {
-            ep_st_release_sys(tags + combine_slot(p, set, t, K + p.rank), seq);
+            ep_st_release_sys(combine_tag(p, s, set, t, K + p.rank, c), seq);
         }
     }
     return true;
 }
 
 // Block-wide receive phase (source side) of combine call `seq`: a warp per
-// (token, 32 * EP_LL_SUM_VECS channels).
-__device__ bool combine_receive(const LlParams& p, int seq, uint64_t deadline) {
+// (token, chunk). Returns early when a wait failed (the error is recorded).
+__device__ void combine_receive(const LlParams& p, int seq, uint64_t deadline) {
     const int set = seq & 1;
-    const int K = p.topk, L = local_experts(p);
-    const int vecs = p.hidden / 8;
-    const int chunks = (vecs + 32 * EP_LL_SUM_VECS - 1) / (32 * EP_LL_SUM_VECS);
+    const int lane = threadIdx.x % 32;
+    const int K = p.topk, L = local_experts(p), C = chunks_per_row(p), vecs = row_vecs(p);
     const __nv_bfloat16* rows = ll_at<__nv_bfloat16>(p, p.rank, p.off_combine_rows);
-    const int* tags = ll_at<int>(p, p.rank, p.off_combine_tags);
-    const int warps = gridDim.x * EP_LL_WARPS;
-    bool ok = true;
-    for (int item = blockIdx.x * EP_LL_WARPS + threadIdx.x / 32; ok && item < p.num_tokens * chunks;
-         item += warps) {
-        const int t = item / chunks;
-        const int first_vec = (item % chunks) * 32 * EP_LL_SUM_VECS;
-        const int* ids = p.topk_idx + static_cast<int64_t>(t) * K;
-        float acc[EP_LL_SUM_VECS][8];
-        zero(acc);
-        // Return rows j in summation order: slots ascending, or expert
-        // ranks ascending (each rank holding an expert of t once).
-        uint64_t ranks = 0;
-        for (int k = 0; k < K && !p.weighted; ++k) {
-            const int e = ep_effective_expert(ids, k, p.num_experts);
-            if (e >= 0) {
-                ranks |= 1ull << (e / L);
+    for (int item = blockIdx.x * EP_LL_WARPS + threadIdx.x / 32; item < p.num_tokens * C;
+         item += gridDim.x * EP_LL_WARPS) {
+        const int t = item / C, c = item % C;
+        const int expert =
+            lane < K ? ep_effective_expert(p.topk_idx + static_cast<int64_t>(t) * K, lane,
+                                           p.num_experts)
+                     : -1;
+        // Terms in summation order: slots ascending (weights at combine), or
+        // the ranks holding any of the token's experts, ascending.
+        uint64_t terms;
+        if (p.weighted) {
+            terms = __ballot_sync(0xffffffffu, expert >= 0);
+        } else {
+            const int r = expert >= 0 ? expert / L : -1;
+            const unsigned lo = __reduce_or_sync(0xffffffffu, r >= 0 && r < 32 ? 1u << r : 0u);
+            const unsigned hi = __reduce_or_sync(0xffffffffu, r >= 32 ? 1u << (r - 32) : 0u);
+            terms = static_cast<uint64_t>(hi) << 32 | lo;
+        }
+        const auto return_row = [&](int i) { return p.weighted ? i : K + i; };
+        // Lane i waits for term i (and i + 32 for ranks past 31); a slot's
+        // term is its own lane's.
+        bool arrived = true;
+        for (int i = lane; i < 64 && arrived; i += 32) {
+            if (terms >> i & 1) {
+                const int from = p.weighted ? expert / L : i;
+                arrived = ep_wait_until_ge(combine_tag(p, p.rank, set, t, return_row(i), c), seq,
+                                           deadline, p.abort_flag, p.status, from,
+                                           EP_PHASE_LL_COMBINE);
             }
         }
-        const int terms = p.weighted ? K : p.world;
-        for (int i = 0; i < terms && ok; ++i) {
-            int from_rank;
-            if (p.weighted) {
-                const int e = ep_effective_expert(ids, i, p.num_experts);
-                if (e < 0) {
-                    continue;
-                }
-                from_rank = e / L;
-            } else {
-                if (!(ranks >> i & 1)) {
-                    continue;
-                }
-                from_rank = i;
-            }
-            const int j = p.weighted ? i : K + i;
-            ok = ep_wait_until_ge(tags + combine_slot(p, set, t, j), seq, deadline, p.abort_flag,
-                                  p.status, from_rank, EP_PHASE_LL_COMBINE);
-            if (!__all_sync(0xffffffffu, ok)) {
-                ok = false;
-                break;
-            }
-            const float w = p.weighted ? p.topk_weights[static_cast<int64_t>(t) * K + i] : 1.0f;
-            accumulate_row(acc, rows + combine_slot(p, set, t, j) * p.hidden, first_vec, vecs,
-                           p.weighted != 0, w);
+        // The warp barrier orders every lane's reads of the rows after the
+        // acquires of the other lanes.
+        __syncwarp();
+        if (!__all_sync(0xffffffffu, arrived)) {
+            return;
         }
-        if (ok) {
-            store_row(p.out + static_cast<int64_t>(t) * p.hidden, acc, first_vec, vecs);
-        }
+        const float w = p.weighted && expert >= 0 ? p.topk_weights[static_cast<int64_t>(t) * K + lane]
+                                                  : 0.0f;
+        float acc[EP_LL_LANE_VECS][8];
+        const int first_vec = c * EP_LL_CHUNK_VECS;
+        sum_chunk(
+            acc, terms, p.weighted != 0, first_vec, vecs,
+            [&](int i) { return rows + combine_slot(p, set, t, return_row(i)) * p.hidden; },
+            [&](int i) { return __shfl_sync(0xffffffffu, w, i); });
+        int4 out[EP_LL_LANE_VECS];
+        pack_chunk(out, acc);
+        store_chunk(p.out + static_cast<int64_t>(t) * p.hidden, out, first_vec, vecs);
     }
-    return !__syncthreads_or(!ok);
 }
 
 }  // namespace
@@ -761,14 +920,9 @@ extern "C" __global__ void __launch_bounds__(EP_LL_THREADS, 1)
     const uint64_t deadline = ep_deadline_after(p.timeout_ns);
     LlCounters* c = counters(p);
     const int seq = c->dispatch_seq + p.do_send;
-    bool ok = true;
-    if (p.do_send) {
-        ok = dispatch_send(p, seq, deadline);
-    }
-    if (p.do_recv && ok) {
-        for (int le = blockIdx.x; le < local_experts(p) && ok; le += gridDim.x) {
-            ok = dispatch_receive_expert(p, seq, le, deadline);
-        }
+    const bool sent = !p.do_send || dispatch_send(p, seq, deadline);
+    if (p.do_recv && sent) {
+        dispatch_receive(p, seq, deadline);
     }
     if (last_block_to_arrive(&c->dispatch_arrivals)) {
         finish_call(p, seq, &c->dispatch_seq, p.off_dispatch_acks);
@@ -780,12 +934,9 @@ extern "C" __global__ void __launch_bounds__(EP_LL_THREADS, 1)
     const uint64_t deadline = ep_deadline_after(p.timeout_ns);
     LlCounters* c = counters(p);
     const int seq = c->combine_seq + p.do_send;
-    bool ok = true;
-    if (p.do_send) {
-        ok = combine_send(p, seq, deadline);
-    }
-    if (p.do_recv && ok) {
-        ok = combine_receive(p, seq, deadline);
+    const bool sent = !p.do_send || combine_send(p, seq, deadline);
+    if (p.do_recv && sent) {
+        combine_receive(p, seq, deadline);
     }
     if (last_block_to_arrive(&c->combine_arrivals)) {
         finish_call(p, seq, &c->combine_seq, p.off_combine_acks);

@@ -41,16 +41,20 @@ const THREADS: u32 = 512;
 const HEADER_BYTES: usize = 128;
 /// Bytes of the `LlCounters` struct of the kernel file.
 const COUNTERS_BYTES: usize = 16;
+/// Channels of a combine chunk, each with its own arrival tag
+/// (`EP_LL_CHUNK_VECS` vectors of 8 in the kernel file).
+const CHUNK_CHANNELS: usize = 512;
 
 /// Byte offsets of the mode's arrays inside its area of every rank's buffer
 /// (the same on every rank); see the layout in `kernels/low_latency.cu`.
 /// `W` = world, `M` = `ll_max_tokens`, `K` = topk, `L` = local experts,
-/// `H` = hidden, `J` = `K + W`.
+/// `H` = hidden, `J` = `K + W`, `C` = `ceil(H / 512)`.
 #[derive(Debug, Clone, Copy)]
 struct Area {
     /// `LlCounters`: sequence numbers and arrival counts (this rank only).
     counters: usize,
-    /// `[2, W]` announce flags and token counts the sources write.
+    /// `[2, W]` announce flags the sources write, after their `[2, W, L + 1]`
+    /// row counts per local expert and token counts.
     dispatch_flags: usize,
     dispatch_counts: usize,
     /// `[2, W, M]` per-token arrival tags.
@@ -59,13 +63,12 @@ struct Area {
     dispatch_msgs: usize,
     /// `[W]` each rank's last finished dispatch receive.
     dispatch_acks: usize,
-    /// `[2, M, J]` return-row tags and `[2, M, J, H]` BF16 return rows.
+    /// `[2, M, J, C]` return-row chunk tags and `[2, M, J, H]` BF16 return
+    /// rows.
     combine_tags: usize,
     combine_rows: usize,
     /// `[W]` each rank's last finished combine receive.
     combine_acks: usize,
-    /// `[L, W, M]` dispatch scratch.
-    scan_origin: usize,
     /// `[W]` tokens per source of the last dispatch.
     dispatch_tokens: usize,
     /// `[W, M, K]` row and weight of each received (source, token, slot).
@@ -97,14 +100,13 @@ impl Area {
         Area {
             counters: take(COUNTERS_BYTES),
             dispatch_flags: take(2 * world * 4),
-            dispatch_counts: take(2 * world * 4),
+            dispatch_counts: take(2 * world * (local + 1) * 4),
             dispatch_tags: take(2 * world * m * 4),
             dispatch_msgs: take(2 * world * m * msg_bytes),
             dispatch_acks: take(world * 4),
-            combine_tags: take(2 * m * (topk + world) * 4),
+            combine_tags: take(2 * m * (topk + world) * hidden.div_ceil(CHUNK_CHANNELS) * 4),
             combine_rows: take(2 * m * (topk + world) * hidden * 2),
             combine_acks: take(world * 4),
-            scan_origin: take(local * world * m * 4),
             dispatch_tokens: take(world * 4),
             token_rows: take(world * m * topk * 4),
             token_weights: take(world * m * topk * 4),
@@ -153,7 +155,6 @@ struct LlParams {
     off_combine_tags: i64,
     off_combine_rows: i64,
     off_combine_acks: i64,
-    off_scan_origin: i64,
     off_dispatch_tokens: i64,
     off_token_rows: i64,
     off_token_weights: i64,
@@ -225,7 +226,6 @@ impl LlMode {
             off_combine_tags: a.combine_tags as i64,
             off_combine_rows: a.combine_rows as i64,
             off_combine_acks: a.combine_acks as i64,
-            off_scan_origin: a.scan_origin as i64,
             off_dispatch_tokens: a.dispatch_tokens as i64,
             off_token_rows: a.token_rows as i64,
             off_token_weights: a.token_weights as i64,
