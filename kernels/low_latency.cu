@@ -62,7 +62,7 @@
 //      local experts, stores them and the token count into d's
 //      dispatch_counts[set][rank], then __syncthreads and RELEASE-stores seq
 //      into d's dispatch_flags[set][rank];
-//   4. per token t (a block per token): the position of each (t, slot) among
+//   4. per token t (a block per token, from block W on): the position of each (t, slot) among
 //      this rank's rows for its expert (the number of earlier tokens routed
 //      to that expert, one warp per slot); the header into slot
 //      [set][rank][t] of EVERY rank, and the quantized row (or BF16 copy)
@@ -75,10 +75,11 @@
 //   5. ACQUIRE-wait every source's flag; the prefix over sources of the
 //      counts gives the first row of each (local expert, source); block 0
 //      writes recv_count, recv_layout_range and dispatch_tokens;
-//   6. a warp per (source, token), as soon as its tag arrives: reads the
-//      header and copies the row to every local expert's row the header
-//      names (row = first row of (expert, source) + position), with its
-//      scales and src_info, and notes (row, weight) per slot in token_rows /
+//   6. a warp per (source, token, 1 KB chunk of the row), as soon as the
+//      token's tag arrives: reads the header and copies its chunk to every
+//      local expert's row the header names (row = first row of (expert,
+//      source) + position); the first chunk's warp also copies the scales
+//      and src_info and notes (row, weight) per slot in token_rows /
 //      token_weights for the combine.
 // Finish (every launch): each block bumps an arrival counter; the last block
 // to arrive resets it, stores seq into counters.dispatch_seq when the send
@@ -127,9 +128,8 @@
 #define EP_LL_SCALES_PER_LANE 4
 // Message header: int route[16] then float weight[16].
 #define EP_LL_HEADER_BYTES 128
-// 16-byte vectors each lane loads before it stores, per pass of a row copy.
-#define EP_LL_COPY_UNROLL 8
-// 16-byte vectors (8 channels) of a combine chunk: 512 channels, 2 per lane.
+// 16-byte vectors of the chunks a warp moves at once, 2 per lane: 1 KB of
+// a dispatch message, 512 channels of a combine row.
 #define EP_LL_CHUNK_VECS 64
 #define EP_LL_LANE_VECS (EP_LL_CHUNK_VECS / 32)
 // Rows whose chunks a combine warp loads before it adds or stores them.
@@ -474,16 +474,20 @@ __device__ bool dispatch_send(const LlParams& p, int seq, uint64_t deadline) {
     const int set = seq & 1;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int K = p.topk, L = local_experts(p);
+    // The routing is the caller's: read it before waiting (the wait's
+    // barrier also orders it for the whole block).
+    load_routing(p, s_experts);
     if (!wait_for_acks(p, ll_at<int>(p, p.rank, p.off_dispatch_acks), seq, deadline,
                        EP_PHASE_LL_DISPATCH)) {
         return false;
     }
-    load_routing(p, s_experts);
-    __syncthreads();
     for (int d = blockIdx.x; d < p.world; d += gridDim.x) {
         send_counts(p, seq, d, s_experts, s_counts);
     }
-    for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+    // Tokens start at block W, so the first tokens do not wait for the
+    // blocks that send the counts.
+    const int first_token = (blockIdx.x + gridDim.x - p.world % gridDim.x) % gridDim.x;
+    for (int t = first_token; t < p.num_tokens; t += gridDim.x) {
         // The previous token's readers of the shared arrays are done.
         __syncthreads();
         // Warp k: the position of slot k among this rank's rows for its
@@ -542,33 +546,27 @@ __device__ bool dispatch_send(const LlParams& p, int seq, uint64_t deadline) {
 // Dispatch: receive phase
 // ---------------------------------------------------------------------------
 
-// Warp-wide: copies the message data of one token (`bytes`, a multiple of
-// 16) to each of the rows `row` of the lanes in `rows_mask`, at
-// `dst + row * bytes`. Each pass loads before it stores.
-__device__ __forceinline__ void warp_copy_to_rows(uint8_t* dst, const uint8_t* src, int bytes,
-                                                  int row, unsigned rows_mask) {
+// A lane's share of one chunk (EP_LL_CHUNK_VECS 16-byte vectors, 1 KB) of
+// a row of `vecs` vectors: vectors first_vec + lane and first_vec + 32 +
+// lane (zeros past the row's end).
+__device__ __forceinline__ void load_chunk(int4 (&v)[EP_LL_LANE_VECS], const void* row,
+                                           int first_vec, int vecs) {
     const int lane = threadIdx.x % 32;
-    const int n = bytes / 16;
-    const int4* from = reinterpret_cast<const int4*>(src);
-    for (int base = 0; base < n; base += 32 * EP_LL_COPY_UNROLL) {
-        int4 v[EP_LL_COPY_UNROLL];
 #pragma unroll
-        for (int u = 0; u < EP_LL_COPY_UNROLL; ++u) {
-            const int i = base + 32 * u + lane;
-            if (i < n) {
-                v[u] = from[i];
-            }
-        }
-        for (unsigned m = rows_mask; m != 0; m &= m - 1) {
-            const int r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
-            int4* to = reinterpret_cast<int4*>(dst + static_cast<int64_t>(r) * bytes);
+    for (int u = 0; u < EP_LL_LANE_VECS; ++u) {
+        const int i = first_vec + 32 * u + lane;
+        v[u] = i < vecs ? reinterpret_cast<const int4*>(row)[i] : make_int4(0, 0, 0, 0);
+    }
+}
+
+__device__ __forceinline__ void store_chunk(void* row, const int4 (&v)[EP_LL_LANE_VECS],
+                                            int first_vec, int vecs) {
+    const int lane = threadIdx.x % 32;
 #pragma unroll
-            for (int u = 0; u < EP_LL_COPY_UNROLL; ++u) {
-                const int i = base + 32 * u + lane;
-                if (i < n) {
-                    to[i] = v[u];
-                }
-            }
+    for (int u = 0; u < EP_LL_LANE_VECS; ++u) {
+        const int i = first_vec + 32 * u + lane;
+        if (i < vecs) {
+            reinterpret_cast<int4*>(row)[i] = v[u];
         }
     }
 }
@@ -618,14 +616,16 @@ __device__ void dispatch_receive(const LlParams& p, int seq, uint64_t deadline) 
     }
     __syncthreads();
 
-    // Step 6: a warp per (source, token).
+    // Step 6: a warp per (source, token, chunk of the message data).
     int* token_rows = ll_at<int>(p, p.rank, p.off_token_rows);
     float* token_weights = ll_at<float>(p, p.rank, p.off_token_weights);
     const int row_bytes = p.fp8 ? p.hidden : 2 * p.hidden;
+    const int data_vecs = row_bytes / 16;
+    const int chunks = (data_vecs + EP_LL_CHUNK_VECS - 1) / EP_LL_CHUNK_VECS;
     const int scale_cols = p.hidden / 128;
-    for (int item = blockIdx.x * EP_LL_WARPS + warp; item < W * M;
+    for (int item = blockIdx.x * EP_LL_WARPS + warp; item < W * M * chunks;
          item += gridDim.x * EP_LL_WARPS) {
-        const int s = item / M, t = item % M;
+        const int c = item % chunks, t = item / chunks % M, s = item / (chunks * M);
         if (t >= s_tokens[s]) {
             continue;
         }
@@ -635,20 +635,22 @@ __device__ void dispatch_receive(const LlParams& p, int seq, uint64_t deadline) 
         }
         const uint8_t* msg = dispatch_msg(p, p.rank, set, s, t);
         int row = -1;
-        float weight = 0.0f;
         if (lane < K) {
             const int route = reinterpret_cast<const int*>(msg)[lane];
-            weight = reinterpret_cast<const float*>(msg)[EP_LL_MAX_TOPK + lane];
             const int le = route & 0xffff, pos = route >> 16;
             // A position past the expert's segment cannot come from a peer
             // with this configuration; guard the caller's arrays anyway.
             if (route >= 0 && le < L && s_first[le * W + s] + pos < capacity) {
                 row = le * capacity + s_first[le * W + s] + pos;
             }
-            token_rows[token_entry(p, s, t, lane)] = row;
-            token_weights[token_entry(p, s, t, lane)] = weight;
-            if (row >= 0) {
-                p.recv_src_info[row] = t;
+            // The first chunk's warp keeps the token's bookkeeping.
+            if (c == 0) {
+                token_rows[token_entry(p, s, t, lane)] = row;
+                token_weights[token_entry(p, s, t, lane)] =
+                    reinterpret_cast<const float*>(msg)[EP_LL_MAX_TOPK + lane];
+                if (row >= 0) {
+                    p.recv_src_info[row] = t;
+                }
             }
         }
         const unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
@@ -656,22 +658,28 @@ __device__ void dispatch_receive(const LlParams& p, int seq, uint64_t deadline) 
             continue;
         }
         const uint8_t* data = msg + EP_LL_HEADER_BYTES;
-        warp_copy_to_rows(p.recv_x, data, row_bytes, row, rows_mask);
-        if (p.fp8) {
+        int4 v[EP_LL_LANE_VECS];
+        load_chunk(v, data, c * EP_LL_CHUNK_VECS, data_vecs);
+        for (unsigned m = rows_mask; m != 0; m &= m - 1) {
+            const int r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+            store_chunk(p.recv_x + static_cast<int64_t>(r) * row_bytes, v, c * EP_LL_CHUNK_VECS,
+                        data_vecs);
+        }
+        if (p.fp8 && c == 0) {
             const float* scales = reinterpret_cast<const float*>(data + p.hidden);
             float scale[EP_LL_SCALES_PER_LANE];
 #pragma unroll
             for (int u = 0; u < EP_LL_SCALES_PER_LANE; ++u) {
-                const int c = lane + 32 * u;
-                scale[u] = c < scale_cols ? scales[c] : 0.0f;
+                const int col = lane + 32 * u;
+                scale[u] = col < scale_cols ? scales[col] : 0.0f;
             }
             for (unsigned m = rows_mask; m != 0; m &= m - 1) {
                 const int r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
 #pragma unroll
                 for (int u = 0; u < EP_LL_SCALES_PER_LANE; ++u) {
-                    const int c = lane + 32 * u;
-                    if (c < scale_cols) {
-                        p.recv_scales[static_cast<int64_t>(r) * scale_cols + c] = scale[u];
+                    const int col = lane + 32 * u;
+                    if (col < scale_cols) {
+                        p.recv_scales[static_cast<int64_t>(r) * scale_cols + col] = scale[u];
                     }
                 }
             }
@@ -682,30 +690,6 @@ __device__ void dispatch_receive(const LlParams& p, int seq, uint64_t deadline) 
 // ---------------------------------------------------------------------------
 // Combine
 // ---------------------------------------------------------------------------
-
-// A lane's share of one 512-channel chunk of a BF16 row: vectors
-// first_vec + lane and first_vec + 32 + lane (zeros past the row's end).
-__device__ __forceinline__ void load_chunk(int4 (&v)[EP_LL_LANE_VECS], const __nv_bfloat16* row,
-                                           int first_vec, int vecs) {
-    const int lane = threadIdx.x % 32;
-#pragma unroll
-    for (int u = 0; u < EP_LL_LANE_VECS; ++u) {
-        const int i = first_vec + 32 * u + lane;
-        v[u] = i < vecs ? reinterpret_cast<const int4*>(row)[i] : make_int4(0, 0, 0, 0);
-    }
-}
-
-__device__ __forceinline__ void store_chunk(__nv_bfloat16* row, const int4 (&v)[EP_LL_LANE_VECS],
-                                            int first_vec, int vecs) {
-    const int lane = threadIdx.x % 32;
-#pragma unroll
-    for (int u = 0; u < EP_LL_LANE_VECS; ++u) {
-        const int i = first_vec + 32 * u + lane;
-        if (i < vecs) {
-            reinterpret_cast<int4*>(row)[i] = v[u];
-        }
-    }
-}
 
 // acc += w * y (or y when !weighted) for a lane's share of a chunk; each
 // product rounded before it is added, as the reference.
