@@ -2,8 +2,9 @@
 # Runs on the GPU machine (no Rust there), from the repository root, on what
 # scripts/gpu-package.sh put into .gpu/:
 #   bash .gpu/gpu-check.sh [budget-seconds]     (default budget 540)
-# Order: GPU tests, C demo (all GPUs, then 2 ranks), ep-bench normal and ll (all GPUs,
-# then 2), then an SM sweep and a token sweep while the budget allows. Logs go
+# Order: GPU tests, C demo (all GPUs, then 2 ranks), ep-bench normal, ll and an ll
+# token sweep (all GPUs), normal and ll on 2 ranks, then an SM sweep and a token
+# sweep while the budget allows. Logs go
 # to $OUT (default ./gpu-out); a summary table comes last. Never changes
 # clocks or resets GPUs.
 set -u
@@ -63,10 +64,12 @@ if [ -x "$G/demo" ]; then
   [ "$R" -gt 2 ] && step "demo gpu 2 ranks" 20 60 env EP_BACKEND=gpu "$G/demo" 2
 fi
 
-# 3. Benchmarks: W1 normal and W2 low-latency, all ranks then 2.
+# 3. Benchmarks: W1 normal and W2 low-latency (and its token sweep), all ranks then 2.
 B="$G/ep-bench"
 step "bench normal ${R} ranks" 60 180 "$B" --ranks "$R" --mode normal
 step "bench ll ${R} ranks" 40 120 "$B" --ranks "$R" --mode ll
+step "bench ll token sweep ${R} ranks" 60 180 "$B" --ranks "$R" --mode ll \
+  --sweep-tokens 1,8,32,64,128,256 --iters 200
 if [ "$R" -gt 2 ]; then
   step "bench normal 2 ranks" 60 180 "$B" --ranks 2 --mode normal
   step "bench ll 2 ranks" 40 120 "$B" --ranks 2 --mode ll

@@ -1,9 +1,11 @@
 //! Device access for the benchmark: checked CUDA driver calls, buffers that
 //! live in GPU memory (GPU backend) or host memory (host backend), timers,
-//! and the checked `ep` call wrapper.
+//! the start gate of timed sections, and the checked `ep` call wrapper.
 
+use std::cell::Cell;
 use std::ffi::{c_void, CStr};
 use std::ptr;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 
 use cudarc::driver::sys;
@@ -211,6 +213,108 @@ impl Drop for Dev {
 pub struct Mark {
     slot: usize,
     at: Option<Instant>,
+}
+
+/// A word of pinned host memory mapped into every context (portable), for
+/// the [`Gate`]: rank 0 allocates it and owns it, the other ranks map it.
+pub struct HostWord(*mut u32);
+
+impl HostWord {
+    /// `None` when the driver refuses (the gate is then not used).
+    pub fn alloc() -> Option<HostWord> {
+        let mut p: *mut c_void = ptr::null_mut();
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: valid out-pointer; the word is zeroed before anyone maps it.
+        unsafe {
+            if sys::cuMemHostAlloc(&mut p, 4, flags) != sys::CUresult::CUDA_SUCCESS {
+                return None;
+            }
+            p.cast::<u32>().write(0);
+        }
+        Some(HostWord(p.cast()))
+    }
+
+    pub fn addr(&self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl Drop for HostWord {
+    fn drop(&mut self) {
+        // SAFETY: ours; every rank's stream has passed its last wait on it
+        // (the owner drops it after the ranks' final barrier).
+        unsafe { sys::cuMemFreeHost(self.0.cast()) };
+    }
+}
+
+/// Holds a rank's stream at the start of a timed section until every rank
+/// has enqueued the section: the stream waits (`cuStreamWaitValue32`) for
+/// the shared host word to reach the section's number, which rank 0 stores
+/// after a barrier of all ranks. The events of the section then time the
+/// GPU's work only, not the host's launch latency, and all GPUs start
+/// together.
+pub struct Gate {
+    device_word: sys::CUdeviceptr,
+    /// Rank 0's: the word it stores to; `None` on the other ranks.
+    owner: Option<HostWord>,
+    /// Sections held so far: the number the next section waits for.
+    held: Cell<u32>,
+}
+
+impl Gate {
+    /// Maps the word at `addr` into this rank's context and checks that
+    /// its stream can wait on it; `None` when the driver cannot.
+    pub fn new(dev: &Dev, addr: usize, owner: Option<HostWord>) -> Option<Gate> {
+        let mut device_word: sys::CUdeviceptr = 0;
+        // SAFETY: `addr` is a live portable, device-mapped allocation; the
+        // probe waits for 0, which the word already holds. An old driver
+        // lacks the symbol and cudarc panics, hence catch_unwind.
+        let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut device_word, addr as *mut c_void, 0)
+                == sys::CUresult::CUDA_SUCCESS
+                && sys::cuStreamWaitValue32_v2(
+                    dev.stream,
+                    device_word,
+                    0,
+                    sys::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                ) == sys::CUresult::CUDA_SUCCESS
+        }))
+        .unwrap_or(false);
+        dev.sync();
+        ok.then(|| Gate {
+            device_word,
+            owner,
+            held: Cell::new(0),
+        })
+    }
+
+    /// Enqueues the wait of the next section on the rank's stream. Nothing
+    /// that waits for this stream may run on the host until [`Gate::open`].
+    pub fn hold(&self, dev: &Dev) {
+        self.held.set(self.held.get() + 1);
+        // SAFETY: the word stays mapped while the gate lives.
+        cu(
+            unsafe {
+                sys::cuStreamWaitValue32_v2(
+                    dev.stream,
+                    self.device_word,
+                    self.held.get(),
+                    sys::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                )
+            },
+            "cuStreamWaitValue32",
+        );
+    }
+
+    /// Releases the section every rank holds (stores on rank 0 only; call
+    /// after all ranks have enqueued it).
+    pub fn open(&self) {
+        if let Some(word) = &self.owner {
+            // SAFETY: a live, 4-byte aligned word that only this thread
+            // writes; the GPUs read it over the bus.
+            unsafe { AtomicU32::from_ptr(word.0) }.store(self.held.get(), Ordering::Release);
+        }
+    }
 }
 
 /// A buffer in the memory the backend works on.

@@ -26,7 +26,8 @@ USAGE: ep-bench [OPTIONS]
   --experts E            experts in total, divisible by the rank count (default 256)
   --sms S                SMs for the normal-mode kernels (default 24)
   --sms-sweep A,B,..     normal mode once per SM count (e.g. 16,24,32,48,64)
-  --sweep-tokens A,B,..  normal mode once per token count (e.g. 256,512,...,16384)
+  --sweep-tokens A,B,..  each mode run once per token count (normal e.g. 256,512,...,16384;
+                         ll e.g. 1,8,32,64,128,256, at most 1024, one context for all)
   --iters N              timed iterations (default 50 normal, 200 ll)
   --warmup N             untimed iterations first (default 10)
   --graph-pairs N        ll: dispatch+combine pairs captured in one CUDA graph (default 32)
@@ -37,9 +38,12 @@ USAGE: ep-bench [OPTIONS]
 
 Every timed iteration starts with all ranks at a barrier; an op's time per
 iteration is the slowest rank's (CUDA events on the rank's stream); the table
-shows the median, p10 and p90 of that over the iterations. GB/s is DeepEP's
-NVL convention: bytes of tokens a rank receives (its own included, averaged
-over ranks) / median time.
+shows the median, p10 and p90 of that over the iterations. Low-latency ops
+(but the CUDA-graph rows) and normal-mode combines are gated: every rank's
+stream waits on a host word until all ranks have enqueued the op, so their
+times are GPU time without the host's launch latency (the table title says
+when the driver cannot gate). GB/s is DeepEP's NVL convention: bytes of tokens
+a rank receives (its own included, averaged over ranks) / median time.
 ";
 
 #[derive(Clone, Debug)]
@@ -193,6 +197,8 @@ pub struct Shared {
     pub world: usize,
     pub barrier: Barrier,
     pub id: Mutex<Option<ep_unique_id_t>>,
+    /// Host address of rank 0's gate word (see `device::Gate`).
+    pub gate_word: Mutex<Option<usize>>,
     pub slots: Mutex<Vec<Vec<f64>>>,
     /// The line printed above every table.
     pub header: String,
@@ -279,6 +285,7 @@ fn main() {
         world,
         barrier: Barrier::new(world),
         id: Mutex::new(None),
+        gate_word: Mutex::new(None),
         slots: Mutex::new(vec![Vec::new(); world]),
         header,
     });

@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use ep::capi::*;
 
-use crate::device::{capture_graph, destroy_graph, epc, fail, launch_graph, Buf, Dev};
+use crate::device::{
+    capture_graph, destroy_graph, epc, fail, launch_graph, Buf, Dev, Gate, HostWord,
+};
 use crate::nccl::{Comm, Nccl};
 use crate::{Opts, Shared};
 
@@ -117,6 +119,39 @@ struct Row<'a> {
     nccl_us: Option<f64>,
 }
 
+/// Where a low-latency dispatch/combine pair passes the routing weights.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum WeightsAt {
+    /// The dispatch gets them: the combine sums each token's local experts
+    /// on the expert side and returns one row per (token, rank).
+    Dispatch,
+    /// The combine gets them: every (token, expert) row returns and is
+    /// weighted at the source.
+    Combine,
+}
+
+impl std::fmt::Display for WeightsAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(match self {
+            WeightsAt::Dispatch => "weights at dispatch",
+            WeightsAt::Combine => "weights at combine",
+        })
+    }
+}
+
+/// A low-latency context's buffers, in the masked layout of its
+/// `ll_max_tokens_per_rank` (the largest token count of the run).
+struct LlBuffers {
+    recv_x: Buf,
+    recv_scales: Buf,
+    recv_count: Buf,
+    recv_src: Buf,
+    recv_range: Buf,
+    /// The expert outputs the combines send back.
+    comb_x: Buf,
+    out: Buf,
+}
+
 pub struct Rank {
     r: usize,
     world: usize,
@@ -124,6 +159,8 @@ pub struct Rank {
     o: Arc<Opts>,
     dev: Dev,
     nccl: Option<(Nccl, Comm)>,
+    /// `None` on the host backend and where the driver cannot gate a stream.
+    gate: Option<Gate>,
 }
 
 /// Times per timed iteration of each sub-op (sub-op index, then iteration).
@@ -196,14 +233,16 @@ impl Rank {
     }
 
     /// Runs `warmup + iters` iterations, each after a barrier of all ranks;
-    /// `step(i, timed)` returns the times of its sub-ops, kept when timed.
+    /// `step(i, gate)` returns the times of its sub-ops, kept after the
+    /// warm-up. `gate` (see [`Rank::time_ops`]) is false in the first
+    /// iteration: the first call of an op may load its kernel, and loading
+    /// can wait for every stream of the context, the gated one included.
     fn iterate(&self, iters: usize, mut step: impl FnMut(usize, bool) -> Vec<f64>) -> Samples {
         let mut out: Samples = Vec::new();
         for i in 0..self.o.warmup + iters {
             self.barrier();
-            let timed = i >= self.o.warmup;
-            let t = step(i, timed);
-            if timed {
+            let t = step(i, i > 0);
+            if i >= self.o.warmup {
                 out.resize(t.len(), Vec::new());
                 for (k, v) in t.into_iter().enumerate() {
                     out[k].push(v);
@@ -211,6 +250,60 @@ impl Rank {
             }
         }
         out
+    }
+
+    /// Enqueues `ops` back to back on the rank's stream and returns the
+    /// time of each: CUDA events around it (host instants on the host
+    /// backend). With `gate`, where this run has a gate, the stream first
+    /// waits until every rank has enqueued the section (collective then):
+    /// the times are the GPU's alone, launch latency excluded. An op that
+    /// waits on the host for its own kernels must not be gated.
+    fn time_ops<const N: usize>(&self, gate: bool, ops: [&dyn Fn(); N]) -> [f64; N] {
+        let gate = self.gate.as_ref().filter(|_| gate);
+        if let Some(g) = gate {
+            g.hold(&self.dev);
+        }
+        let mut marks = vec![self.dev.mark(0)];
+        for (k, op) in ops.iter().enumerate() {
+            op();
+            marks.push(self.dev.mark(k + 1));
+        }
+        if let Some(g) = gate {
+            self.barrier();
+            g.open();
+        }
+        std::array::from_fn(|k| self.dev.elapsed_us(&marks[k], &marks[k + 1]))
+    }
+
+    /// Collective: rank 0 allocates the gate word, every rank maps it; the
+    /// run is gated only where every rank's stream can wait on it.
+    fn make_gate(&self) -> Option<Gate> {
+        let owner = if self.r == 0 { HostWord::alloc() } else { None };
+        if self.r == 0 {
+            *self.sh.gate_word.lock().unwrap() = owner.as_ref().map(HostWord::addr);
+        }
+        self.barrier();
+        let addr = *self.sh.gate_word.lock().unwrap();
+        let gate = addr.and_then(|a| Gate::new(&self.dev, a, owner));
+        let everywhere = self
+            .allgather(vec![f64::from(u8::from(gate.is_some()))])
+            .iter()
+            .all(|v| v[0] == 1.0);
+        if !everywhere && self.r == 0 {
+            eprintln!("ep-bench: cuStreamWaitValue32 on a host-mapped word is not available: per-op times include launch latency");
+        }
+        gate.filter(|_| everywhere)
+    }
+
+    /// How a table's timed sections were taken, for its title.
+    fn gate_note(&self, subject: &str) -> String {
+        match (self.o.gpu, self.gate.is_some()) {
+            (false, _) => format!("{subject}: host wall clock"),
+            (true, true) => format!("{subject}: GPU only (gated start)"),
+            (true, false) => {
+                format!("{subject} include launch latency (cuStreamWaitValue32 unavailable)")
+            }
+        }
     }
 
     /// Times an NCCL all-to-all of each payload (bytes to / from each peer).
@@ -241,10 +334,14 @@ impl Rank {
                 if k > 0 {
                     self.barrier();
                 }
-                let a = self.dev.mark(0);
-                nccl.all_to_all(comm, &self.dev, &send, s, &recv, r);
-                let b = self.dev.mark(1);
-                t.push(self.dev.elapsed_us(&a, &b));
+                // Not gated: NCCL does not promise that a call never waits
+                // for the stream it enqueues on, which would wait for the
+                // gate forever.
+                let [us] = self.time_ops(
+                    false,
+                    [&|| nccl.all_to_all(comm, &self.dev, &send, s, &recv, r)],
+                );
+                t.push(us);
             }
             t
         });
@@ -390,8 +487,11 @@ impl Rank {
         let bf16_row = (h * 2) as f64;
 
         self.table_start(&format!(
-            "normal mode: {} SMs, hidden {h}, top-{} of {} experts, {iters} iterations",
-            sms, o.topk, o.experts
+            "normal mode: {} SMs, hidden {h}, top-{} of {} experts, {iters} iterations; {}",
+            sms,
+            o.topk,
+            o.experts,
+            self.gate_note("combine times")
         ));
         for &t in token_list {
             let all = self.layouts(ctx, inp, t);
@@ -434,7 +534,8 @@ impl Rank {
                 a
             };
             // Times one dispatch and checks the host-side row count against
-            // what the layouts of all ranks say this rank must receive.
+            // what the layouts of all ranks say this rank must receive. Not
+            // gated: the host-synchronised dispatch waits for its kernels.
             let dispatch = |a: &mut ep_dispatch_args_t, what: &str, hc: &mut [i32]| -> f64 {
                 let mut host_rows = -1i32;
                 hc.fill(-1);
@@ -444,14 +545,17 @@ impl Rank {
                 } else {
                     hc.as_mut_ptr()
                 };
-                let m0 = dev.mark(0);
+                let a = &*a;
                 // SAFETY: every pointer in `a` is a live buffer of its documented size.
-                epc(
-                    unsafe { ep_dispatch(ctx, a, handle, dev.ep_stream()) },
-                    what,
+                let [us] = self.time_ops(
+                    false,
+                    [&|| {
+                        epc(
+                            unsafe { ep_dispatch(ctx, a, handle, dev.ep_stream()) },
+                            what,
+                        )
+                    }],
                 );
-                let m1 = dev.mark(1);
-                let us = dev.elapsed_us(&m0, &m1);
                 if !a.recv_x.is_null() && host_rows as i64 != expected_rows {
                     fail(&format!("rank {r}: {what} received {host_rows} rows; the layouts say {expected_rows}"));
                 }
@@ -463,7 +567,7 @@ impl Rank {
                 }
                 us
             };
-            let combine = |layout: i32, x: &Buf, what: &str| -> f64 {
+            let combine = |layout: i32, x: &Buf, what: &str, gate: bool| -> f64 {
                 let mut c: ep_combine_args_t = unsafe { std::mem::zeroed() };
                 // SAFETY: valid out-pointer; x and out are live buffers of the right size.
                 epc(
@@ -473,19 +577,22 @@ impl Rank {
                 c.input_layout = layout;
                 c.x = x.ptr;
                 c.out = out.ptr;
-                let m0 = dev.mark(0);
-                epc(
-                    unsafe { ep_combine(ctx, &c, handle, dev.ep_stream()) },
-                    what,
+                let [us] = self.time_ops(
+                    gate,
+                    [&|| {
+                        epc(
+                            unsafe { ep_combine(ctx, &c, handle, dev.ep_stream()) },
+                            what,
+                        )
+                    }],
                 );
-                let m1 = dev.mark(1);
-                dev.elapsed_us(&m0, &m1)
+                us
             };
 
             // Poisoned device row count, checked after the first dispatch.
             recv_num.fill(dev, 0xFF);
             let mut hc = host_counts.clone();
-            let s = self.iterate(iters, |i, _| {
+            let s = self.iterate(iters, |i, gate| {
                 let mut a = source_order(EP_DTYPE_BF16);
                 let d_bf16 = dispatch(&mut a, "ep_dispatch BF16", &mut hc);
                 if i == 0 {
@@ -498,7 +605,12 @@ impl Rank {
                     }
                 }
                 self.barrier();
-                let c_src = combine(EP_COMBINE_SOURCE_ORDER, &recv_x, "ep_combine source-order");
+                let c_src = combine(
+                    EP_COMBINE_SOURCE_ORDER,
+                    &recv_x,
+                    "ep_combine source-order",
+                    gate,
+                );
                 self.barrier();
                 let mut a = source_order(EP_DTYPE_FP8_E4M3);
                 let d_fp8 = dispatch(&mut a, "ep_dispatch FP8", &mut hc);
@@ -516,6 +628,7 @@ impl Rank {
                     EP_COMBINE_EXPERT_MAJOR,
                     &expert_x,
                     "ep_combine expert-major",
+                    gate,
                 );
                 vec![d_bf16, d_fp8, d_em, c_src, c_em]
             });
@@ -562,31 +675,63 @@ impl Rank {
     // Low-latency mode
     // -----------------------------------------------------------------------
 
-    fn low_latency(&self, inp: &Inputs, t: usize) {
+    fn low_latency(&self, inp: &Inputs, token_list: &[usize]) {
+        let o = &*self.o;
+        let (w, h) = (self.world, o.hidden);
+        let local = o.experts / w;
+        let iters = o.iters.unwrap_or(200);
+        let max_tokens = *token_list.iter().max().unwrap();
+        let ctx = self.create_ctx(max_tokens, o.sms[0], max_tokens);
+        let dev = &self.dev;
+        let rows = local * w * max_tokens;
+        let comb_x = Buf::new(dev, rows * h * 2);
+        fill_random_bf16(dev, &comb_x, &mut Rng(0xC0FFEE + self.r as u64));
+        let bufs = LlBuffers {
+            recv_x: Buf::new(dev, rows * h),
+            recv_scales: Buf::new(dev, rows * h / 128 * 4),
+            recv_count: Buf::new(dev, local * 4),
+            recv_src: Buf::new(dev, rows * 4),
+            recv_range: Buf::new(dev, local * w * 2 * 4),
+            comb_x,
+            out: Buf::new(dev, max_tokens * h * 2),
+        };
+        self.table_start(&format!(
+            "low-latency mode: hidden {h}, top-{} of {} experts, {iters} iterations, graph of {} pairs; {}",
+            o.topk,
+            o.experts,
+            o.graph_pairs,
+            self.gate_note("per-op times")
+        ));
+        for &t in token_list {
+            self.low_latency_rows(ctx, inp, &bufs, t, iters);
+        }
+        drop(bufs);
+        self.destroy_ctx(ctx, ptr::null_mut());
+    }
+
+    /// Times and prints the low-latency rows of one token count.
+    fn low_latency_rows(
+        &self,
+        ctx: *mut ep_ctx_t,
+        inp: &Inputs,
+        b: &LlBuffers,
+        t: usize,
+        iters: usize,
+    ) {
         let o = &*self.o;
         let (w, h, r) = (self.world, o.hidden, self.r);
         let local = o.experts / w;
-        let iters = o.iters.unwrap_or(200);
-        let ctx = self.create_ctx(t, o.sms[0], t);
         let dev = &self.dev;
-        let rows = local * w * t;
-        let recv_x = Buf::new(dev, rows * h);
-        let recv_scales = Buf::new(dev, rows * h / 128 * 4);
-        let recv_count = Buf::new(dev, local * 4);
-        let recv_src = Buf::new(dev, rows * 4);
-        let recv_range = Buf::new(dev, local * w * 2 * 4);
-        let comb_x = Buf::new(dev, rows * h * 2);
-        fill_random_bf16(dev, &comb_x, &mut Rng(0xC0FFEE + r as u64));
-        let out = Buf::new(dev, t * h * 2);
+        let (wd, wc) = (WeightsAt::Dispatch, WeightsAt::Combine);
         let all = self.layouts(ctx, inp, t);
         let mine = |s: &[f64], q: usize| -> usize {
             s[w + q * local..w + (q + 1) * local].iter().sum::<f64>() as usize
         };
         let expected_pairs: usize = all.iter().map(|s| mine(s, r)).sum();
 
-        let dispatch_args = |flags: u32| -> ep_ll_dispatch_args_t {
+        // SAFETY (both): every pointer in the args is a live buffer of its documented size.
+        let dispatch = |flags: u32, at: WeightsAt| {
             let mut a: ep_ll_dispatch_args_t = unsafe { std::mem::zeroed() };
-            // SAFETY: valid out-pointer.
             epc(
                 unsafe { ep_ll_dispatch_args_init(&mut a) },
                 "ep_ll_dispatch_args_init",
@@ -596,160 +741,189 @@ impl Rank {
             a.out_dtype = EP_DTYPE_FP8_E4M3;
             a.x = inp.x.ptr;
             a.topk_idx = inp.topk_idx.i32p();
-            a.recv_x = recv_x.ptr;
-            a.recv_x_scales = recv_scales.f32p();
-            a.recv_count = recv_count.i32p();
-            a.recv_src_info = recv_src.i32p();
-            a.recv_layout_range = recv_range.i32p();
-            a
+            if at == WeightsAt::Dispatch {
+                a.topk_weights = inp.topk_weights.f32p();
+            }
+            a.recv_x = b.recv_x.ptr;
+            a.recv_x_scales = b.recv_scales.f32p();
+            a.recv_count = b.recv_count.i32p();
+            a.recv_src_info = b.recv_src.i32p();
+            a.recv_layout_range = b.recv_range.i32p();
+            epc(
+                unsafe { ep_ll_dispatch(ctx, &a, dev.ep_stream()) },
+                "ep_ll_dispatch",
+            )
         };
-        let combine_args = |flags: u32| -> ep_ll_combine_args_t {
+        let combine = |flags: u32, at: WeightsAt| {
             let mut c: ep_ll_combine_args_t = unsafe { std::mem::zeroed() };
-            // SAFETY: valid out-pointer.
             epc(
                 unsafe { ep_ll_combine_args_init(&mut c) },
                 "ep_ll_combine_args_init",
             );
             c.flags = flags;
             c.num_tokens = t as i32;
-            c.x = comb_x.ptr;
+            c.x = b.comb_x.ptr;
             c.topk_idx = inp.topk_idx.i32p();
-            c.topk_weights = inp.topk_weights.f32p();
-            c.src_info = recv_src.i32p();
-            c.layout_range = recv_range.i32p();
-            c.out = out.ptr;
-            c
-        };
-        // SAFETY (both): every pointer in the args is a live buffer of its documented size.
-        let dispatch = |flags: u32| {
+            if at == WeightsAt::Combine {
+                c.topk_weights = inp.topk_weights.f32p();
+            }
+            c.src_info = b.recv_src.i32p();
+            c.layout_range = b.recv_range.i32p();
+            c.out = b.out.ptr;
             epc(
-                unsafe { ep_ll_dispatch(ctx, &dispatch_args(flags), dev.ep_stream()) },
-                "ep_ll_dispatch",
-            )
-        };
-        let combine = |flags: u32| {
-            epc(
-                unsafe { ep_ll_combine(ctx, &combine_args(flags), dev.ep_stream()) },
+                unsafe { ep_ll_combine(ctx, &c, dev.ep_stream()) },
                 "ep_ll_combine",
             )
         };
-        let check_count = |when: &str| {
-            let c: Vec<i32> = recv_count.download(dev, local);
+        // Outputs are poisoned before a checked call (counts to -1, `out` to
+        // BF16 NaNs), so that a call which writes nothing cannot pass.
+        let poison = || {
+            b.recv_count.fill(dev, 0xFF);
+            b.out.fill(dev, 0xFF);
+        };
+        let check = |when: &str| {
+            let c: Vec<i32> = b.recv_count.download(dev, local);
             let got: i64 = c.iter().map(|&x| x as i64).sum();
             if got != expected_pairs as i64 || c.iter().any(|&x| x < 0) {
                 fail(&format!("rank {r}: LL dispatch ({when}) received {got} rows; the layouts say {expected_pairs}"));
             }
+            let y: Vec<u16> = b.out.download(dev, t * h);
+            if let Some(at) = y.iter().position(|&v| half::bf16::from_bits(v).is_nan()) {
+                fail(&format!(
+                    "rank {r}: LL combine ({when}) left token {} unwritten",
+                    at / h
+                ));
+            }
         };
         let last = o.warmup + iters - 1;
 
-        // Full dispatch and combine, back to back.
-        let full = self.iterate(iters, |i, _| {
-            if i == 0 || i == last {
-                recv_count.fill(dev, 0xFF);
+        // Dispatch and combine back to back: each op's time and the pair's.
+        let pair = |at: WeightsAt| {
+            self.iterate(iters, |i, gate| {
+                let checked = i == 0 || i == last;
+                if checked {
+                    poison();
+                }
+                let [d, c] = self.time_ops(gate, [&|| dispatch(0, at), &|| combine(0, at)]);
+                if checked {
+                    let call = if i == 0 { "first" } else { "last" };
+                    check(&format!("{at}, {call} call"));
+                }
+                vec![d, c, d + c]
+            })
+        };
+        let pair_wd = pair(wd);
+        let pair_wc = pair(wc);
+        // Send and receive phases apart (weights at dispatch). time_ops has
+        // waited for this rank's section when it returns, so after the
+        // barrier every rank's send phase has finished before any receive
+        // phase starts.
+        let split = self.iterate(iters, |i, gate| {
+            if i == last {
+                poison();
             }
-            let m0 = dev.mark(0);
-            dispatch(0);
-            let m1 = dev.mark(1);
-            combine(0);
-            let m2 = dev.mark(2);
-            if i == 0 || i == last {
-                check_count(if i == 0 { "first call" } else { "last call" });
+            let [ds] = self.time_ops(gate, [&|| dispatch(EP_LL_SEND_ONLY, wd)]);
+            self.barrier();
+            let [dr, cs] = self.time_ops(
+                gate,
+                [&|| dispatch(EP_LL_RECV_ONLY, wd), &|| {
+                    combine(EP_LL_SEND_ONLY, wd)
+                }],
+            );
+            self.barrier();
+            let [cr] = self.time_ops(gate, [&|| combine(EP_LL_RECV_ONLY, wd)]);
+            if i == last {
+                check(&format!("send/recv split, {wd}, last call"));
             }
-            vec![
-                dev.elapsed_us(&m0, &m1),
-                dev.elapsed_us(&m1, &m2),
-                dev.elapsed_us(&m0, &m2),
-            ]
+            vec![ds, dr, cs, cr]
         });
-        // Send and receive phases apart; all ranks finish sending before anyone receives.
-        let split = self.iterate(iters, |_, _| {
-            let m0 = dev.mark(0);
-            dispatch(EP_LL_SEND_ONLY);
-            let m1 = dev.mark(1);
-            let ds = dev.elapsed_us(&m0, &m1);
-            self.barrier();
-            let m2 = dev.mark(2);
-            dispatch(EP_LL_RECV_ONLY);
-            let m3 = dev.mark(3);
-            combine(EP_LL_SEND_ONLY);
-            let m4 = dev.mark(4);
-            let (dr, cs) = (dev.elapsed_us(&m2, &m3), dev.elapsed_us(&m3, &m4));
-            self.barrier();
-            let m5 = dev.mark(5);
-            combine(EP_LL_RECV_ONLY);
-            let m6 = dev.mark(6);
-            vec![ds, dr, cs, dev.elapsed_us(&m5, &m6)]
-        });
-        // Many pairs in one CUDA graph: per-pair time without launch overhead.
-        let graph = if o.gpu {
+        // Many pairs in one CUDA graph: per-pair time without launch
+        // overhead. Not gated: one launch serves all the pairs.
+        let graph = |at: WeightsAt| -> Option<Samples> {
+            if !o.gpu {
+                return None;
+            }
             let pairs = o.graph_pairs;
             dev.sync();
             let exec = capture_graph(dev, || {
                 for _ in 0..pairs {
-                    dispatch(0);
-                    combine(0);
+                    dispatch(0, at);
+                    combine(0, at);
                 }
             });
             let g = self.iterate(iters, |i, _| {
                 if i == last {
-                    recv_count.fill(dev, 0xFF);
+                    poison();
                 }
-                let m0 = dev.mark(0);
-                launch_graph(dev, exec);
-                let m1 = dev.mark(1);
+                let [us] = self.time_ops(false, [&|| launch_graph(dev, exec)]);
                 if i == last {
-                    check_count("graph");
+                    check(&format!("CUDA graph, {at}"));
                 }
-                vec![dev.elapsed_us(&m0, &m1) / pairs as f64]
+                vec![us / pairs as f64]
             });
             dev.sync();
             destroy_graph(exec);
             Some(g)
-        } else {
-            None
         };
+        let graph_wd = graph(wd);
+        let graph_wc = graph(wc);
 
-        // NCCL: FP8 rows (+ scales) for every (token, expert) pair out, BF16 back.
-        let fp8_row = h + h / 128 * 4;
+        // NCCL: FP8 rows (+ scales) for every (token, expert) pair out; BF16
+        // back, one row per (token, expert) pair with weights at combine,
+        // one per (token, rank) with weights at dispatch.
+        let (fp8_row, bf16_row) = (h + h / 128 * 4, h * 2);
         let to: Vec<usize> = (0..w).map(|q| mine(&all[r], q)).collect();
         let from: Vec<usize> = all.iter().map(|s| mine(s, r)).collect();
+        let tokens_to: Vec<usize> = all[r][..w].iter().map(|&c| c as usize).collect();
+        let tokens_from: Vec<usize> = all.iter().map(|s| s[r] as usize).collect();
         let scale = |v: &[usize], b: usize| v.iter().map(|&c| c * b).collect::<Vec<_>>();
         let nc = self.nccl_medians(
             iters,
             &[
                 (scale(&to, fp8_row), scale(&from, fp8_row)),
-                (scale(&from, h * 2), scale(&to, h * 2)),
+                (scale(&from, bf16_row), scale(&to, bf16_row)),
+                (scale(&tokens_from, bf16_row), scale(&tokens_to, bf16_row)),
             ],
         );
         let pairs = self.mean(expected_pairs as f64);
-        let (db, cb) = (pairs * fp8_row as f64, pairs * (h * 2) as f64);
-        let both = nc[0].zip(nc[1]).map(|(a, b)| a + b);
+        let token_ranks = self.mean(tokens_to.iter().sum::<usize>() as f64);
+        let db = pairs * fp8_row as f64;
+        let (cb_wd, cb_wc) = (token_ranks * bf16_row as f64, pairs * bf16_row as f64);
+        let sum = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(x, y)| x + y);
+        let (nc_wd, nc_wc) = (sum(nc[0], nc[2]), sum(nc[0], nc[1]));
 
-        self.table_start(&format!(
-            "low-latency mode: hidden {h}, top-{} of {} experts, {iters} iterations, graph of {} pairs",
-            o.topk, o.experts, o.graph_pairs
-        ));
+        const GRAPH_OP: &str = "LL dispatch+combine, CUDA graph, per pair";
         let mut rows = vec![
-            ("LL dispatch FP8", &full[0], Some(db), nc[0]),
-            ("LL combine BF16", &full[1], Some(cb), nc[1]),
-            ("LL dispatch+combine", &full[2], Some(db + cb), both),
-            ("LL dispatch send-only", &split[0], None, None),
-            ("LL dispatch recv-only", &split[1], None, None),
-            ("LL combine send-only", &split[2], None, None),
-            ("LL combine recv-only", &split[3], None, None),
+            ("LL dispatch FP8", wd, &pair_wd[0], Some(db), nc[0]),
+            ("LL combine BF16", wd, &pair_wd[1], Some(cb_wd), nc[2]),
+            ("LL combine BF16", wc, &pair_wc[1], Some(cb_wc), nc[1]),
+            (
+                "LL dispatch+combine",
+                wd,
+                &pair_wd[2],
+                Some(db + cb_wd),
+                nc_wd,
+            ),
+            (
+                "LL dispatch+combine",
+                wc,
+                &pair_wc[2],
+                Some(db + cb_wc),
+                nc_wc,
+            ),
+            ("LL dispatch send-only", wd, &split[0], None, None),
+            ("LL dispatch recv-only", wd, &split[1], None, None),
+            ("LL combine send-only", wd, &split[2], None, None),
+            ("LL combine recv-only", wd, &split[3], None, None),
         ];
-        if let Some(g) = &graph {
-            rows.push((
-                "LL dispatch+combine, CUDA graph, per pair",
-                &g[0],
-                Some(db + cb),
-                both,
-            ));
+        if let (Some(gd), Some(gc)) = (&graph_wd, &graph_wc) {
+            rows.push((GRAPH_OP, wd, &gd[0], Some(db + cb_wd), nc_wd));
+            rows.push((GRAPH_OP, wc, &gc[0], Some(db + cb_wc), nc_wc));
         }
-        for (op, times, bytes, nccl_us) in rows {
+        for (op, at, times, bytes, nccl_us) in rows {
             let stats = self.stats(times);
             self.print_row(Row {
-                op,
+                op: &format!("{op} ({at})"),
                 tokens: t,
                 sms: None,
                 stats,
@@ -757,34 +931,43 @@ impl Rank {
                 nccl_us,
             });
         }
-        if graph.is_none() && r == 0 {
-            println!("| LL dispatch+combine, CUDA graph, per pair | {t} | - | n/a (host backend) | | | | |");
+        if !o.gpu && r == 0 {
+            for at in [wd, wc] {
+                println!("| {GRAPH_OP} ({at}) | {t} | - | n/a (host backend) | | | | |");
+            }
         }
-        drop((recv_x, comb_x));
-        self.destroy_ctx(ctx, ptr::null_mut());
     }
 }
 
 pub fn rank_main(r: usize, sh: Arc<Shared>, o: Arc<Opts>, nccl: Option<(Nccl, Comm)>) {
     let dev = Dev::new(o.gpu, r as i32);
     let world = sh.world;
-    let rank = Rank {
+    let mut rank = Rank {
         r,
         world,
         sh,
         o: Arc::clone(&o),
         dev,
         nccl,
+        gate: None,
     };
-    let normal_tokens: Vec<usize> = if !o.sweep_tokens.is_empty() {
-        o.sweep_tokens.clone()
-    } else {
-        vec![o.tokens.unwrap_or(4096)]
+    if o.gpu {
+        rank.gate = rank.make_gate();
+    }
+    // Each mode takes the sweep, else --tokens, else its default count.
+    let token_list = |default: usize| -> Vec<usize> {
+        if o.sweep_tokens.is_empty() {
+            vec![o.tokens.unwrap_or(default)]
+        } else {
+            o.sweep_tokens.clone()
+        }
     };
-    let ll_tokens = o.tokens.unwrap_or(128);
-    if o.ll && ll_tokens > EP_LL_MAX_TOKENS as usize {
+    let normal_tokens = token_list(4096);
+    let ll_tokens = token_list(128);
+    let ll_max = ll_tokens.iter().copied().max().unwrap_or(0);
+    if o.ll && ll_max > EP_LL_MAX_TOKENS as usize {
         fail(&format!(
-            "low-latency mode takes at most {EP_LL_MAX_TOKENS} tokens per rank"
+            "low-latency mode takes at most {EP_LL_MAX_TOKENS} tokens per rank (--tokens, --sweep-tokens); sweep larger counts with --mode normal"
         ));
     }
     let max_tokens = normal_tokens
@@ -792,7 +975,7 @@ pub fn rank_main(r: usize, sh: Arc<Shared>, o: Arc<Opts>, nccl: Option<(Nccl, Co
         .copied()
         .max()
         .unwrap_or(0)
-        .max(if o.ll { ll_tokens } else { 0 });
+        .max(if o.ll { ll_max } else { 0 });
     let inp = make_inputs(&rank.dev, &o, r, max_tokens);
     if o.normal {
         for &sms in &o.sms {
@@ -800,7 +983,7 @@ pub fn rank_main(r: usize, sh: Arc<Shared>, o: Arc<Opts>, nccl: Option<(Nccl, Co
         }
     }
     if o.ll {
-        rank.low_latency(&inp, ll_tokens);
+        rank.low_latency(&inp, &ll_tokens);
     }
     rank.barrier();
     if r == 0 {
