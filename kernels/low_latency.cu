@@ -81,11 +81,12 @@
 //      source) + position); the first chunk's warp also copies the scales
 //      and src_info and notes (row, weight) per slot in token_rows /
 //      token_weights for the combine.
-// Finish (every launch): each block bumps an arrival counter; the last block
-// to arrive resets it, stores seq into counters.dispatch_seq when the send
-// phase ran (every block has read the old value by then: it read it before
-// arriving), and when the receive phase ran RELEASE-stores seq into
-// dispatch_acks[rank] of every rank (step 1 of their call seq + 2).
+// Start (every launch with a send phase, see begin_call): each block reads
+// counters.dispatch_seq and bumps an arrival counter; the last block to
+// arrive resets it and stores seq, and RELEASE-stores seq - 1 into
+// dispatch_acks[rank] of every rank: this rank's receive of call seq - 1
+// ended before this launch began (step 1 of their call seq + 1). Nothing
+// waits at the end of a kernel.
 //
 // Combine mirrors it, in 512-channel chunks: the expert side waits
 // combine_acks >= seq - 2; a warp per (source, token, chunk) of the last
@@ -98,8 +99,8 @@
 // the reference.
 //
 // In flight: a rank may run the send phase of call seq while a peer still
-// receives call seq - 1 (the other set); it waits for the peer to finish
-// seq - 2. Nothing is ever reset, values only grow, so a late reader sees a
+// receives call seq - 1 (the other set); it waits until the peer has
+// started call seq - 1, which it does only after receiving seq - 2. Nothing is ever reset, values only grow, so a late reader sees a
 // stale value as "not yet" (ep_reached). A rank that stops calling makes its
 // peers time out (EP_STATUS_TIMEOUT), never read a half-written set.
 //
@@ -343,38 +344,38 @@ __device__ __forceinline__ bool warp_wait_tag(const LlParams& p, const int* tag,
     return __shfl_sync(0xffffffffu, arrived, 0);
 }
 
-// Block-wide; true in every thread of the last block of the grid to get
-// here, after every block has. The counter is reset for the next launch.
-//
-// GPU-scope fences suffice here although the blocks' work includes stores
-// to peers: the last block's later system-scope release stores are
-// cumulative (PTX memory model), so they cover everything the blocks
-// ordered before their arrival, and a system-scope fence per block would
-// cost a full NVLink drain on the critical path.
-__device__ bool last_block_to_arrive(int* arrivals) {
-    __shared__ bool s_last;
-    __syncthreads();
+// Block-wide, at the start of every launch: the call number this launch
+// works on. A launch with a send phase starts call `*seq_counter + 1`: the
+// last block to read the counter stores the new number (every block's read
+// is ordered before its arrival, so none reads the new value), and the last
+// block acknowledges the previous call's receive phase to every rank (it
+// ended before this launch started: the calls of a context are ordered).
+// Both happen at the start so that nothing waits at the end of the kernel.
+__device__ int begin_call(const LlParams& p, int* seq_counter, int* arrivals, int64_t off_acks) {
+    __shared__ int s_seq;
     if (threadIdx.x == 0) {
-        __threadfence();
-        s_last = atomicAdd(arrivals, 1) == static_cast<int>(gridDim.x) - 1;
-        if (s_last) {
-            __threadfence();
-            *arrivals = 0;
+        const int seq = *reinterpret_cast<volatile int*>(seq_counter) + p.do_send;
+        s_seq = seq;
+        if (p.do_send) {
+            int arrived;
+            // Release orders the read above before the arrival; acquire
+            // orders the last block's store after every block's read.
+            asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;"
+                         : "=r"(arrived)
+                         : "l"(arrivals)
+                         : "memory");
+            if (arrived == static_cast<int>(gridDim.x) - 1) {
+                *arrivals = 0;
+                *seq_counter = seq;
+            }
         }
     }
     __syncthreads();
-    return s_last;
-}
-
-// Run by the last block: publishes the end of call `seq`, thread d
-// acknowledging to rank d (the release stores go out in parallel).
-__device__ void finish_call(const LlParams& p, int seq, int* seq_counter, int64_t off_acks) {
-    if (p.do_send && threadIdx.x == 0) {
-        *seq_counter = seq;
+    const int seq = s_seq;
+    if (p.do_send && blockIdx.x == gridDim.x - 1 && threadIdx.x < p.world) {
+        ep_st_release_sys(ll_at<int>(p, threadIdx.x, off_acks) + p.rank, seq - 1);
     }
-    if (p.do_recv && threadIdx.x < p.world) {
-        ep_st_release_sys(ll_at<int>(p, threadIdx.x, off_acks) + p.rank, seq);
-    }
+    return seq;
 }
 
 // ---------------------------------------------------------------------------
@@ -903,13 +904,10 @@ extern "C" __global__ void __launch_bounds__(EP_LL_THREADS, 1)
     ep_ll_dispatch_kernel(const LlParams p) {
     const uint64_t deadline = ep_deadline_after(p.timeout_ns);
     LlCounters* c = counters(p);
-    const int seq = c->dispatch_seq + p.do_send;
+    const int seq = begin_call(p, &c->dispatch_seq, &c->dispatch_arrivals, p.off_dispatch_acks);
     const bool sent = !p.do_send || dispatch_send(p, seq, deadline);
     if (p.do_recv && sent) {
         dispatch_receive(p, seq, deadline);
-    }
-    if (last_block_to_arrive(&c->dispatch_arrivals)) {
-        finish_call(p, seq, &c->dispatch_seq, p.off_dispatch_acks);
     }
 }
 
@@ -917,12 +915,9 @@ extern "C" __global__ void __launch_bounds__(EP_LL_THREADS, 1)
     ep_ll_combine_kernel(const LlParams p) {
     const uint64_t deadline = ep_deadline_after(p.timeout_ns);
     LlCounters* c = counters(p);
-    const int seq = c->combine_seq + p.do_send;
+    const int seq = begin_call(p, &c->combine_seq, &c->combine_arrivals, p.off_combine_acks);
     const bool sent = !p.do_send || combine_send(p, seq, deadline);
     if (p.do_recv && sent) {
         combine_receive(p, seq, deadline);
-    }
-    if (last_block_to_arrive(&c->combine_arrivals)) {
-        finish_call(p, seq, &c->combine_seq, p.off_combine_acks);
     }
 }
