@@ -527,6 +527,9 @@ ep_status_t ep_combine(struct ep_ctx_t *ctx,
 // CUDA graph. With `EP_LL_SEND_ONLY` it returns after the send phase; the
 // same call with `EP_LL_RECV_ONLY` completes it, and no other operation of
 // the context may come between them. Every rank of the context must call it.
+// The context's calls must run on the GPU in the order they are made (one
+// stream, or streams ordered by events): a call acknowledges to the peers
+// that the previous one has finished reading their data.
 ep_status_t ep_ll_dispatch(struct ep_ctx_t *ctx,
                            const struct ep_ll_dispatch_args_t *args,
                            ep_stream_t stream);

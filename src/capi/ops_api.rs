@@ -262,6 +262,9 @@ fn check_ll_flags(flags: u32, allowed: u32) -> Result<Phases> {
 /// CUDA graph. With `EP_LL_SEND_ONLY` it returns after the send phase; the
 /// same call with `EP_LL_RECV_ONLY` completes it, and no other operation of
 /// the context may come between them. Every rank of the context must call it.
+/// The context's calls must run on the GPU in the order they are made (one
+/// stream, or streams ordered by events): a call acknowledges to the peers
+/// that the previous one has finished reading their data.
 #[no_mangle]
 pub unsafe extern "C" fn ep_ll_dispatch(
     ctx: *mut ep_ctx_t,
