@@ -594,23 +594,38 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     }
 
     // Padding rows of the expert-major segments: zeros, weight 0, row -1.
+    // Every warp of the grid takes rows of the whole expert-major region in
+    // turn (a warp per expert would leave most of the GPU idle, and at small
+    // token counts the padding is most of the output).
     if (p.expert_x == nullptr) {
         return;
     }
-    for (int le = blockIdx.x * EP_MOVE_WARPS + warp; le < local_experts; le += warps) {
-        for (int64_t r = layout.expert_offset[le] + layout.expert_total[le];
-             r < layout.expert_offset[le + 1]; ++r) {
-            int4* x = reinterpret_cast<int4*>(p.expert_x + r * p.row_bytes);
-            for (int i = lane; i < p.row_bytes / 16; i += 32) {
-                x[i] = make_int4(0, 0, 0, 0);
+    const int padded_rows = layout.expert_offset[local_experts];
+    for (int r = blockIdx.x * EP_MOVE_WARPS + warp; r < padded_rows; r += warps) {
+        // The expert whose segment holds row r: the last offset <= r.
+        int lo = 0, hi = local_experts - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (layout.expert_offset[mid] <= r) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
             }
-            for (int c = lane; c < p.scale_cols; c += 32) {
-                p.expert_scales[r * p.scale_cols + c] = 0.0f;
-            }
-            if (lane == 0) {
-                p.expert_weights[r] = 0.0f;
-                p.expert_src_row[r] = -1;
-            }
+        }
+        if (r < layout.expert_offset[lo] + layout.expert_total[lo]) {
+            continue;  // a real row
+        }
+        int4* x = reinterpret_cast<int4*>(p.expert_x + static_cast<int64_t>(r) * p.row_bytes);
+#pragma unroll 4
+        for (int i = lane; i < p.row_bytes / 16; i += 32) {
+            x[i] = make_int4(0, 0, 0, 0);
+        }
+        for (int c = lane; c < p.scale_cols; c += 32) {
+            p.expert_scales[static_cast<int64_t>(r) * p.scale_cols + c] = 0.0f;
+        }
+        if (lane == 0) {
+            p.expert_weights[r] = 0.0f;
+            p.expert_src_row[r] = -1;
         }
     }
 }

@@ -414,9 +414,14 @@ fn check_shape(world: usize, hidden: usize, topk: usize, experts: usize, seed: u
     );
 }
 
+/// 2, 4 and 8 ranks as far as the machine has GPUs; one rank on a machine
+/// with one GPU (the kernels' own arithmetic, without NVLink).
 fn worlds() -> Vec<usize> {
     let n = device_count();
-    assert!(n >= 2, "these tests need at least 2 GPUs");
+    assert!(n >= 1, "these tests need a GPU");
+    if n == 1 {
+        return vec![1];
+    }
     [2, 4, 8].into_iter().filter(|&w| w <= n).collect()
 }
 

@@ -32,6 +32,10 @@ USAGE: ep-bench [OPTIONS]
   --warmup N             untimed iterations first (default 10)
   --graph-pairs N        ll: dispatch+combine pairs captured in one CUDA graph (default 32)
   --timeout-ms MS        ep's peer timeout (default 60000)
+  --ungated              time each op from its launch on an idle stream (launch
+                         latency included); for profilers such as ncu, which
+                         hold every launch until the kernel ran and so would
+                         wait forever for a gated stream
   --backend gpu|host     ep backend (default gpu); host is a smoke test: host
                          memory, wall-clock timing, no NCCL, no CUDA graph
   -h, --help             this text
@@ -62,6 +66,7 @@ pub struct Opts {
     pub graph_pairs: usize,
     pub timeout_ms: u32,
     pub gpu: bool,
+    pub ungated: bool,
 }
 
 fn parse_list<T: std::str::FromStr>(flag: &str, v: &str) -> Vec<T> {
@@ -96,6 +101,7 @@ fn parse(args: &[String]) -> Opts {
         graph_pairs: 32,
         timeout_ms: 60000,
         gpu: true,
+        ungated: false,
     };
     let mut sms_sweep = None;
     let mut i = 0;
@@ -141,6 +147,7 @@ fn parse(args: &[String]) -> Opts {
             "--warmup" => o.warmup = num(value()),
             "--graph-pairs" => o.graph_pairs = num(value()).max(1),
             "--timeout-ms" => o.timeout_ms = num(value()) as u32,
+            "--ungated" => o.ungated = true,
             "--backend" => match value().as_str() {
                 "gpu" => o.gpu = true,
                 "host" => o.gpu = false,

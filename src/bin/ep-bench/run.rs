@@ -276,8 +276,12 @@ impl Rank {
     }
 
     /// Collective: rank 0 allocates the gate word, every rank maps it; the
-    /// run is gated only where every rank's stream can wait on it.
+    /// run is gated only where every rank's stream can wait on it, and
+    /// unless `--ungated` was given.
     fn make_gate(&self) -> Option<Gate> {
+        if self.o.ungated {
+            return None;
+        }
         let owner = if self.r == 0 { HostWord::alloc() } else { None };
         if self.r == 0 {
             *self.sh.gate_word.lock().unwrap() = owner.as_ref().map(HostWord::addr);
@@ -300,6 +304,9 @@ impl Rank {
         match (self.o.gpu, self.gate.is_some()) {
             (false, _) => format!("{subject}: host wall clock"),
             (true, true) => format!("{subject}: GPU only (gated start)"),
+            (true, false) if self.o.ungated => {
+                format!("{subject} include launch latency (--ungated)")
+            }
             (true, false) => {
                 format!("{subject} include launch latency (cuStreamWaitValue32 unavailable)")
             }
