@@ -1,0 +1,67 @@
+//! ep-bench on the host backend: the benchmark binary's arguments, both
+//! modes, the token sweeps and its own result checks run in CI, where there
+//! is no GPU (its numbers mean nothing there).
+
+use std::process::Command;
+
+fn run_bench(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_ep-bench"))
+        .args(["--backend", "host", "--ranks", "2", "--hidden", "512"])
+        .args(["--iters", "2", "--warmup", "1"])
+        .args(args)
+        .output()
+        .expect("ep-bench runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "ep-bench {args:?} failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// The table rows of `op` (the first column), one per token count.
+fn rows<'a>(table: &'a str, op: &str) -> Vec<&'a str> {
+    table
+        .lines()
+        .filter(|l| l.starts_with(&format!("| {op} |")))
+        .collect()
+}
+
+#[test]
+fn both_modes_run_and_print_their_tables() {
+    let out = run_bench(&["--mode", "all", "--tokens", "16"]);
+    assert_eq!(rows(&out, "dispatch BF16").len(), 1, "{out}");
+    assert_eq!(rows(&out, "combine BF16 source-order").len(), 1, "{out}");
+    assert_eq!(
+        rows(&out, "LL dispatch FP8 (weights at dispatch)").len(),
+        1,
+        "{out}"
+    );
+    assert_eq!(
+        rows(&out, "LL combine BF16 (weights at combine)").len(),
+        1,
+        "{out}"
+    );
+}
+
+#[test]
+fn token_sweeps_give_a_row_per_count() {
+    let out = run_bench(&["--mode", "ll", "--sweep-tokens", "1,8,33"]);
+    let dispatch = rows(&out, "LL dispatch FP8 (weights at dispatch)");
+    assert_eq!(dispatch.len(), 3, "{out}");
+    for (row, tokens) in dispatch.iter().zip([1, 8, 33]) {
+        assert!(row.contains(&format!("| {tokens} |")), "{row}");
+    }
+    let out = run_bench(&["--mode", "normal", "--sweep-tokens", "1,5"]);
+    assert_eq!(rows(&out, "dispatch FP8").len(), 2, "{out}");
+}
+
+#[test]
+fn bad_arguments_are_refused() {
+    let out = Command::new(env!("CARGO_BIN_EXE_ep-bench"))
+        .args(["--backend", "host", "--mode", "sideways"])
+        .output()
+        .expect("ep-bench runs");
+    assert_eq!(out.status.code(), Some(2));
+}
