@@ -190,8 +190,8 @@ struct LlParams {
 struct LlCounters {
     int dispatch_seq;       // calls whose send phase has run
     int combine_seq;
-    int dispatch_arrivals;  // blocks of the running launch that finished
-    int combine_arrivals;
+    int dispatch_arrivals;  // blocks of the running launch that have read
+    int combine_arrivals;   // the call number (see begin_call)
 };
 
 namespace {
@@ -356,18 +356,10 @@ __device__ int begin_call(const LlParams& p, int* seq_counter, int* arrivals, in
     if (threadIdx.x == 0) {
         const int seq = *reinterpret_cast<volatile int*>(seq_counter) + p.do_send;
         s_seq = seq;
-        if (p.do_send) {
-            int arrived;
-            // Release orders the read above before the arrival; acquire
-            // orders the last block's store after every block's read.
-            asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;"
-                         : "=r"(arrived)
-                         : "l"(arrivals)
-                         : "memory");
-            if (arrived == static_cast<int>(gridDim.x) - 1) {
-                *arrivals = 0;
-                *seq_counter = seq;
-            }
+        // The arrival orders the read above before the last block's store.
+        if (p.do_send && ep_atomic_add_acq_rel_gpu(arrivals, 1) == static_cast<int>(gridDim.x) - 1) {
+            *arrivals = 0;
+            *seq_counter = seq;
         }
     }
     __syncthreads();
@@ -658,30 +650,28 @@ __device__ void dispatch_receive(const LlParams& p, int seq, uint64_t deadline) 
         if (rows_mask == 0) {
             continue;
         }
+        // The chunk, and with the first chunk the FP8 scales, to each row.
         const uint8_t* data = msg + EP_LL_HEADER_BYTES;
         int4 v[EP_LL_LANE_VECS];
         load_chunk(v, data, c * EP_LL_CHUNK_VECS, data_vecs);
+        const bool with_scales = p.fp8 && c == 0;
+        float scale[EP_LL_SCALES_PER_LANE];
+#pragma unroll
+        for (int u = 0; u < EP_LL_SCALES_PER_LANE; ++u) {
+            const int col = lane + 32 * u;
+            scale[u] = with_scales && col < scale_cols
+                           ? reinterpret_cast<const float*>(data + p.hidden)[col]
+                           : 0.0f;
+        }
         for (unsigned m = rows_mask; m != 0; m &= m - 1) {
             const int r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
             store_chunk(p.recv_x + static_cast<int64_t>(r) * row_bytes, v, c * EP_LL_CHUNK_VECS,
                         data_vecs);
-        }
-        if (p.fp8 && c == 0) {
-            const float* scales = reinterpret_cast<const float*>(data + p.hidden);
-            float scale[EP_LL_SCALES_PER_LANE];
 #pragma unroll
             for (int u = 0; u < EP_LL_SCALES_PER_LANE; ++u) {
                 const int col = lane + 32 * u;
-                scale[u] = col < scale_cols ? scales[col] : 0.0f;
-            }
-            for (unsigned m = rows_mask; m != 0; m &= m - 1) {
-                const int r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
-#pragma unroll
-                for (int u = 0; u < EP_LL_SCALES_PER_LANE; ++u) {
-                    const int col = lane + 32 * u;
-                    if (col < scale_cols) {
-                        p.recv_scales[static_cast<int64_t>(r) * scale_cols + col] = scale[u];
-                    }
+                if (with_scales && col < scale_cols) {
+                    p.recv_scales[static_cast<int64_t>(r) * scale_cols + col] = scale[u];
                 }
             }
         }
@@ -708,10 +698,27 @@ __device__ __forceinline__ void accumulate(float (&acc)[EP_LL_LANE_VECS][8],
     }
 }
 
+// Warp-wide: takes the next EP_LL_ROWS_IN_FLIGHT set bits of `terms`, lowest
+// first, into `term` (-1 past the last) and loads the chunk of row
+// `row_of(term[g])` of each into `y[g]`: the loads of a group are all in
+// flight before anything uses them.
+template <typename RowOf>
+__device__ __forceinline__ void load_next_rows(uint64_t& terms, int (&term)[EP_LL_ROWS_IN_FLIGHT],
+                                               int4 (&y)[EP_LL_ROWS_IN_FLIGHT][EP_LL_LANE_VECS],
+                                               int first_vec, int vecs, RowOf row_of) {
+#pragma unroll
+    for (int g = 0; g < EP_LL_ROWS_IN_FLIGHT; ++g) {
+        term[g] = terms != 0 ? __ffsll(static_cast<long long>(terms)) - 1 : -1;
+        terms &= terms - 1;
+        if (term[g] >= 0) {
+            load_chunk(y[g], row_of(term[g]), first_vec, vecs);
+        }
+    }
+}
+
 // Warp-wide: acc = the sum, in ascending order of term, over the set bits i
 // of `terms` of w_i * (chunk of row `row_of(i)`) (or the plain row when
-// !weighted; `w_of(i)` is called only when weighted). Loads of up to
-// EP_LL_ROWS_IN_FLIGHT rows are issued before their sums.
+// !weighted; `w_of(i)` is called only when weighted).
 template <typename RowOf, typename WeightOf>
 __device__ __forceinline__ void sum_chunk(float (&acc)[EP_LL_LANE_VECS][8], uint64_t terms,
                                           bool weighted, int first_vec, int vecs, RowOf row_of,
@@ -726,14 +733,7 @@ __device__ __forceinline__ void sum_chunk(float (&acc)[EP_LL_LANE_VECS][8], uint
     while (terms != 0) {
         int term[EP_LL_ROWS_IN_FLIGHT];
         int4 y[EP_LL_ROWS_IN_FLIGHT][EP_LL_LANE_VECS];
-#pragma unroll
-        for (int g = 0; g < EP_LL_ROWS_IN_FLIGHT; ++g) {
-            term[g] = terms != 0 ? __ffsll(static_cast<long long>(terms)) - 1 : -1;
-            terms &= terms - 1;
-            if (term[g] >= 0) {
-                load_chunk(y[g], row_of(term[g]), first_vec, vecs);
-            }
-        }
+        load_next_rows(terms, term, y, first_vec, vecs, row_of);
 #pragma unroll
         for (int g = 0; g < EP_LL_ROWS_IN_FLIGHT; ++g) {
             if (term[g] >= 0) {
@@ -781,18 +781,12 @@ __device__ bool combine_send(const LlParams& p, int seq, uint64_t deadline) {
         const auto expert_row = [&](int r) { return p.x + static_cast<int64_t>(r) * p.hidden; };
         if (p.weighted) {
             // The chunk of each of the token's rows, to return row j = slot.
-            for (unsigned m = valid; m != 0;) {
+            for (uint64_t slots = valid; slots != 0;) {
                 int slot[EP_LL_ROWS_IN_FLIGHT];
                 int4 y[EP_LL_ROWS_IN_FLIGHT][EP_LL_LANE_VECS];
-#pragma unroll
-                for (int g = 0; g < EP_LL_ROWS_IN_FLIGHT; ++g) {
-                    slot[g] = m != 0 ? __ffs(m) - 1 : -1;
-                    m &= m - 1;
-                    const int r = __shfl_sync(0xffffffffu, row, slot[g] & 31);
-                    if (slot[g] >= 0) {
-                        load_chunk(y[g], expert_row(r), first_vec, vecs);
-                    }
-                }
+                load_next_rows(slots, slot, y, first_vec, vecs, [&](int k) {
+                    return expert_row(__shfl_sync(0xffffffffu, row, k));
+                });
 #pragma unroll
                 for (int g = 0; g < EP_LL_ROWS_IN_FLIGHT; ++g) {
                     if (slot[g] >= 0) {

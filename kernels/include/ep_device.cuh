@@ -86,13 +86,13 @@ __device__ __forceinline__ void ep_st_release_sys(int* addr, int value) {
     asm volatile("st.release.sys.global.s32 [%0], %1;" : : "l"(addr), "r"(value) : "memory");
 }
 
-// Relaxed atomic add at system scope; returns the old value. Atomic with
-// respect to other GPUs' atomics on the same word, but orders nothing else:
-// follow it with a release store (or precede it with a fence) when it
-// publishes data.
-__device__ __forceinline__ int ep_atomic_add_relaxed_sys(int* addr, int value) {
+// Atomic add at GPU scope with acquire and release semantics; returns the
+// old value. For arrival counters among the blocks of one grid: every
+// block's earlier accesses are ordered before its arrival, and the block
+// that sees the last arrival sees all of them.
+__device__ __forceinline__ int ep_atomic_add_acq_rel_gpu(int* addr, int value) {
     int old;
-    asm volatile("atom.relaxed.sys.global.add.s32 %0, [%1], %2;"
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;"
                  : "=r"(old)
                  : "l"(addr), "r"(value)
                  : "memory");

@@ -14,8 +14,9 @@
 //! before writing it waits (bounded) until the peer has acknowledged reading
 //! call `n - 2`, which the peer does when its call `n - 1` starts. This
 //! relies on the context's calls running in order on the GPU (one stream,
-//! or streams ordered by events), which the call numbers need anyway. On one context, an `EP_LL_SEND_ONLY` call must be followed by
-//! its `EP_LL_RECV_ONLY` call before any other low-latency call: this is
+//! or streams ordered by events), which the call numbers need anyway. On
+//! one context, an `EP_LL_SEND_ONLY` call must be followed by its
+//! `EP_LL_RECV_ONLY` call before any other low-latency call: this is
 //! checked here and answered with `EP_ERR_INVALID_ARGUMENT`. A peer that does
 //! not keep up (or never calls) ends in `EP_ERR_TIMEOUT` from the async error
 //! status, never in rows of another call.
