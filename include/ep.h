@@ -277,7 +277,8 @@ typedef struct ep_ll_dispatch_args_t {
   uint32_t version;
   // `EP_LL_SEND_ONLY`, `EP_LL_RECV_ONLY`, `EP_LL_UE8M0_SCALES`.
   uint32_t flags;
-  // Tokens of this rank, 0 to `ll_max_tokens_per_rank`.
+  // Tokens of this rank, 0 to `ll_max_tokens_per_rank` (the bound of
+  // `device_num_tokens` when that is given).
   int32_t num_tokens;
   // Output type: `EP_DTYPE_FP8_E4M3` (quantized online) or `EP_DTYPE_BF16`.
   int32_t out_dtype;
@@ -298,6 +299,15 @@ typedef struct ep_ll_dispatch_args_t {
   int32_t *recv_src_info;
   // `[local_experts, W, 2]` (first row, row count) of each source rank.
   int32_t *recv_layout_range;
+  // Device scalar, or NULL. When given, the call reads its token count
+  // from it when it runs on the stream, and `num_tokens` is only the
+  // bound (the caller's arrays have room for `num_tokens` tokens): a CUDA
+  // graph captured once then replays with a different count each time. A
+  // count outside `[0, num_tokens]` is `EP_ERR_INVALID_ARGUMENT`
+  // (reported by `ep_ctx_get_async_error` on the GPU backend): the call
+  // then sends no tokens, and the peers' matching calls may end in
+  // `EP_ERR_TIMEOUT`, as after any failed call.
+  const int32_t *device_num_tokens;
 } ep_ll_dispatch_args_t;
 
 // Arguments of `ep_ll_combine`: for each of this rank's tokens,
@@ -309,7 +319,8 @@ typedef struct ep_ll_combine_args_t {
   uint32_t version;
   // `EP_LL_SEND_ONLY`, `EP_LL_RECV_ONLY`, `EP_LL_ZERO_COPY`.
   uint32_t flags;
-  // Tokens of this rank in the matching dispatch.
+  // Tokens of this rank in the matching dispatch (its bound when
+  // `device_num_tokens` is given).
   int32_t num_tokens;
   // `[local_experts, W * M, hidden]` BF16 expert outputs in the masked
   // layout of the matching dispatch.
@@ -324,6 +335,11 @@ typedef struct ep_ll_combine_args_t {
   const int32_t *layout_range;
   // `[num_tokens, hidden]` BF16 output.
   void *out;
+  // Device scalar, or NULL: the token count read when the call runs, as
+  // in `ep_ll_dispatch_args_t` (give the matching dispatch's). A count
+  // outside `[0, num_tokens]` is `EP_ERR_INVALID_ARGUMENT`, and the call
+  // then writes no tokens.
+  const int32_t *device_num_tokens;
 } ep_ll_combine_args_t;
 
 // Arguments of the fused megakernels. `ep_mega_dispatch_gemm` dispatches

@@ -112,6 +112,11 @@
 // Expert ids: an id outside [0, E) other than -1, or one repeated within a
 // token, counts as -1 everywhere and the dispatch reports
 // EP_STATUS_INVALID_EXPERT (the reference rejects such routing).
+//
+// Token count: the launch's num_tokens, or the caller's device scalar read
+// when the launch runs (the send phase of a dispatch, the receive phase of a
+// combine), so that one captured graph serves changing batch sizes; see
+// call_tokens.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -146,6 +151,8 @@ struct LlParams {
     const __nv_bfloat16* x;
     const int* topk_idx;       // [num_tokens, K]
     const float* topk_weights; // [num_tokens, K] or nullptr
+    // The caller's device token count, or nullptr (see call_tokens).
+    const int* device_num_tokens;
     // Dispatch outputs.
     uint8_t* recv_x;
     float* recv_scales;
@@ -207,6 +214,26 @@ __device__ __forceinline__ T* ll_at(const LlParams& p, int rank, int64_t offset)
 
 __device__ __forceinline__ int local_experts(const LlParams& p) {
     return p.num_experts / p.world;
+}
+
+// The tokens of this call: the caller's device scalar when given (read when
+// the launch runs, so replays of a captured graph may change it; the launch's
+// num_tokens is then its bound), else the launch's num_tokens. An
+// out-of-range count is recorded as EP_STATUS_INVALID_ARGUMENT and the call
+// goes on with no tokens (its waits then give up as after any error, so the
+// peers may time out).
+__device__ int call_tokens(const LlParams& p, int phase) {
+    if (p.device_num_tokens == nullptr) {
+        return p.num_tokens;
+    }
+    const int n = *p.device_num_tokens;
+    if (n >= 0 && n <= p.num_tokens) {
+        return n;
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        ep_record_error(p.status, EP_STATUS_INVALID_ARGUMENT, -1, phase, n);
+    }
+    return 0;
 }
 
 __device__ __forceinline__ LlCounters* counters(const LlParams& p) {
@@ -375,10 +402,10 @@ __device__ int begin_call(const LlParams& p, int* seq_counter, int* arrivals, in
 // ---------------------------------------------------------------------------
 
 // Block-wide (step 2): the effective expert of every (token, slot) of this
-// rank into `experts` (token-major), from the caller's topk_idx. Block 0
-// reports ids that are neither -1 nor effective.
-__device__ void load_routing(const LlParams& p, int16_t* experts) {
-    const int entries = p.num_tokens * p.topk;
+// rank's `n` tokens into `experts` (token-major), from the caller's
+// topk_idx. Block 0 reports ids that are neither -1 nor effective.
+__device__ void load_routing(const LlParams& p, int n, int16_t* experts) {
+    const int entries = n * p.topk;
     for (int i = threadIdx.x; i < entries; i += blockDim.x) {
         const int* ids = p.topk_idx + static_cast<int64_t>(i / p.topk) * p.topk;
         const int slot = i % p.topk;
@@ -391,11 +418,11 @@ __device__ void load_routing(const LlParams& p, int16_t* experts) {
 }
 
 // Block-wide (step 3) for destination rank d: this rank's row count for
-// each of d's local experts, then the token count, then the flag.
-__device__ void send_counts(const LlParams& p, int seq, int d, const int16_t* experts,
+// each of d's local experts, then the token count `n`, then the flag.
+__device__ void send_counts(const LlParams& p, int seq, int d, int n, const int16_t* experts,
                             int* counts) {
     const int L = local_experts(p);
-    const int entries = p.num_tokens * p.topk;
+    const int entries = n * p.topk;
     for (int le = threadIdx.x; le < L; le += blockDim.x) {
         counts[le] = 0;
     }
@@ -409,7 +436,7 @@ __device__ void send_counts(const LlParams& p, int seq, int d, const int16_t* ex
     __syncthreads();
     int* dst = dispatch_counts(p, d, seq & 1, p.rank);
     for (int le = threadIdx.x; le <= L; le += blockDim.x) {
-        dst[le] = le < L ? counts[le] : p.num_tokens;
+        dst[le] = le < L ? counts[le] : n;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -469,18 +496,19 @@ __device__ bool dispatch_send(const LlParams& p, int seq, uint64_t deadline) {
     const int K = p.topk, L = local_experts(p);
     // The routing is the caller's: read it before waiting (the wait's
     // barrier also orders it for the whole block).
-    load_routing(p, s_experts);
+    const int n = call_tokens(p, EP_PHASE_LL_DISPATCH);
+    load_routing(p, n, s_experts);
     if (!wait_for_acks(p, ll_at<int>(p, p.rank, p.off_dispatch_acks), seq, deadline,
                        EP_PHASE_LL_DISPATCH)) {
         return false;
     }
     for (int d = blockIdx.x; d < p.world; d += gridDim.x) {
-        send_counts(p, seq, d, s_experts, s_counts);
+        send_counts(p, seq, d, n, s_experts, s_counts);
     }
     // Tokens start at block W, so the first tokens do not wait for the
     // blocks that send the counts.
     const int first_token = (blockIdx.x + gridDim.x - p.world % gridDim.x) % gridDim.x;
-    for (int t = first_token; t < p.num_tokens; t += gridDim.x) {
+    for (int t = first_token; t < n; t += gridDim.x) {
         // The previous token's readers of the shared arrays are done.
         __syncthreads();
         // Warp k: the position of slot k among this rank's rows for its
@@ -837,7 +865,8 @@ __device__ void combine_receive(const LlParams& p, int seq, uint64_t deadline) {
     const int lane = threadIdx.x % 32;
     const int K = p.topk, L = local_experts(p), C = chunks_per_row(p), vecs = row_vecs(p);
     const __nv_bfloat16* rows = ll_at<__nv_bfloat16>(p, p.rank, p.off_combine_rows);
-    for (int item = blockIdx.x * EP_LL_WARPS + threadIdx.x / 32; item < p.num_tokens * C;
+    const int n = call_tokens(p, EP_PHASE_LL_COMBINE);
+    for (int item = blockIdx.x * EP_LL_WARPS + threadIdx.x / 32; item < n * C;
          item += gridDim.x * EP_LL_WARPS) {
         const int t = item / C, c = item % C;
         const int expert =

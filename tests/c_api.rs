@@ -1224,6 +1224,24 @@ fn low_latency_arguments_are_checked() {
             "ep_ll_dispatch",
             &["num_tokens = -1 is negative"],
         );
+        // A misaligned device token count.
+        let counts = [0i32; 2];
+        let mut a = d;
+        a.device_num_tokens = (counts.as_ptr() as *const u8).add(1) as *const i32;
+        expect(
+            lld(&a),
+            EP_ERR_INVALID_ARGUMENT,
+            "ep_ll_dispatch",
+            &["device_num_tokens", "not 4-byte aligned"],
+        );
+        let mut a = c;
+        a.device_num_tokens = (counts.as_ptr() as *const u8).add(2) as *const i32;
+        expect(
+            llc(&a),
+            EP_ERR_INVALID_ARGUMENT,
+            "ep_ll_combine",
+            &["device_num_tokens", "not 4-byte aligned"],
+        );
         let mut a = d;
         a.flags = EP_LL_SEND_ONLY | EP_LL_RECV_ONLY;
         expect(

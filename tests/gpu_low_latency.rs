@@ -3,14 +3,16 @@
 //! a seed, runs the GPU dispatch and combine, and compares its outputs with
 //! the reference computed on the host. Also: send/receive split, several
 //! rounds on one context (alternating buffer sets), a CUDA graph replayed
-//! with new inputs, a peer that never calls (timeout), and misuse.
+//! with new inputs and token counts, ranks as processes, a peer that never
+//! calls (timeout), a bad device token count, and misuse.
 //! Needs CUDA GPUs: `cargo test --release --test gpu_low_latency -- --ignored`.
 
 mod common;
 
 use common::gpu::*;
 use common::{
-    bits, bytes_to_bf16, ll_combine_args, ll_dispatch_args, random_bf16, routing, weights, Ctx, Rng,
+    bits, bytes_to_bf16, last_error, ll_combine_args, ll_dispatch_args, random_bf16, routing,
+    weights, Ctx, Rng, POISON,
 };
 use cudarc::driver::sys;
 use ep::capi::*;
@@ -39,6 +41,9 @@ struct Case {
     split: bool,
     /// Skew the routing towards expert 0.
     skewed: bool,
+    /// Pass the token count in device memory (`device_num_tokens`), with
+    /// `num_tokens` = `max_tokens` as its bound.
+    count_in_memory: bool,
     seed: u64,
 }
 
@@ -56,6 +61,7 @@ impl Case {
             zero_copy: false,
             split: false,
             skewed: false,
+            count_in_memory: false,
             seed: 1,
         }
     }
@@ -145,6 +151,8 @@ struct Bufs {
     recv_range: DevBuf,
     y: DevBuf,
     out: DevBuf,
+    /// The token count, for `Case::count_in_memory`.
+    count: DevBuf,
 }
 
 impl Bufs {
@@ -164,6 +172,7 @@ impl Bufs {
             recv_range: DevBuf::of::<i32>(local * case.world * 2),
             y: DevBuf::of::<bf16>(rows * h),
             out: DevBuf::of::<bf16>(m * h),
+            count: DevBuf::of::<i32>(1),
         };
         bufs.upload(me);
         bufs
@@ -174,6 +183,7 @@ impl Bufs {
         self.idx.upload(&me.idx);
         self.w.upload(&me.w);
         self.y.upload(&me.y);
+        self.count.upload(&[me.n as i32]);
     }
 
     fn poison_outputs(&self) {
@@ -189,10 +199,20 @@ impl Bufs {
         }
     }
 
+    /// `num_tokens` and `device_num_tokens` of a call with `n` tokens (with
+    /// the count in memory, `n` is what `upload` wrote there).
+    fn token_count(&self, case: &Case, n: usize) -> (i32, *const i32) {
+        if case.count_in_memory {
+            (case.max_tokens as i32, self.count.as_const())
+        } else {
+            (n as i32, null())
+        }
+    }
+
     fn dispatch_args(&self, case: &Case, n: usize, flags: u32) -> ep_ll_dispatch_args_t {
         let mut a = ll_dispatch_args();
         a.flags = flags | if case.ue8m0 { EP_LL_UE8M0_SCALES } else { 0 };
-        a.num_tokens = n as i32;
+        (a.num_tokens, a.device_num_tokens) = self.token_count(case, n);
         a.out_dtype = if case.fp8 {
             EP_DTYPE_FP8_E4M3
         } else {
@@ -220,7 +240,7 @@ impl Bufs {
     fn combine_args(&self, case: &Case, n: usize, flags: u32) -> ep_ll_combine_args_t {
         let mut a = ll_combine_args();
         a.flags = flags | if case.zero_copy { EP_LL_ZERO_COPY } else { 0 };
-        a.num_tokens = n as i32;
+        (a.num_tokens, a.device_num_tokens) = self.token_count(case, n);
         a.x = if case.zero_copy {
             null()
         } else {
@@ -336,8 +356,12 @@ fn check(case: &Case, rank: usize, all: &[Input], bufs: &Bufs, what: &str) {
     let me = &all[rank];
     let weights = (!case.weights_at_dispatch).then_some(&me.w[..]);
     let want_out = ll_combine(topo, m, rank, me.n, &me.idx, weights, &experts);
-    let out: Vec<u8> = bufs.out.download(me.n * h * 2);
-    let out = bytes_to_bf16(&out);
+    let out: Vec<u8> = bufs.out.download(m * h * 2);
+    assert!(
+        out[me.n * h * 2..].iter().all(|&b| b == POISON),
+        "{what}: combine wrote past the token count"
+    );
+    let out = bytes_to_bf16(&out[..me.n * h * 2]);
     let mismatch = out
         .iter()
         .zip(&want_out)
@@ -353,11 +377,16 @@ fn check(case: &Case, rank: usize, all: &[Input], bufs: &Bufs, what: &str) {
     }
 }
 
-/// Runs `rounds` rounds of `case` on one context per rank; round r uses
-/// `tokens(r, rank)` tokens on each rank.
+/// Runs `rounds` rounds of `case` on one context per rank (threads of this
+/// process); round r uses `tokens(r, rank)` tokens on each rank.
 fn run_case(case: Case, rounds: u64, tokens: impl Fn(u64, usize) -> usize + Sync) {
+    run_case_on(Ranks::Threads, case, rounds, tokens);
+}
+
+fn run_case_on(ranks: Ranks, case: Case, rounds: u64, tokens: impl Fn(u64, usize) -> usize + Sync) {
     let world = case.world;
-    run_gpu_world(world, &case.config(20_000), |rank, ctx| {
+    let call = format!("{case:?}");
+    run_gpu_ranks(ranks, &call, world, &case.config(20_000), |rank, ctx| {
         for round in 0..rounds {
             let counts: Vec<usize> = (0..world).map(|r| tokens(round, r)).collect();
             let all = inputs(&case, round, &counts);
@@ -409,6 +438,26 @@ fn dispatch_and_combine_match_the_reference() {
     }
 }
 
+/// Ranks as processes: the symmetric buffers travel between processes as
+/// file descriptors.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn ranks_as_processes_match_the_reference() {
+    let ranks = Ranks::Processes {
+        test: "ranks_as_processes_match_the_reference",
+    };
+    let base = Case::new(world(), 7168, 8, 256, 128);
+    let counts = |round: u64, r: usize| [128, 1, 0, 77][(round as usize + r) % 4];
+    run_case_on(ranks, base, 3, counts);
+    let case = Case {
+        weights_at_dispatch: true,
+        split: true,
+        count_in_memory: true,
+        ..Case::new(world(), 2048, 16, 64, 64)
+    };
+    run_case_on(ranks, case, 3, |round, r| counts(round, r) / 2);
+}
+
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn variants_match_the_reference() {
@@ -453,6 +502,10 @@ fn variants_match_the_reference() {
             ..base
         },
         Case {
+            count_in_memory: true,
+            ..base
+        },
+        Case {
             skewed: true,
             weights_at_dispatch: true,
             topk: 16,
@@ -475,6 +528,7 @@ fn rounds_alternate_buffer_sets_with_changing_counts() {
         Case {
             split: true,
             weights_at_dispatch: true,
+            count_in_memory: true,
             ..base
         },
         5,
@@ -482,36 +536,112 @@ fn rounds_alternate_buffer_sets_with_changing_counts() {
     );
 }
 
+/// One graph, captured once, replayed 1000 times with new routing, inputs and
+/// token counts (0 and the maximum included): the count is read from device
+/// memory when each replay runs.
 #[test]
 #[ignore = "needs CUDA GPUs"]
-fn graph_replays_see_new_inputs() {
+fn graph_replays_see_new_inputs_and_token_counts() {
     let world = world();
-    let case = Case {
-        skewed: true,
+    let base = Case {
+        count_in_memory: true,
         ..Case::new(world, 256, 4, 16, 32)
     };
-    let replays = 200;
-    run_gpu_world(world, &case.config(20_000), |rank, ctx| {
-        let n = 20 + rank;
-        let counts: Vec<usize> = (0..world).map(|r| 20 + r).collect();
-        let first = inputs(&case, 0, &counts);
-        let bufs = Bufs::new(&case, &first[rank]);
-        let graph = Graph::capture(|stream| run_ops(ctx, &case, &bufs, n, stream));
-        for replay in 1..=replays {
-            let all = inputs(&case, replay, &counts);
-            bufs.upload(&all[rank]);
-            bufs.poison_outputs();
-            graph.replay();
-            assert_eq!(async_status(ctx), EP_SUCCESS, "replay {replay}");
-            check(
-                &case,
-                rank,
-                &all,
-                &bufs,
-                &format!("replay {replay} rank {rank}"),
-            );
+    let replays = 1000;
+    run_gpu_world(world, &base.config(20_000), |rank, ctx| {
+        for case in [
+            base,
+            Case {
+                skewed: true,
+                weights_at_dispatch: true,
+                split: true,
+                ..base
+            },
+        ] {
+            let tokens = |replay: u64, r: usize| -> usize {
+                let m = case.max_tokens as u64;
+                [0, 1, m, (replay * 7 + r as u64 * 13) % (m + 1)][(replay % 4) as usize] as usize
+            };
+            let counts = |replay| (0..world).map(|r| tokens(replay, r)).collect::<Vec<_>>();
+            let first = inputs(&case, 0, &counts(0));
+            let bufs = Bufs::new(&case, &first[rank]);
+            let graph = Graph::capture(|stream| run_ops(ctx, &case, &bufs, 0, stream));
+            let graph_replays = if case.split { replays / 4 } else { replays };
+            for replay in 1..=graph_replays {
+                let all = inputs(&case, replay, &counts(replay));
+                bufs.upload(&all[rank]);
+                bufs.poison_outputs();
+                graph.replay();
+                let what = format!("{case:?} replay {replay} rank {rank}");
+                assert_eq!(async_status(ctx), EP_SUCCESS, "{what}");
+                check(&case, rank, &all, &bufs, &what);
+            }
         }
     });
+}
+
+/// A device token count outside `[0, num_tokens]` is an asynchronous
+/// invalid argument on its rank, whose call sends or writes nothing; the
+/// peers complete their calls or time out. Rank 0 gives the dispatch a count
+/// above its bound in the first run, the combine a negative count in the
+/// second.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn a_device_token_count_out_of_range_is_reported() {
+    let world = world();
+    let case = Case {
+        count_in_memory: true,
+        ..Case::new(world, 128, 2, 8, 8)
+    };
+    let done = Barrier::new(world);
+    for (bad_phase, bad_count) in [("dispatch", case.max_tokens as i32 + 1), ("combine", -1)] {
+        run_gpu_world(world, &case.config(2000), |rank, ctx| {
+            let all = inputs(&case, 0, &vec![3; world]);
+            let bufs = Bufs::new(&case, &all[rank]);
+            bufs.poison_outputs();
+            let bad = |phase: &str| {
+                if rank == 0 && phase == bad_phase {
+                    bufs.count.upload(&[bad_count]);
+                }
+            };
+            // Rank 0's calls after its error, and the peers' after a
+            // timeout, are refused: only the status tells.
+            bad("dispatch");
+            let a = bufs.dispatch_args(&case, 0, 0);
+            // SAFETY: device buffers sized for the config.
+            unsafe { ep_ll_dispatch(ctx.0, &a, null_mut()) };
+            sync();
+            if bad_phase == "dispatch" && async_status(ctx) == EP_SUCCESS {
+                let range: Vec<i32> = bufs.recv_range.download(case.experts / world * world * 2);
+                for (le, pair) in range.chunks(2 * world).enumerate() {
+                    assert_eq!(pair[1], 0, "rank {rank}: rows of expert {le} from rank 0");
+                }
+            }
+            bad("combine");
+            let c = bufs.combine_args(&case, 0, 0);
+            // SAFETY: as above.
+            unsafe { ep_ll_combine(ctx.0, &c, null_mut()) };
+            sync();
+            let status = async_status(ctx);
+            if rank == 0 {
+                assert_eq!(status, EP_ERR_INVALID_ARGUMENT, "bad {bad_phase} count");
+                assert!(
+                    last_error().contains(&format!("device_num_tokens = {bad_count}")),
+                    "{}",
+                    last_error()
+                );
+                let out: Vec<u8> = bufs.out.download(case.max_tokens * case.hidden * 2);
+                assert!(out.iter().all(|&b| b == POISON), "rank 0 wrote output rows");
+            } else {
+                assert!(
+                    status == EP_SUCCESS || status == EP_ERR_TIMEOUT,
+                    "rank {rank}, bad {bad_phase} count: {status}"
+                );
+            }
+            // Every rank keeps its buffers mapped until the others are done.
+            done.wait();
+        });
+    }
 }
 
 #[test]

@@ -3,7 +3,8 @@
 //! random inputs: uneven and skewed routing with dropped slots, zero, one,
 //! 17 and 4096 tokens, hidden sizes from 128 to 16384, BF16 and FP8, both
 //! output orders, both combine inputs, the no-sync path inside a CUDA graph
-//! replayed with new routing, bad expert ids, and a rank that never comes.
+//! replayed with new routing, bad expert ids, and a rank that never comes;
+//! ranks as threads of one process and as processes.
 //! Needs CUDA GPUs: `cargo test --release --test gpu_normal -- --ignored`.
 
 mod common;
@@ -283,7 +284,7 @@ fn dtype_name(dtype: Dtype) -> &'static str {
 
 /// Runs dispatch + both combines for every (token count, routing, dtype)
 /// on one context shape, every rank checked against the reference.
-fn check_shape(world: usize, hidden: usize, topk: usize, experts: usize, seed: u64) {
+fn check_shape(ranks: Ranks, world: usize, hidden: usize, topk: usize, experts: usize, seed: u64) {
     let topo = Topology {
         world,
         num_experts: experts,
@@ -312,12 +313,13 @@ fn check_shape(world: usize, hidden: usize, topk: usize, experts: usize, seed: u
             rounds.push((dtype, inputs, alignment));
         }
     }
-    let exact = run_gpu_world(world, &cfg, |rank, ctx| {
+    let shape = format!("world {world} hidden {hidden} topk {topk} experts {experts}");
+    run_gpu_ranks(ranks, &shape, world, &cfg, |rank, ctx| {
         let handle = ctx.handle();
         let mut exact = true;
         for (round, (dtype, inputs, alignment)) in rounds.iter().enumerate() {
             let what = format!(
-                "world {world} hidden {hidden} topk {topk} experts {experts} rank {rank} round {round} ({}, {} tokens, alignment {alignment})",
+                "{shape} rank {rank} round {round} ({}, {} tokens, alignment {alignment})",
                 dtype_name(*dtype),
                 inputs[rank].num_tokens
             );
@@ -406,12 +408,15 @@ fn check_shape(world: usize, hidden: usize, topk: usize, experts: usize, seed: u
             }
             assert_eq!(async_status(ctx), EP_SUCCESS, "{what}");
         }
-        exact
+        println!(
+            "{shape} ({ranks:?}) rank {rank}: dispatch bit-exact, combine {}",
+            if exact {
+                "bit-exact"
+            } else {
+                "within BF16 rounding"
+            }
+        );
     });
-    println!(
-        "world {world} hidden {hidden} topk {topk} experts {experts}: dispatch bit-exact, combine {}",
-        if exact.iter().all(|&e| e) { "bit-exact" } else { "within BF16 rounding" }
-    );
 }
 
 /// 2, 4 and 8 ranks as far as the machine has GPUs; one rank on a machine
@@ -440,7 +445,31 @@ fn dispatch_and_combine_match_the_reference() {
         .into_iter()
         .enumerate()
         {
-            check_shape(world, hidden, topk, experts, 1000 * world as u64 + i as u64);
+            let seed = 1000 * world as u64 + i as u64;
+            check_shape(Ranks::Threads, world, hidden, topk, experts, seed);
+        }
+    }
+}
+
+/// Ranks as processes: the symmetric buffers travel between processes as
+/// file descriptors.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn ranks_as_processes_match_the_reference() {
+    let ranks = Ranks::Processes {
+        test: "ranks_as_processes_match_the_reference",
+    };
+    for world in worlds() {
+        for (i, (hidden, topk, experts)) in [(7168, 8, 256), (2048, 16, 64)].into_iter().enumerate()
+        {
+            check_shape(
+                ranks,
+                world,
+                hidden,
+                topk,
+                experts,
+                2000 * world as u64 + i as u64,
+            );
         }
     }
 }

@@ -490,36 +490,17 @@ fn normal_ranks_as_processes() {
         },
     ];
     let cfg = shape.config(EP_DTYPE_BF16, 0);
-    // The rendezvous service lives in this (the parent) process.
-    let id = unique_id();
-    let mut children = Vec::new();
-    for rank in 0..shape.world {
-        // SAFETY: the child only runs its rank and leaves with `_exit`.
-        let pid = unsafe { libc::fork() };
-        assert!(pid >= 0, "fork failed");
-        if pid == 0 {
-            let ok = std::panic::catch_unwind(|| {
-                let ctx = Ctx::create(shape.world as i32, id, rank as i32, &cfg);
-                for run in &runs {
-                    check_normal(&shape, run, rank, &ctx);
-                }
-            })
-            .is_ok();
-            // SAFETY: ends the child without running the parent's destructors.
-            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
-        }
-        children.push(pid);
-    }
-    for (rank, pid) in children.into_iter().enumerate() {
-        let mut status = 0;
-        // SAFETY: waits for a child of this process.
-        let got = unsafe { libc::waitpid(pid, &mut status, 0) };
-        assert_eq!(got, pid);
-        assert!(
-            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-            "rank {rank} (process {pid}) failed: wait status {status}"
-        );
-    }
+    run_ranks_in_processes(
+        "normal_ranks_as_processes",
+        "world 2",
+        shape.world,
+        |rank, id| Ctx::create(shape.world as i32, id, rank as i32, &cfg),
+        |rank, ctx| {
+            for run in &runs {
+                check_normal(&shape, run, rank, ctx);
+            }
+        },
+    );
 }
 
 #[test]
@@ -681,6 +662,9 @@ struct LlMode {
     combine_weights: bool,
     zero_copy: bool,
     split: bool,
+    /// The token count is passed in memory (`device_num_tokens`), with
+    /// `num_tokens` = `LL_MAX` as its bound.
+    count_in_memory: bool,
 }
 
 fn ll_inputs(
@@ -727,8 +711,14 @@ fn check_ll(shape: &Shape, mode: LlMode, tokens: &[usize], seed: u64, rank: usiz
         .map(|r| ll_dispatch(topo, m, &sources, r, dtype, mode.ue8m0))
         .collect();
     let d = &refs[rank];
-    let (x, idx, w) = &all[rank];
     let n = tokens[rank];
+    let (mut x, mut idx, mut w) = all[rank].clone();
+    // With the count in memory, the arrays have room for the bound; the rows
+    // past the count hold ids no call may read (they are not valid experts).
+    let (bound, tokens_in_memory) = (if mode.count_in_memory { m } else { n }, n as i32);
+    x.resize(bound * hidden, bf16::from_f32(f32::NAN));
+    idx.resize(bound * shape.topk, i32::MAX);
+    w.resize(bound * shape.topk, f32::NAN);
 
     let mut recv_x = poisoned::<u8>(slots * row_bytes);
     let mut recv_scales = poisoned::<f32>(slots * cols);
@@ -736,7 +726,10 @@ fn check_ll(shape: &Shape, mode: LlMode, tokens: &[usize], seed: u64, rank: usiz
     let mut src = poisoned::<i32>(slots);
     let mut range = poisoned::<i32>(local * world * 2);
     let mut a = ll_dispatch_args();
-    a.num_tokens = n as i32;
+    a.num_tokens = bound as i32;
+    if mode.count_in_memory {
+        a.device_num_tokens = &tokens_in_memory;
+    }
     a.out_dtype = mode.out_dtype;
     a.x = x.as_ptr() as *const _;
     a.topk_idx = idx.as_ptr();
@@ -801,10 +794,22 @@ fn check_ll(shape: &Shape, mode: LlMode, tokens: &[usize], seed: u64, rank: usiz
         .collect();
     let combine_w: Vec<f32> = w.iter().map(|v| v * 0.75).collect();
     let given = mode.combine_weights.then_some(&combine_w[..]);
-    let want = ll_combine(topo, m, rank, n, idx, given, &experts);
-    let mut out = poisoned::<bf16>(n * hidden);
+    let k = n * shape.topk;
+    let want = ll_combine(
+        topo,
+        m,
+        rank,
+        n,
+        &idx[..k],
+        given.map(|g| &g[..k]),
+        &experts,
+    );
+    let mut out = poisoned::<bf16>(bound * hidden);
     let mut c = ll_combine_args();
-    c.num_tokens = n as i32;
+    c.num_tokens = bound as i32;
+    if mode.count_in_memory {
+        c.device_num_tokens = &tokens_in_memory;
+    }
     c.topk_idx = idx.as_ptr();
     c.topk_weights = given.map_or(null(), |g| g.as_ptr());
     c.src_info = src.as_ptr();
@@ -830,8 +835,14 @@ fn check_ll(shape: &Shape, mode: LlMode, tokens: &[usize], seed: u64, rank: usiz
         assert_eq!(status, EP_SUCCESS, "{what}: ll_combine: {}", last_error());
     }
     assert!(
-        bf16_to_bytes(&out) == bf16_to_bytes(&want),
+        bf16_to_bytes(&out[..n * hidden]) == bf16_to_bytes(&want),
         "{what}: ll_combine output"
+    );
+    assert!(
+        bf16_to_bytes(&out[n * hidden..])
+            .iter()
+            .all(|&b| b == POISON),
+        "{what}: ll_combine wrote past the token count"
     );
 }
 
@@ -888,6 +899,7 @@ fn low_latency_matches_reference() {
                     combine_weights: !dispatch_weights || rng.chance(0.5),
                     zero_copy: i % 3 == 2,
                     split: i % 2 == 1 || i == 4,
+                    count_in_memory: i % 3 == 0,
                 };
                 let tokens = (0..shape.world)
                     .map(|_| [0usize, 1, 17, LL_MAX][rng.below(4)])
@@ -921,6 +933,7 @@ fn low_latency_and_normal_mode_interleave() {
                 combine_weights: i == 2,
                 zero_copy: i == 0,
                 split: i != 2,
+                count_in_memory: i == 1,
             };
             check_ll(&shape, mode, &[17, 3], 100 + i, rank, ctx);
             let run = Run {
@@ -932,6 +945,81 @@ fn low_latency_and_normal_mode_interleave() {
                 seed: 200 + i,
             };
             check_normal(&shape, &run, rank, ctx);
+        }
+    });
+}
+
+#[test]
+fn low_latency_count_in_memory_out_of_range_is_an_error_and_sends_nothing() {
+    let shape = Shape {
+        world: 2,
+        hidden: 128,
+        topk: 4,
+        experts: 8,
+    };
+    let (hidden, m, local) = (shape.hidden, LL_MAX, 4);
+    let cfg = shape.config(EP_DTYPE_BF16, m);
+    run_world(2, &cfg, |rank, ctx| {
+        let n = 4;
+        let (x, idx, w) = ll_inputs(&shape, 5, &[n, n], rank);
+        // Rank 0 passes counts above its bound (dispatch) and below zero
+        // (combine); rank 1 passes its count.
+        let (dispatch_count, combine_count) = if rank == 0 { (5, -1) } else { (4, 4) };
+        let mut recv_x = poisoned::<u8>(local * 2 * m * hidden);
+        let mut recv_scales = poisoned::<f32>(local * 2 * m * hidden / 128);
+        let mut count = poisoned::<i32>(local);
+        let mut src = poisoned::<i32>(local * 2 * m);
+        let mut range = poisoned::<i32>(local * 2 * 2);
+        let mut a = ll_dispatch_args();
+        a.num_tokens = n as i32;
+        a.device_num_tokens = &dispatch_count;
+        a.x = x.as_ptr() as *const _;
+        a.topk_idx = idx.as_ptr();
+        a.topk_weights = w.as_ptr();
+        a.recv_x = recv_x.as_mut_ptr() as *mut _;
+        a.recv_x_scales = recv_scales.as_mut_ptr();
+        a.recv_count = count.as_mut_ptr();
+        a.recv_src_info = src.as_mut_ptr();
+        a.recv_layout_range = range.as_mut_ptr();
+        // Rank 0's calls fail with a message naming its count; the others'
+        // succeed.
+        let expect = |status: ep_status_t, count: i32| {
+            if rank == 0 {
+                assert_eq!(status, EP_ERR_INVALID_ARGUMENT);
+                let msg = last_error();
+                assert!(
+                    msg.contains(&format!("device_num_tokens = {count}")),
+                    "{msg}"
+                );
+            } else {
+                assert_eq!(status, EP_SUCCESS, "{}", last_error());
+            }
+        };
+        expect(
+            unsafe { ep_ll_dispatch(ctx.0, &a, null_mut()) },
+            dispatch_count,
+        );
+        // Every rank received no rows from rank 0.
+        for le in 0..local {
+            assert_eq!(range[le * 4 + 1], 0, "rank {rank}: rows from rank 0");
+        }
+
+        let y = vec![bf16::from_f32(1.0); local * 2 * m * hidden];
+        let mut out = poisoned::<bf16>(n * hidden);
+        let mut c = ll_combine_args();
+        c.num_tokens = n as i32;
+        c.device_num_tokens = &combine_count;
+        c.x = y.as_ptr() as *const _;
+        c.topk_idx = idx.as_ptr();
+        c.src_info = src.as_ptr();
+        c.layout_range = range.as_ptr();
+        c.out = out.as_mut_ptr() as *mut _;
+        expect(
+            unsafe { ep_ll_combine(ctx.0, &c, null_mut()) },
+            combine_count,
+        );
+        if rank == 0 {
+            assert!(is_poisoned(&out), "rank 0 wrote output rows");
         }
     });
 }

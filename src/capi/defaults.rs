@@ -108,6 +108,7 @@ impl Versioned for ep_ll_dispatch_args_t {
             recv_count: null_mut(),
             recv_src_info: null_mut(),
             recv_layout_range: null_mut(),
+            device_num_tokens: null(),
         }
     }
 }
@@ -130,6 +131,7 @@ impl Versioned for ep_ll_combine_args_t {
             src_info: null(),
             layout_range: null(),
             out: null_mut(),
+            device_num_tokens: null(),
         }
     }
 }

@@ -291,6 +291,7 @@ pub unsafe extern "C" fn ep_ll_dispatch(
             recv_count: a.recv_count,
             recv_src_info: a.recv_src_info,
             recv_layout_range: a.recv_layout_range,
+            device_num_tokens: a.device_num_tokens,
         };
         context.ll_dispatch(&op, stream as *mut c_void)
     })
@@ -321,6 +322,7 @@ pub unsafe extern "C" fn ep_ll_combine(
             src_info: a.src_info,
             layout_range: a.layout_range,
             out: a.out as *mut u8,
+            device_num_tokens: a.device_num_tokens,
         };
         context.ll_combine(&op, stream as *mut c_void)
     })

@@ -321,7 +321,8 @@ pub struct ep_ll_dispatch_args_t {
     pub version: u32,
     /// `EP_LL_SEND_ONLY`, `EP_LL_RECV_ONLY`, `EP_LL_UE8M0_SCALES`.
     pub flags: u32,
-    /// Tokens of this rank, 0 to `ll_max_tokens_per_rank`.
+    /// Tokens of this rank, 0 to `ll_max_tokens_per_rank` (the bound of
+    /// `device_num_tokens` when that is given).
     pub num_tokens: i32,
     /// Output type: `EP_DTYPE_FP8_E4M3` (quantized online) or `EP_DTYPE_BF16`.
     pub out_dtype: i32,
@@ -342,6 +343,15 @@ pub struct ep_ll_dispatch_args_t {
     pub recv_src_info: *mut i32,
     /// `[local_experts, W, 2]` (first row, row count) of each source rank.
     pub recv_layout_range: *mut i32,
+    /// Device scalar, or NULL. When given, the call reads its token count
+    /// from it when it runs on the stream, and `num_tokens` is only the
+    /// bound (the caller's arrays have room for `num_tokens` tokens): a CUDA
+    /// graph captured once then replays with a different count each time. A
+    /// count outside `[0, num_tokens]` is `EP_ERR_INVALID_ARGUMENT`
+    /// (reported by `ep_ctx_get_async_error` on the GPU backend): the call
+    /// then sends no tokens, and the peers' matching calls may end in
+    /// `EP_ERR_TIMEOUT`, as after any failed call.
+    pub device_num_tokens: *const i32,
 }
 
 /// Bytes of the oldest accepted `ep_ll_dispatch_args_t` (all fields).
@@ -358,7 +368,8 @@ pub struct ep_ll_combine_args_t {
     pub version: u32,
     /// `EP_LL_SEND_ONLY`, `EP_LL_RECV_ONLY`, `EP_LL_ZERO_COPY`.
     pub flags: u32,
-    /// Tokens of this rank in the matching dispatch.
+    /// Tokens of this rank in the matching dispatch (its bound when
+    /// `device_num_tokens` is given).
     pub num_tokens: i32,
     /// `[local_experts, W * M, hidden]` BF16 expert outputs in the masked
     /// layout of the matching dispatch.
@@ -373,6 +384,11 @@ pub struct ep_ll_combine_args_t {
     pub layout_range: *const i32,
     /// `[num_tokens, hidden]` BF16 output.
     pub out: *mut c_void,
+    /// Device scalar, or NULL: the token count read when the call runs, as
+    /// in `ep_ll_dispatch_args_t` (give the matching dispatch's). A count
+    /// outside `[0, num_tokens]` is `EP_ERR_INVALID_ARGUMENT`, and the call
+    /// then writes no tokens.
+    pub device_num_tokens: *const i32,
 }
 
 /// Bytes of the oldest accepted `ep_ll_combine_args_t` (all fields).

@@ -685,7 +685,8 @@ pub struct DeviceStatus {
     /// Which kernel recorded it: one of the `PHASE_*` values.
     pub phase: i32,
     /// Timeout or abort: the last value the wait saw. Invalid expert: the
-    /// flat index `token * topk + slot`. Invalid argument: 0.
+    /// flat index `token * topk + slot`. Invalid argument: the low-latency
+    /// kernels' device token count, else 0 or the bad value.
     pub detail: i32,
 }
 
@@ -739,6 +740,17 @@ impl DeviceStatus {
                     self.detail
                 ),
             ),
+            Self::INVALID_ARGUMENT
+                if matches!(self.phase, Self::PHASE_LL_DISPATCH | Self::PHASE_LL_COMBINE) =>
+            {
+                (
+                    ErrorKind::InvalidArgument,
+                    format!(
+                        "*device_num_tokens = {} is outside [0, num_tokens]; the call ran with no tokens",
+                        self.detail
+                    ),
+                )
+            }
             Self::INVALID_ARGUMENT => (
                 ErrorKind::InvalidArgument,
                 "launched with invalid arguments".to_string(),

@@ -23,6 +23,17 @@ fn check_max(name: &str, value: usize, max: usize) -> Result<()> {
     Ok(())
 }
 
+/// A low-latency call's optional device token count must be an aligned
+/// `int32_t`.
+fn check_device_count(ptr: *const i32) -> Result<()> {
+    if !ptr.is_aligned() {
+        return Err(Error::invalid(format!(
+            "device_num_tokens = {ptr:p} is not 4-byte aligned"
+        )));
+    }
+    Ok(())
+}
+
 /// `ep_get_dispatch_layout`.
 #[derive(Debug, Clone, Copy)]
 pub struct LayoutOp {
@@ -200,6 +211,9 @@ pub struct LlDispatchOp {
     pub recv_count: *mut i32,
     pub recv_src_info: *mut i32,
     pub recv_layout_range: *mut i32,
+    /// The caller's token count in device memory, or NULL: read when the
+    /// call runs, `num_tokens` being its bound.
+    pub device_num_tokens: *const i32,
 }
 
 fn check_ll_enabled(cfg: &Config) -> Result<()> {
@@ -215,6 +229,7 @@ impl LlDispatchOp {
     pub fn validate(&self, cfg: &Config) -> Result<()> {
         check_ll_enabled(cfg)?;
         check_max("num_tokens", self.num_tokens, cfg.ll_max_tokens)?;
+        check_device_count(self.device_num_tokens)?;
         if self.ue8m0 && self.out_dtype != Dtype::Fp8E4m3 {
             return Err(Error::invalid("EP_LL_UE8M0_SCALES needs out_dtype FP8"));
         }
@@ -247,12 +262,16 @@ pub struct LlCombineOp {
     pub src_info: *const i32,
     pub layout_range: *const i32,
     pub out: *mut u8,
+    /// The caller's token count in device memory, or NULL: read when the
+    /// call runs, `num_tokens` being its bound.
+    pub device_num_tokens: *const i32,
 }
 
 impl LlCombineOp {
     pub fn validate(&self, cfg: &Config) -> Result<()> {
         check_ll_enabled(cfg)?;
         check_max("num_tokens", self.num_tokens, cfg.ll_max_tokens)?;
+        check_device_count(self.device_num_tokens)?;
         if self.phases.send {
             if !self.zero_copy {
                 require(self.x, "x")?;

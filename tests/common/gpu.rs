@@ -1,9 +1,9 @@
 //! Helpers of the GPU tests (`tests/gpu_*.rs`, run with `--ignored` on a
 //! machine with CUDA GPUs): device memory that is poisoned when allocated and
-//! freed on drop, GPU configs, and a runner that starts one rank per GPU as
-//! threads of this process.
+//! freed on drop, GPU configs, and runners that start one rank per GPU as
+//! threads of this process or as processes.
 
-use super::{last_error, run_ranks, Ctx, POISON};
+use super::{last_error, run_ranks, run_ranks_in_processes, Ctx, POISON};
 use cudarc::driver::sys;
 use ep::capi::*;
 use std::ptr::null_mut;
@@ -156,26 +156,59 @@ pub fn gpu_config(
     cfg
 }
 
+/// Makes rank `rank`'s context of a `world`-rank group on GPU `rank`, and
+/// checks that creating it left the thread's current CUDA context alone.
+fn join_on_gpu(world: usize, cfg: &ep_config_t, rank: usize, id: ep_unique_id_t) -> Ctx {
+    use_device(rank);
+    let mut before = null_mut();
+    let mut after = null_mut();
+    // SAFETY: plain driver calls.
+    cu(unsafe { sys::cuCtxGetCurrent(&mut before) }, "current");
+    let ctx = Ctx::create_on(world as i32, id, rank as i32, rank as i32, cfg);
+    cu(unsafe { sys::cuCtxGetCurrent(&mut after) }, "current");
+    assert_eq!(before, after, "ep_ctx_create changed the current context");
+    ctx
+}
+
 /// Runs `body(rank, ctx)` on `world` threads, rank r on GPU r with its own
-/// context, and returns the results in rank order. Checks that creating the
-/// context left the thread's current CUDA context alone.
+/// context, and returns the results in rank order.
 pub fn run_gpu_world<T: Send>(
     world: usize,
     cfg: &ep_config_t,
     body: impl Fn(usize, &Ctx) -> T + Sync,
 ) -> Vec<T> {
-    let join = |rank: usize, id| {
-        use_device(rank);
-        let mut before = null_mut();
-        let mut after = null_mut();
-        // SAFETY: plain driver calls.
-        cu(unsafe { sys::cuCtxGetCurrent(&mut before) }, "current");
-        let ctx = Ctx::create_on(world as i32, id, rank as i32, rank as i32, cfg);
-        cu(unsafe { sys::cuCtxGetCurrent(&mut after) }, "current");
-        assert_eq!(before, after, "ep_ctx_create changed the current context");
-        ctx
-    };
-    run_ranks(world, join, body)
+    run_ranks(world, |rank, id| join_on_gpu(world, cfg, rank, id), body)
+}
+
+/// How the ranks of a GPU test run: threads of this process, or processes
+/// running the test named `test` (see [`run_ranks_in_processes`]).
+#[derive(Clone, Copy, Debug)]
+pub enum Ranks {
+    Threads,
+    Processes { test: &'static str },
+}
+
+/// Runs `body(rank, ctx)` on `world` ranks, rank r on GPU r with its own
+/// context, as `ranks` says; `call` names this call among the test's calls.
+pub fn run_gpu_ranks(
+    ranks: Ranks,
+    call: &str,
+    world: usize,
+    cfg: &ep_config_t,
+    body: impl Fn(usize, &Ctx) + Sync,
+) {
+    match ranks {
+        Ranks::Threads => {
+            run_gpu_world(world, cfg, body);
+        }
+        Ranks::Processes { test } => run_ranks_in_processes(
+            test,
+            call,
+            world,
+            |rank, id| join_on_gpu(world, cfg, rank, id),
+            body,
+        ),
+    }
 }
 
 /// The context's async error status.

@@ -274,6 +274,83 @@ pub fn run_ranks<T: Send>(
     })
 }
 
+/// Environment of a rank process started by [`run_ranks_in_processes`]:
+/// which call of the test it belongs to, its rank, and the unique id (hex).
+const CALL_ENV: &str = "EP_TEST_RANK_CALL";
+const RANK_ENV: &str = "EP_TEST_RANK";
+const ID_ENV: &str = "EP_TEST_UNIQUE_ID";
+
+/// Runs `body(rank, ctx)` for every rank of a `world`-rank group, each rank
+/// in its own process, its context made with `join(rank, id)`.
+///
+/// The processes are this test binary started again, one per rank, running
+/// only the test named `test`, which must reach this call again with the
+/// same `call` (a name for this call among the test's calls of this
+/// function). There, the call runs the rank's body and returns, and the
+/// test's other calls return at once. The starting process holds the unique
+/// id's rendezvous, waits for every rank, and fails unless each ran the test
+/// and passed.
+pub fn run_ranks_in_processes(
+    test: &str,
+    call: &str,
+    world: usize,
+    join: impl Fn(usize, ep_unique_id_t) -> Ctx,
+    body: impl Fn(usize, &Ctx),
+) {
+    if let Ok(this_call) = std::env::var(CALL_ENV) {
+        if this_call == call {
+            let rank: usize = std::env::var(RANK_ENV).unwrap().parse().unwrap();
+            let hex = std::env::var(ID_ENV).unwrap();
+            let mut id = ep_unique_id_t {
+                internal: [0; EP_UNIQUE_ID_BYTES],
+            };
+            for (i, byte) in id.internal.iter_mut().enumerate() {
+                *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+            }
+            body(rank, &join(rank, id));
+        }
+        return;
+    }
+    let id = unique_id();
+    let hex: String = id.internal.iter().map(|b| format!("{b:02x}")).collect();
+    let exe = std::env::current_exe().unwrap();
+    let failed: Vec<String> = std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..world)
+            .map(|rank| {
+                let child = std::process::Command::new(&exe)
+                    .args([test, "--exact", "--include-ignored", "--test-threads=1"])
+                    .env(CALL_ENV, call)
+                    .env(RANK_ENV, rank.to_string())
+                    .env(ID_ENV, &hex)
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap_or_else(|e| panic!("{call}: starting rank {rank}: {e}"));
+                // One thread per rank drains its pipes: a rank blocked on a
+                // full pipe would stall the others' collective calls.
+                s.spawn(move || child.wait_with_output().unwrap())
+            })
+            .collect();
+        ranks
+            .into_iter()
+            .enumerate()
+            .filter_map(|(rank, t)| {
+                let out = t.join().unwrap();
+                let stdout = String::from_utf8_lossy(&out.stdout);
+                let ran = stdout.contains("test result: ok. 1 passed");
+                (!out.status.success() || !ran).then(|| {
+                    format!(
+                        "rank {rank} ({}):\n{stdout}{}",
+                        out.status,
+                        String::from_utf8_lossy(&out.stderr)
+                    )
+                })
+            })
+            .collect()
+    });
+    assert!(failed.is_empty(), "{call}: {}", failed.join("\n"));
+}
+
 pub fn dispatch_args() -> ep_dispatch_args_t {
     let mut a = std::mem::MaybeUninit::uninit();
     // SAFETY: the init function fills the whole struct.

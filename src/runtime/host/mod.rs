@@ -466,9 +466,12 @@ impl Backend for HostBackend {
         let topo = self.cfg.topo;
         let (m, hidden, topk) = (self.cfg.ll_max_tokens, topo.hidden, topo.topk);
         let a = (self.areas.ll_x, self.areas.ll_topk, self.areas.ll_weights);
+        let mut count_check = Ok(());
         if op.phases.send {
             self.expect_pending(None)?;
-            let n = op.num_tokens;
+            // SAFETY: the context checked the pointer's alignment; it is NULL
+            // or the caller's count.
+            let n = unsafe { ll_tokens(op.num_tokens, op.device_num_tokens, &mut count_check) };
             // SAFETY: the context checked the pointers for `n` tokens.
             let (x, topk_idx, weights) = unsafe {
                 (
@@ -518,7 +521,7 @@ impl Backend for HostBackend {
             }
             self.ll_recv_weights = d.recv_weights;
         }
-        Ok(())
+        count_check
     }
 
     fn ll_combine(&mut self, op: &LlCombineOp, _stream: Stream) -> Result<()> {
@@ -550,9 +553,11 @@ impl Backend for HostBackend {
             self.barrier()?;
             self.pending = Some(Pending::LlCombineRecv);
         }
+        let mut count_check = Ok(());
         if op.phases.recv {
             self.expect_pending(Some(Pending::LlCombineRecv))?;
-            let n = op.num_tokens;
+            // SAFETY: as in `ll_dispatch`.
+            let n = unsafe { ll_tokens(op.num_tokens, op.device_num_tokens, &mut count_check) };
             let experts: Vec<LlExpertOutputs> = (0..topo.world)
                 .map(|r| LlExpertOutputs {
                     y: self.view(r, y_at, slots * hidden),
@@ -584,7 +589,7 @@ impl Backend for HostBackend {
             // SAFETY: `out` has room for `n` tokens (checked by the context).
             unsafe { give(op.out as *mut bf16, &out) };
         }
-        Ok(())
+        count_check
     }
 
     fn ll_combine_buffer(&mut self) -> Result<(*mut u8, usize)> {
@@ -592,6 +597,29 @@ impl Backend for HostBackend {
         // SAFETY: the area lies inside the region (see `Areas::new`).
         let ptr = unsafe { region.base().add(self.areas.ll_combine_y) };
         Ok((ptr, self.areas.ll_combine_y_bytes))
+    }
+}
+
+/// The tokens of a low-latency call: `*device_num_tokens` when given, else
+/// `bound`. As on the GPU, a count outside `[0, bound]` lets the call go on
+/// with no tokens and leaves the error in `check`, to be returned when the
+/// call ends.
+///
+/// # Safety
+/// `device_num_tokens` is NULL or points to an `i32`.
+unsafe fn ll_tokens(bound: usize, device_num_tokens: *const i32, check: &mut Result<()>) -> usize {
+    if device_num_tokens.is_null() {
+        return bound;
+    }
+    let n = *device_num_tokens;
+    match usize::try_from(n) {
+        Ok(n) if n <= bound => n,
+        _ => {
+            *check = Err(Error::invalid(format!(
+                "*device_num_tokens = {n} is outside [0, num_tokens = {bound}]; the call ran with no tokens"
+            )));
+            0
+        }
     }
 }
 
