@@ -546,6 +546,15 @@ ep_status_t ep_combine(struct ep_ctx_t *ctx,
 // The context's calls must run on the GPU in the order they are made (one
 // stream, or streams ordered by events): a call acknowledges to the peers
 // that the previous one has finished reading their data.
+//
+// Calls in flight: dispatch and combine each alternate between two buffer
+// sets of the context. Any number of calls may be enqueued. A rank's call
+// `n` writes into a peer's set only after that peer has finished receiving
+// call `n - 2` (the last user of the set), so a rank runs at most one call
+// ahead of its slowest peer and otherwise waits on the GPU. A peer that
+// stays behind (or never calls) for longer than `timeout_ms` ends the wait
+// in `EP_ERR_TIMEOUT` (`ep_ctx_get_async_error`); a call never reads the
+// data of another call.
 ep_status_t ep_ll_dispatch(struct ep_ctx_t *ctx,
                            const struct ep_ll_dispatch_args_t *args,
                            ep_stream_t stream);

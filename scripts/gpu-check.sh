@@ -55,7 +55,7 @@ R=$NGPU
 # 1. Correctness: every GPU test binary, one test at a time.
 for t in "$G"/tests/gpu_*; do
   [ -x "$t" ] || continue
-  step "test $(basename "$t")" 30 240 "$t" --ignored --test-threads=1
+  step "test $(basename "$t")" 30 300 "$t" --ignored --test-threads=1
 done
 
 # 2. The C demo over the GPU backend (ranks as processes), all GPUs then 2.

@@ -536,6 +536,52 @@ fn rounds_alternate_buffer_sets_with_changing_counts() {
     );
 }
 
+/// Rank 0 enqueues several rounds before the others start: its calls wait
+/// on the GPU for the peers (a rank runs at most one call ahead), and every
+/// round's results are right.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn a_rank_far_ahead_waits_and_every_call_is_right() {
+    let world = world();
+    let case = Case {
+        weights_at_dispatch: true,
+        ..Case::new(world, 1024, 8, 64, 64)
+    };
+    let rounds = 6;
+    let counts = |round: u64| -> Vec<usize> {
+        (0..world)
+            .map(|r| [64, 0, 17, 1, 50, 64][(round as usize + r) % 6])
+            .collect()
+    };
+    let all: Vec<Vec<Input>> = (0..rounds)
+        .map(|round| inputs(&case, round, &counts(round)))
+        .collect();
+    run_gpu_world(world, &case.config(20_000), |rank, ctx| {
+        let bufs: Vec<Bufs> = all
+            .iter()
+            .map(|inputs| Bufs::new(&case, &inputs[rank]))
+            .collect();
+        if rank != 0 {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        // Every round on one stream, without waiting in between.
+        for (inputs, b) in all.iter().zip(&bufs) {
+            run_ops(ctx, &case, b, inputs[rank].n, null_mut());
+        }
+        sync();
+        assert_eq!(async_status(ctx), EP_SUCCESS, "rank {rank}");
+        for (round, (inputs, b)) in all.iter().zip(&bufs).enumerate() {
+            check(
+                &case,
+                rank,
+                inputs,
+                b,
+                &format!("round {round} rank {rank}"),
+            );
+        }
+    });
+}
+
 /// One graph, captured once, replayed 1000 times with new routing, inputs and
 /// token counts (0 and the maximum included): the count is read from device
 /// memory when each replay runs.

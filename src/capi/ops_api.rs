@@ -265,6 +265,15 @@ fn check_ll_flags(flags: u32, allowed: u32) -> Result<Phases> {
 /// The context's calls must run on the GPU in the order they are made (one
 /// stream, or streams ordered by events): a call acknowledges to the peers
 /// that the previous one has finished reading their data.
+///
+/// Calls in flight: dispatch and combine each alternate between two buffer
+/// sets of the context. Any number of calls may be enqueued. A rank's call
+/// `n` writes into a peer's set only after that peer has finished receiving
+/// call `n - 2` (the last user of the set), so a rank runs at most one call
+/// ahead of its slowest peer and otherwise waits on the GPU. A peer that
+/// stays behind (or never calls) for longer than `timeout_ms` ends the wait
+/// in `EP_ERR_TIMEOUT` (`ep_ctx_get_async_error`); a call never reads the
+/// data of another call.
 #[no_mangle]
 pub unsafe extern "C" fn ep_ll_dispatch(
     ctx: *mut ep_ctx_t,
