@@ -428,6 +428,8 @@ fn dispatch_and_combine_match_the_reference() {
             (128, 8, 256, 128),
             (7168, 8, 8, 128),
             (128, 16, 64, 256),
+            (4096, 4, 64, 64),
+            (16384, 8, 16, 32),
         ] {
             let topk = topk.min(experts - experts % world);
             let case = Case::new(world, hidden, topk, experts, m);
