@@ -515,6 +515,11 @@ __device__ bool dispatch_send(const LlParams& p, int seq, uint64_t deadline) {
         // expert = the earlier (token, slot) entries with the same expert
         // (a token lists an expert at most once).
         if (warp < K) {
+            // The caller's weight is loaded first: its latency overlaps the
+            // count below.
+            const float weight = lane == 0 && p.topk_weights != nullptr
+                                     ? p.topk_weights[static_cast<int64_t>(t) * K + warp]
+                                     : 0.0f;
             const int expert = s_experts[t * K + warp];
             int earlier = 0;
             if (expert >= 0) {
@@ -526,9 +531,7 @@ __device__ bool dispatch_send(const LlParams& p, int seq, uint64_t deadline) {
             if (lane == 0) {
                 s_expert[warp] = expert;
                 s_route[warp] = expert >= 0 ? expert % L | earlier << 16 : -1;
-                s_weight[warp] = p.topk_weights != nullptr
-                                     ? p.topk_weights[static_cast<int64_t>(t) * K + warp]
-                                     : 0.0f;
+                s_weight[warp] = weight;
             }
         }
         if (tid < p.world) {
@@ -655,6 +658,22 @@ __device__ void dispatch_receive(const LlParams& p, int seq, uint64_t deadline) 
             return;
         }
         const uint8_t* msg = dispatch_msg(p, p.rank, set, s, t);
+        // The chunk, and with the first chunk the FP8 scales, are loaded
+        // before the header is read: neither load needs the other, so their
+        // latencies overlap. (For a token with no expert here the slot's data
+        // is stale and goes unused.)
+        const uint8_t* data = msg + EP_LL_HEADER_BYTES;
+        int4 v[EP_LL_LANE_VECS];
+        load_chunk(v, data, c * EP_LL_CHUNK_VECS, data_vecs);
+        const bool with_scales = p.fp8 && c == 0;
+        float scale[EP_LL_SCALES_PER_LANE];
+#pragma unroll
+        for (int u = 0; u < EP_LL_SCALES_PER_LANE; ++u) {
+            const int col = lane + 32 * u;
+            scale[u] = with_scales && col < scale_cols
+                           ? reinterpret_cast<const float*>(data + p.hidden)[col]
+                           : 0.0f;
+        }
         int row = -1;
         if (lane < K) {
             const int route = reinterpret_cast<const int*>(msg)[lane];
@@ -675,22 +694,6 @@ __device__ void dispatch_receive(const LlParams& p, int seq, uint64_t deadline) 
             }
         }
         const unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
-        if (rows_mask == 0) {
-            continue;
-        }
-        // The chunk, and with the first chunk the FP8 scales, to each row.
-        const uint8_t* data = msg + EP_LL_HEADER_BYTES;
-        int4 v[EP_LL_LANE_VECS];
-        load_chunk(v, data, c * EP_LL_CHUNK_VECS, data_vecs);
-        const bool with_scales = p.fp8 && c == 0;
-        float scale[EP_LL_SCALES_PER_LANE];
-#pragma unroll
-        for (int u = 0; u < EP_LL_SCALES_PER_LANE; ++u) {
-            const int col = lane + 32 * u;
-            scale[u] = with_scales && col < scale_cols
-                           ? reinterpret_cast<const float*>(data + p.hidden)[col]
-                           : 0.0f;
-        }
         for (unsigned m = rows_mask; m != 0; m &= m - 1) {
             const int r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
             store_chunk(p.recv_x + static_cast<int64_t>(r) * row_bytes, v, c * EP_LL_CHUNK_VECS,
@@ -885,6 +888,10 @@ __device__ void combine_receive(const LlParams& p, int seq, uint64_t deadline) {
             terms = static_cast<uint64_t>(hi) << 32 | lo;
         }
         const auto return_row = [&](int i) { return p.weighted ? i : K + i; };
+        // The caller's weight, loaded before the waits so that its latency
+        // hides behind them.
+        const float w = p.weighted && expert >= 0 ? p.topk_weights[static_cast<int64_t>(t) * K + lane]
+                                                  : 0.0f;
         // Lane i waits for term i (and i + 32 for ranks past 31); a slot's
         // term is its own lane's.
         bool arrived = true;
@@ -902,8 +909,6 @@ __device__ void combine_receive(const LlParams& p, int seq, uint64_t deadline) {
         if (!__all_sync(0xffffffffu, arrived)) {
             return;
         }
-        const float w = p.weighted && expert >= 0 ? p.topk_weights[static_cast<int64_t>(t) * K + lane]
-                                                  : 0.0f;
         float acc[EP_LL_LANE_VECS][8];
         const int first_vec = c * EP_LL_CHUNK_VECS;
         sum_chunk(
