@@ -292,29 +292,36 @@ fn check_shape(ranks: Ranks, world: usize, hidden: usize, topk: usize, experts: 
         hidden,
     };
     let cfg = gpu_config(hidden as i32, topk as i32, experts as i32, 4096, 0, 20_000);
-    let mut rounds = Vec::new();
-    let mut rng = Rng::new(seed);
-    for (case, counts) in [
-        vec![0; world],
-        (0..world).map(|r| (r == world - 1) as usize).collect(),
-        (0..world).map(|r| 17 - r).collect(),
-        (0..world).map(|r| 4096 - 100 * r).collect::<Vec<_>>(),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        for dtype in [Dtype::Bf16, Dtype::Fp8E4m3] {
-            let skewed = case % 2 == 1 || dtype == Dtype::Fp8E4m3;
-            let inputs: Vec<Input> = counts
-                .iter()
-                .map(|&n| Input::random(&mut rng, &topo, dtype, n, skewed))
-                .collect();
-            let alignment = [1, 4, 128][rounds.len() % 3];
-            rounds.push((dtype, inputs, alignment));
+    // Every rank's inputs of every round, made once, by the first rank that
+    // needs them (a rank process of another call never does).
+    let rounds = std::sync::OnceLock::new();
+    let make_rounds = || {
+        let mut rounds = Vec::new();
+        let mut rng = Rng::new(seed);
+        for (case, counts) in [
+            vec![0; world],
+            (0..world).map(|r| (r == world - 1) as usize).collect(),
+            (0..world).map(|r| 17 - r).collect(),
+            (0..world).map(|r| 4096 - 100 * r).collect::<Vec<_>>(),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            for dtype in [Dtype::Bf16, Dtype::Fp8E4m3] {
+                let skewed = case % 2 == 1 || dtype == Dtype::Fp8E4m3;
+                let inputs: Vec<Input> = counts
+                    .iter()
+                    .map(|&n| Input::random(&mut rng, &topo, dtype, n, skewed))
+                    .collect();
+                let alignment = [1, 4, 128][rounds.len() % 3];
+                rounds.push((dtype, inputs, alignment));
+            }
         }
-    }
+        rounds
+    };
     let shape = format!("world {world} hidden {hidden} topk {topk} experts {experts}");
     run_gpu_ranks(ranks, &shape, world, &cfg, |rank, ctx| {
+        let rounds = rounds.get_or_init(make_rounds);
         let handle = ctx.handle();
         let mut exact = true;
         for (round, (dtype, inputs, alignment)) in rounds.iter().enumerate() {
