@@ -219,7 +219,7 @@ __device__ __forceinline__ int local_experts(const LlParams& p) {
 // The tokens of this call: the caller's device scalar when given (read when
 // the launch runs, so replays of a captured graph may change it; the launch's
 // num_tokens is then its bound), else the launch's num_tokens. An
-// out-of-range count is recorded as EP_STATUS_INVALID_ARGUMENT and the call
+// out-of-range count is recorded as EP_STATUS_INVALID_TOKEN_COUNT and the call
 // goes on with no tokens (its waits then give up as after any error, so the
 // peers may time out).
 __device__ int call_tokens(const LlParams& p, int phase) {
@@ -231,7 +231,7 @@ __device__ int call_tokens(const LlParams& p, int phase) {
         return n;
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-        ep_record_error(p.status, EP_STATUS_INVALID_ARGUMENT, -1, phase, n);
+        ep_record_error(p.status, EP_STATUS_INVALID_TOKEN_COUNT, -1, phase, n);
     }
     return 0;
 }

@@ -31,6 +31,8 @@
 #define EP_STATUS_INVALID_EXPERT 3
 // A kernel was launched with arguments it cannot work with (see each kernel).
 #define EP_STATUS_INVALID_ARGUMENT 4
+// A low-latency kernel read a device token count outside [0, num_tokens].
+#define EP_STATUS_INVALID_TOKEN_COUNT 5
 
 // Values of EpDeviceStatus::phase: which kernel recorded the error.
 // Mirrored in src/runtime/cuda.rs.
@@ -54,7 +56,8 @@ struct EpDeviceStatus {
     int rank;    // the rank a failed wait was waiting for; -1 if none
     int phase;   // EP_PHASE_*
     int detail;  // timeout/abort: the last value seen; invalid expert: the
-                 // flat index token * topk + slot; invalid argument: 0
+                 // flat index token * topk + slot; invalid token count:
+                 // the count; invalid argument: 0 or the bad value
 };
 
 // ---------------------------------------------------------------------------

@@ -685,8 +685,8 @@ pub struct DeviceStatus {
     /// Which kernel recorded it: one of the `PHASE_*` values.
     pub phase: i32,
     /// Timeout or abort: the last value the wait saw. Invalid expert: the
-    /// flat index `token * topk + slot`. Invalid argument: the low-latency
-    /// kernels' device token count, else 0 or the bad value.
+    /// flat index `token * topk + slot`. Invalid token count: the count.
+    /// Invalid argument: 0 or the bad value.
     pub detail: i32,
 }
 
@@ -699,6 +699,7 @@ impl DeviceStatus {
     pub const ABORTED: i32 = 2;
     pub const INVALID_EXPERT: i32 = 3;
     pub const INVALID_ARGUMENT: i32 = 4;
+    pub const INVALID_TOKEN_COUNT: i32 = 5;
 
     pub const PHASE_LAYOUT: i32 = 1;
     pub const PHASE_BARRIER: i32 = 2;
@@ -708,7 +709,7 @@ impl DeviceStatus {
     pub const PHASE_LL_COMBINE: i32 = 6;
 
     /// `Ok` for code 0, otherwise the matching error: `Timeout`, `Aborted`,
-    /// `InvalidArgument` (bad expert id or launch argument), or `Internal`
+    /// `InvalidArgument` (bad expert id, token count or launch argument), or `Internal`
     /// for a code this side does not know.
     pub fn to_result(&self) -> Result<()> {
         let phase = match self.phase {
@@ -740,17 +741,13 @@ impl DeviceStatus {
                     self.detail
                 ),
             ),
-            Self::INVALID_ARGUMENT
-                if matches!(self.phase, Self::PHASE_LL_DISPATCH | Self::PHASE_LL_COMBINE) =>
-            {
-                (
-                    ErrorKind::InvalidArgument,
-                    format!(
-                        "*device_num_tokens = {} is outside [0, num_tokens]; the call ran with no tokens",
-                        self.detail
-                    ),
-                )
-            }
+            Self::INVALID_TOKEN_COUNT => (
+                ErrorKind::InvalidArgument,
+                format!(
+                    "*device_num_tokens = {} is outside [0, num_tokens]; the call ran with no tokens",
+                    self.detail
+                ),
+            ),
             Self::INVALID_ARGUMENT => (
                 ErrorKind::InvalidArgument,
                 "launched with invalid arguments".to_string(),
@@ -859,6 +856,10 @@ mod tests {
         );
         assert_eq!(
             kind(DeviceStatus::INVALID_ARGUMENT),
+            ErrorKind::InvalidArgument
+        );
+        assert_eq!(
+            kind(DeviceStatus::INVALID_TOKEN_COUNT),
             ErrorKind::InvalidArgument
         );
         assert_eq!(kind(99), ErrorKind::Internal);
