@@ -112,6 +112,15 @@ struct CUstream_st;
 // Bytes of the oldest accepted `ep_config_t` (through `token_dtype`).
 #define EP_CONFIG_MIN_SIZE 32
 
+// `c` of the tolerance for BF16 GEMMs.
+#define BF16_ERROR (1.0 / 1024.0)
+
+// `c` of the tolerance for FP8 GEMMs.
+#define FP8_ERROR (1.0 / 32.0)
+
+// Largest `n` and `k` of a fused call's GEMM.
+#define MAX_GEMM_DIM 65536
+
 // Opaque communicator: one per rank. Created by `ep_ctx_create`, freed by
 // `ep_ctx_destroy`. Not thread-safe: one thread at a time may call functions
 // on a context, except `ep_ctx_abort` and `ep_ctx_get_async_error`, which any
@@ -342,31 +351,80 @@ typedef struct ep_ll_combine_args_t {
   const int32_t *device_num_tokens;
 } ep_ll_combine_args_t;
 
-// Arguments of the fused megakernels. `ep_mega_dispatch_gemm` dispatches
-// like `ep_dispatch` (expert-major, no host sync) and multiplies each local
-// expert's rows by its weight matrix as they arrive;
-// `ep_mega_gemm_combine` multiplies and combines like `ep_combine` with
-// `EP_COMBINE_EXPERT_MAJOR`.
+// Arguments of the fused megakernels: a grouped GEMM over the local
+// experts fused with the dispatch before it or the combine after it, run as
+// one persistent kernel in which row movement and GEMM tiles share the SMs.
+//
+// The GEMM: for every expert-major row `j` of local expert `e`,
+// `y[j] = x[j] * weights[e]^T`, `weights` being `[local_experts, n, k]`
+// (K-major: each of the `n` output columns is `k` contiguous elements),
+// products accumulated in fp32 and rounded to BF16 once. BF16 runs take BF16
+// rows and weights. FP8 runs take e4m3 rows with one fp32 scale per row and
+// 128 columns of `k` (the dispatch's FP8 scales) and e4m3 weights with one
+// fp32 scale per block of 128 x 128 (`[local_experts, n / 128, k / 128]`,
+// the DeepSeek-V3 layout); each 128-wide block of `k` is summed in fp32 and
+// then added times its row scale and weight-block scale. The tolerance
+// against the reference (`src/reference/mega.rs`): `|y - ref| <= 2^-7 |ref|
+// + c sqrt(sum_k (x_k w_k)^2)` with `c = 2^-10` for BF16 and `2^-5` for FP8,
+// `ref` being the reference's fp32 value.
+//
+// Both calls need `n` and `k` to be multiples of 128, never synchronise
+// with the host (capturable in a CUDA graph), and run on the GPU in the
+// order they are made, like every operation of the context. On the GPU
+// backend they need a Hopper GPU (compute capability 9.0); elsewhere they
+// return `EP_ERR_UNSUPPORTED`. Data pointers must be 16-byte aligned.
 typedef struct ep_mega_args_t {
   uint32_t struct_size;
   // `EP_MEGA_ARGS_MAGIC`.
   uint32_t magic;
   uint32_t version;
+  // No flags are defined yet: 0.
   uint32_t flags;
-  // The dispatch half (`ep_mega_dispatch_gemm`) or the combine half
-  // (`ep_mega_gemm_combine`, which reads `input_layout`, `x` and `out`).
-  struct ep_dispatch_args_t dispatch;
-  struct ep_combine_args_t combine;
-  // `[local_experts, k, n]` BF16 expert weights, row-major.
-  const void *weights;
-  // GEMM output columns.
+  // `ep_mega_dispatch_gemm`: Required. The dispatch, as `ep_dispatch`
+  // runs it, with `EP_DISPATCH_NO_HOST_SYNC` implied (so the capacities
+  // must be the worst case, and the `host_*` outputs are not written);
+  // `EP_DISPATCH_REUSE_LAYOUT` is refused. Its expert-major output is
+  // required (`expert_x` and every `expert_*` pointer; the GEMM reads its
+  // rows from `expert_x`); its source-order output stays optional.
+  // `ep_mega_gemm_combine`: ignored, may be NULL.
+  const struct ep_dispatch_args_t *dispatch;
+  // `ep_mega_gemm_combine`: Required. Its `input_layout` must be
+  // `EP_COMBINE_EXPERT_MAJOR`; `x` (Required) holds the GEMM's input rows,
+  // `[expert_capacity, k]` of `weight_dtype` in the expert-major order of
+  // the handle's dispatch (`expert_capacity` being that dispatch's; only
+  // its rows of real (token, expert) pairs are read); `out` (Required
+  // unless the dispatch had no tokens) receives the combined tokens, as
+  // `ep_combine` writes them from the rows `y`.
+  // `ep_mega_dispatch_gemm`: ignored, may be NULL.
+  const struct ep_combine_args_t *combine;
+  // `EP_DTYPE_BF16` or `EP_DTYPE_FP8_E4M3`: the type of the weights and of
+  // the GEMM's input rows (for `ep_mega_dispatch_gemm`, the dispatch's
+  // `dtype`).
+  int32_t weight_dtype;
+  // GEMM output columns, a multiple of 128. `ep_mega_gemm_combine`: the
+  // context's `hidden`.
   int32_t n;
-  // GEMM reduction length: `hidden` for dispatch+GEMM, the expert's inner
-  // size for GEMM+combine.
+  // GEMM reduction length, a multiple of 128. `ep_mega_dispatch_gemm`: the
+  // context's `hidden`.
   int32_t k;
-  // `[expert_capacity, n]` BF16 GEMM output (dispatch+GEMM), or the
-  // `[expert rows, k]` BF16 activations (GEMM+combine).
-  void *gemm_io;
+  // Streaming multiprocessors the fused kernel may use; 0 means all of
+  // the device's. The routing kernels before it use the config's
+  // `num_sms`.
+  int32_t num_sms;
+  // Required. `[local_experts, n, k]` expert weights of `weight_dtype`.
+  const void *weights;
+  // FP8: Required, `[local_experts, n / 128, k / 128]` fp32 block scales.
+  // BF16: ignored, may be NULL.
+  const float *weight_scales;
+  // Required. The GEMM's BF16 output, one row of `n` per expert-major row.
+  // `ep_mega_dispatch_gemm`: `[expert_capacity, n]`; padding rows get
+  // zeros. `ep_mega_gemm_combine`: `[expert_capacity, n]`, the expert
+  // outputs before the routing weights, which the combine then reduces;
+  // rows of real pairs are written, padding rows are left as they were.
+  void *y;
+  // `ep_mega_gemm_combine` with FP8: Required, `[expert_capacity, k /
+  // 128]` fp32 scales of `combine->x`. Otherwise ignored, may be NULL.
+  const float *x_scales;
 } ep_mega_args_t;
 
 // The operation succeeded.
@@ -509,7 +567,8 @@ ep_status_t ep_ll_dispatch_args_init(struct ep_ll_dispatch_args_t *args);
 // Fills `*args` with the defaults (both phases) and its header.
 ep_status_t ep_ll_combine_args_init(struct ep_ll_combine_args_t *args);
 
-// Fills `*args` with the defaults and its header.
+// Fills `*args` with the defaults (BF16, no pointers, all SMs) and its
+// header.
 ep_status_t ep_mega_args_init(struct ep_mega_args_t *args);
 
 // Creates a routing handle for `ctx`; free it with `ep_handle_destroy`.
@@ -576,15 +635,22 @@ ep_status_t ep_ll_get_combine_buffer(struct ep_ctx_t *ctx,
                                      void **buffer,
                                      size_t *bytes);
 
-// Fused dispatch + grouped GEMM (see `ep_mega_args_t`). Returns
-// `EP_ERR_UNSUPPORTED` in this release, after checking its arguments.
+// Fused dispatch + grouped GEMM: dispatches like `ep_dispatch` (see
+// `ep_mega_args_t.dispatch`; the layout goes into `handle` for a later
+// combine) and multiplies each expert-major row by its local expert's
+// weights into `y` as soon as the row has arrived (see `ep_mega_args_t`).
+// Every rank of the context must call it.
 ep_status_t ep_mega_dispatch_gemm(struct ep_ctx_t *ctx,
                                   const struct ep_mega_args_t *args,
                                   struct ep_handle_t *handle,
                                   ep_stream_t stream);
 
-// Fused grouped GEMM + combine (see `ep_mega_args_t`). Returns
-// `EP_ERR_UNSUPPORTED` in this release, after checking its arguments.
+// Fused grouped GEMM + combine: multiplies the expert-major rows
+// `combine->x` of the handle's dispatch by their local experts' weights
+// into `y`, and combines `y` like `ep_combine` with
+// `EP_COMBINE_EXPERT_MAJOR` into `combine->out`, each token's rows leaving
+// as soon as the GEMM has made them (see `ep_mega_args_t`). Every rank of
+// the context must call it.
 ep_status_t ep_mega_gemm_combine(struct ep_ctx_t *ctx,
                                  const struct ep_mega_args_t *args,
                                  const struct ep_handle_t *handle,

@@ -372,8 +372,11 @@ fn null_pointers_of_context_functions() {
             last_error()
         );
 
-        // Megakernels check pointers before reporting that they are unsupported.
-        let m = mega_args();
+        // Megakernels: context, arguments, handle.
+        let dispatch_half = dispatch_args();
+        let mut m = mega_args();
+        m.dispatch = &dispatch_half;
+        m.combine = &c;
         expect_null(
             ep_mega_dispatch_gemm(null_mut(), &m, h.0, null_mut()),
             "ep_mega_dispatch_gemm",
@@ -1381,55 +1384,258 @@ fn low_latency_arguments_are_checked() {
     }
 }
 
+/// Host buffers of a small fused call on `small_config()` (hidden 128,
+/// 4 experts, one rank, at most 8 tokens of top-2).
+struct MegaBuffers {
+    x: Vec<u16>,
+    topk_idx: Vec<i32>,
+    topk_weights: Vec<f32>,
+    expert_x: Vec<u16>,
+    expert_scales: Vec<f32>,
+    expert_weights: Vec<f32>,
+    expert_src_row: Vec<i32>,
+    expert_offsets: Vec<i32>,
+    expert_counts: Vec<i32>,
+    weights: Vec<u16>,
+    weight_scales: Vec<f32>,
+    y: Vec<u16>,
+    out: Vec<u16>,
+}
+
+impl MegaBuffers {
+    fn new() -> MegaBuffers {
+        let rows = 16;
+        MegaBuffers {
+            x: vec![0x3f80; 3 * 128],
+            topk_idx: vec![0, 1, 2, -1, 3, 0],
+            topk_weights: vec![0.5; 6],
+            expert_x: vec![0; rows * 128],
+            expert_scales: vec![0.0; rows],
+            expert_weights: vec![0.0; rows],
+            expert_src_row: vec![0; rows],
+            expert_offsets: vec![0; 5],
+            expert_counts: vec![0; 4],
+            weights: vec![0x3f80; 4 * 128 * 128],
+            weight_scales: vec![1.0; 4],
+            y: vec![0; rows * 128],
+            out: vec![0; 3 * 128],
+        }
+    }
+
+    fn dispatch(&mut self) -> ep_dispatch_args_t {
+        let mut a = dispatch_args();
+        a.num_tokens = 3;
+        a.x = self.x.as_ptr() as *const _;
+        a.topk_idx = self.topk_idx.as_ptr();
+        a.topk_weights = self.topk_weights.as_ptr();
+        a.expert_capacity = 16;
+        a.expert_x = self.expert_x.as_mut_ptr() as *mut _;
+        a.expert_x_scales = self.expert_scales.as_mut_ptr();
+        a.expert_weights = self.expert_weights.as_mut_ptr();
+        a.expert_src_row = self.expert_src_row.as_mut_ptr();
+        a.expert_offsets = self.expert_offsets.as_mut_ptr();
+        a.expert_counts = self.expert_counts.as_mut_ptr();
+        a
+    }
+
+    fn mega(&mut self) -> ep_mega_args_t {
+        let mut m = mega_args();
+        m.n = 128;
+        m.k = 128;
+        m.weights = self.weights.as_ptr() as *const _;
+        m.weight_scales = self.weight_scales.as_ptr();
+        m.y = self.y.as_mut_ptr() as *mut _;
+        m
+    }
+}
+
 #[test]
-fn megakernels_are_unsupported_after_argument_checks() {
+fn megakernel_arguments_are_checked() {
     let ctx = Ctx::single(&small_config());
     let h = ctx.handle();
-    let mut m = mega_args();
+    let mut b = MegaBuffers::new();
+    let d = b.dispatch();
+    let mut c = combine_args();
+    c.input_layout = EP_COMBINE_EXPERT_MAJOR;
+    c.x = b.expert_x.as_ptr() as *const _;
+    c.out = b.out.as_mut_ptr() as *mut _;
+    let mut m = b.mega();
+    m.dispatch = &d;
+    m.combine = &c;
     unsafe {
-        // Default (well-formed) halves: the release reports it is unsupported.
-        let status = ep_mega_dispatch_gemm(ctx.0, &m, h.0, null_mut());
+        let dg = |m: &ep_mega_args_t| ep_mega_dispatch_gemm(ctx.0, m, h.0, null_mut());
+        let gc = |m: &ep_mega_args_t| ep_mega_gemm_combine(ctx.0, m, h.0, null_mut());
+        // A combine before any dispatch has no layout.
         expect(
-            status,
-            EP_ERR_UNSUPPORTED,
-            "ep_mega_dispatch_gemm",
-            &["not available"],
-        );
-        m.combine.input_layout = 9;
-        expect(
-            ep_mega_gemm_combine(ctx.0, &m, h.0, null_mut()),
+            gc(&m),
             EP_ERR_INVALID_ARGUMENT,
             "ep_mega_gemm_combine",
-            &["input_layout = 9"],
+            &["no layout"],
         );
-        m.combine.input_layout = EP_COMBINE_EXPERT_MAJOR;
-        m.dispatch.flags = 0x80;
+        // Each required pointer.
+        let mut bad = m;
+        bad.dispatch = null();
+        expect_null(dg(&bad), "ep_mega_dispatch_gemm", "dispatch args");
+        let mut bad = m;
+        bad.combine = null();
+        expect_null(gc(&bad), "ep_mega_gemm_combine", "combine args");
+        for (name, clear) in [
+            (
+                "weights",
+                (|a: &mut ep_mega_args_t| a.weights = null()) as fn(&mut _),
+            ),
+            ("y", |a| a.y = null_mut()),
+        ] {
+            let mut bad = m;
+            clear(&mut bad);
+            expect_null(dg(&bad), "ep_mega_dispatch_gemm", name);
+            expect_null(gc(&bad), "ep_mega_gemm_combine", name);
+        }
+        let mut fp8 = m;
+        fp8.weight_dtype = EP_DTYPE_FP8_E4M3;
+        fp8.weight_scales = null();
+        expect_null(gc(&fp8), "ep_mega_gemm_combine", "weight_scales");
+        fp8.weight_scales = b.weight_scales.as_ptr();
+        expect_null(gc(&fp8), "ep_mega_gemm_combine", "x_scales");
+        // The dispatch's expert-major outputs.
+        let mut no_expert = d;
+        no_expert.expert_x = null_mut();
+        let mut bad = m;
+        bad.dispatch = &no_expert;
+        expect_null(dg(&bad), "ep_mega_dispatch_gemm", "dispatch->expert_x");
+        for (name, clear) in [
+            (
+                "dispatch->expert_weights",
+                (|a: &mut ep_dispatch_args_t| a.expert_weights = null_mut()) as fn(&mut _),
+            ),
+            ("dispatch->expert_src_row", |a| {
+                a.expert_src_row = null_mut()
+            }),
+            ("dispatch->expert_offsets", |a| {
+                a.expert_offsets = null_mut()
+            }),
+            ("dispatch->expert_counts", |a| a.expert_counts = null_mut()),
+        ] {
+            let mut half = d;
+            clear(&mut half);
+            let mut bad = m;
+            bad.dispatch = &half;
+            expect_null(dg(&bad), "ep_mega_dispatch_gemm", name);
+        }
+        // Values.
+        let mut bad = m;
+        bad.flags = 4;
         expect(
-            ep_mega_dispatch_gemm(ctx.0, &m, h.0, null_mut()),
+            dg(&bad),
             EP_ERR_INVALID_ARGUMENT,
             "ep_mega_dispatch_gemm",
-            &["unknown dispatch flags"],
+            &["flags"],
         );
-        m.dispatch.flags = 0;
+        for n in [0, 100, -128, 65536 + 128] {
+            let mut bad = m;
+            bad.n = n;
+            expect(
+                dg(&bad),
+                EP_ERR_INVALID_ARGUMENT,
+                "ep_mega_dispatch_gemm",
+                &["n = "],
+            );
+        }
         let mut bad = m;
-        bad.magic = 3;
+        bad.k = 256;
         expect(
-            ep_mega_gemm_combine(ctx.0, &bad, h.0, null_mut()),
+            dg(&bad),
+            EP_ERR_INVALID_ARGUMENT,
+            "ep_mega_dispatch_gemm",
+            &["hidden size"],
+        );
+        let mut bad = m;
+        bad.n = 256;
+        expect(
+            gc(&bad),
+            EP_ERR_INVALID_ARGUMENT,
+            "ep_mega_gemm_combine",
+            &["hidden size"],
+        );
+        let mut bad = m;
+        bad.weight_dtype = EP_DTYPE_FP8_E4M3;
+        expect(
+            dg(&bad),
+            EP_ERR_INVALID_ARGUMENT,
+            "ep_mega_dispatch_gemm",
+            &["weight_dtype"],
+        );
+        let mut bad = m;
+        bad.weight_dtype = 7;
+        expect(
+            dg(&bad),
+            EP_ERR_INVALID_ARGUMENT,
+            "ep_mega_dispatch_gemm",
+            &["weight_dtype"],
+        );
+        let mut bad = m;
+        bad.num_sms = -1;
+        expect(
+            dg(&bad),
+            EP_ERR_INVALID_ARGUMENT,
+            "ep_mega_dispatch_gemm",
+            &["num_sms"],
+        );
+        let mut reuse = d;
+        reuse.flags = EP_DISPATCH_REUSE_LAYOUT;
+        let mut bad = m;
+        bad.dispatch = &reuse;
+        expect(
+            dg(&bad),
+            EP_ERR_INVALID_ARGUMENT,
+            "ep_mega_dispatch_gemm",
+            &["reuse"],
+        );
+        let mut source = c;
+        source.input_layout = EP_COMBINE_SOURCE_ORDER;
+        let mut bad = m;
+        bad.combine = &source;
+        expect(
+            gc(&bad),
+            EP_ERR_INVALID_ARGUMENT,
+            "ep_mega_gemm_combine",
+            &["EXPERT_MAJOR"],
+        );
+        let mut wrong = m;
+        wrong.magic = 3;
+        expect(
+            gc(&wrong),
             EP_ERR_INVALID_ARGUMENT,
             "ep_mega_gemm_combine",
             &["megakernel args", "bad magic"],
         );
-        expect(
-            ep_mega_gemm_combine(ctx.0, &m, h.0, null_mut()),
-            EP_ERR_UNSUPPORTED,
-            "ep_mega_gemm_combine",
-            &["not available"],
+
+        // Well-formed calls succeed; then a combine of a source-order-only
+        // dispatch is refused.
+        assert_eq!(dg(&m), EP_SUCCESS, "{}", last_error());
+        assert_eq!(gc(&m), EP_SUCCESS, "{}", last_error());
+        let mut plain = d;
+        plain.expert_x = null_mut();
+        plain.recv_capacity = 3;
+        let mut recv = vec![0u16; 3 * 128];
+        let mut recv_idx = vec![0i32; 6];
+        let mut recv_w = vec![0f32; 6];
+        let mut recv_src = vec![0i32; 6];
+        plain.recv_x = recv.as_mut_ptr() as *mut _;
+        plain.recv_topk_idx = recv_idx.as_mut_ptr();
+        plain.recv_topk_weights = recv_w.as_mut_ptr();
+        plain.recv_src_info = recv_src.as_mut_ptr();
+        assert_eq!(
+            ep_dispatch(ctx.0, &plain, h.0, null_mut()),
+            EP_SUCCESS,
+            "{}",
+            last_error()
         );
         expect(
-            ep_mega_dispatch_gemm(ctx.0, &m, h.0, null_mut()),
-            EP_ERR_UNSUPPORTED,
-            "ep_mega_dispatch_gemm",
-            &["not available"],
+            gc(&m),
+            EP_ERR_INVALID_ARGUMENT,
+            "ep_mega_gemm_combine",
+            &["expert-major"],
         );
     }
 }

@@ -139,7 +139,7 @@ impl Versioned for ep_ll_combine_args_t {
 impl Versioned for ep_mega_args_t {
     const NAME: &'static str = "megakernel args";
     const MAGIC: u32 = EP_MEGA_ARGS_MAGIC;
-    const MIN_SIZE: u32 = std::mem::size_of::<ep_mega_args_t>() as u32;
+    const MIN_SIZE: u32 = EP_MEGA_ARGS_MIN_SIZE;
     fn defaults() -> Self {
         let (struct_size, magic, version) = header::<Self>(Self::MAGIC);
         ep_mega_args_t {
@@ -147,12 +147,16 @@ impl Versioned for ep_mega_args_t {
             magic,
             version,
             flags: 0,
-            dispatch: ep_dispatch_args_t::defaults(),
-            combine: ep_combine_args_t::defaults(),
-            weights: null(),
+            dispatch: null(),
+            combine: null(),
+            weight_dtype: EP_DTYPE_BF16,
             n: 0,
             k: 0,
-            gemm_io: null_mut(),
+            num_sms: 0,
+            weights: null(),
+            weight_scales: null(),
+            y: null_mut(),
+            x_scales: null(),
         }
     }
 }

@@ -145,20 +145,3 @@ pub(crate) unsafe fn read_versioned<T: Versioned>(ptr: *const T) -> Result<T> {
 pub(crate) unsafe fn init_versioned<T: Versioned>(ptr: *mut T) -> Result<()> {
     write_out(ptr, T::NAME, T::defaults())
 }
-
-/// Checks the header of a versioned struct embedded by value in another one:
-/// it has the current size, as the outer struct's layout depends on it.
-pub(crate) fn check_embedded<T: Versioned>(value: &T) -> Result<()> {
-    let header = value as *const T as *const u32;
-    // SAFETY: every versioned struct starts with three u32 fields.
-    let (size, magic) = unsafe { (header.read(), header.add(1).read()) };
-    let expected = std::mem::size_of::<T>() as u32;
-    if magic != T::MAGIC || size != expected {
-        return Err(Error::invalid(format!(
-            "embedded {}: magic 0x{magic:08x} and struct_size {size} (expected 0x{:08x} and {expected}); initialise it with its ep_*_init function",
-            T::NAME,
-            T::MAGIC
-        )));
-    }
-    Ok(())
-}

@@ -3,14 +3,14 @@
 //! `stream` and returns; one thread at a time per context.
 
 use super::context_api::dtype;
-use super::entry::{check_embedded, deref, read_versioned, run};
+use super::entry::{deref, read_versioned, run};
 use super::types::*;
 use crate::error::{Error, Result};
 use crate::reference::normal::worst_case_rows;
 use crate::runtime::context::Context;
 use crate::runtime::ops::{
-    CombineOp, DispatchOp, ExpertMajorOut, LayoutOp, LlCombineOp, LlDispatchOp, Phases,
-    SourceOrderOut,
+    CombineOp, DispatchOp, ExpertMajorOut, GemmOp, LayoutOp, LlCombineOp, LlDispatchOp,
+    MegaCombineOp, MegaDispatchOp, Phases, SourceOrderOut,
 };
 use std::os::raw::c_void;
 
@@ -107,7 +107,8 @@ pub unsafe extern "C" fn ep_ll_combine_args_init(args: *mut ep_ll_combine_args_t
     })
 }
 
-/// Fills `*args` with the defaults and its header.
+/// Fills `*args` with the defaults (BF16, no pointers, all SMs) and its
+/// header.
 #[no_mangle]
 pub unsafe extern "C" fn ep_mega_args_init(args: *mut ep_mega_args_t) -> ep_status_t {
     run("ep_mega_args_init", || super::entry::init_versioned(args))
@@ -361,20 +362,30 @@ pub unsafe extern "C" fn ep_ll_get_combine_buffer(
     })
 }
 
-fn mega_unsupported(args: *const ep_mega_args_t) -> Result<()> {
-    // SAFETY: `read_versioned` reads only the bytes the header announces.
-    let a = unsafe { read_versioned(args)? };
-    check_embedded(&a.dispatch)?;
-    check_embedded(&a.combine)?;
-    dispatch_op(&a.dispatch)?;
-    combine_op(&a.combine)?;
-    Err(Error::unsupported(
-        "the fused dispatch+GEMM and GEMM+combine kernels are not available in this release",
-    ))
+/// The GEMM half of a fused call's arguments.
+fn gemm_op(a: &ep_mega_args_t) -> Result<GemmOp> {
+    if a.flags != 0 {
+        return Err(Error::invalid(format!(
+            "unknown megakernel flags 0x{:x}",
+            a.flags
+        )));
+    }
+    Ok(GemmOp {
+        dtype: dtype("weight_dtype", a.weight_dtype)?,
+        n: count("n", a.n)?,
+        k: count("k", a.k)?,
+        num_sms: count("num_sms", a.num_sms)?,
+        weights: a.weights as *const u8,
+        weight_scales: a.weight_scales,
+        y: a.y as *mut u8,
+    })
 }
 
-/// Fused dispatch + grouped GEMM (see `ep_mega_args_t`). Returns
-/// `EP_ERR_UNSUPPORTED` in this release, after checking its arguments.
+/// Fused dispatch + grouped GEMM: dispatches like `ep_dispatch` (see
+/// `ep_mega_args_t.dispatch`; the layout goes into `handle` for a later
+/// combine) and multiplies each expert-major row by its local expert's
+/// weights into `y` as soon as the row has arrived (see `ep_mega_args_t`).
+/// Every rank of the context must call it.
 #[no_mangle]
 pub unsafe extern "C" fn ep_mega_dispatch_gemm(
     ctx: *mut ep_ctx_t,
@@ -382,16 +393,31 @@ pub unsafe extern "C" fn ep_mega_dispatch_gemm(
     handle: *mut ep_handle_t,
     stream: ep_stream_t,
 ) -> ep_status_t {
-    let _ = stream;
     run("ep_mega_dispatch_gemm", || {
-        context(ctx)?;
-        deref(handle, "handle")?;
-        mega_unsupported(args)
+        let context = context(ctx)?;
+        let a = read_versioned(args)?;
+        let mut dispatch = dispatch_op(&read_versioned(a.dispatch)?)?;
+        if dispatch.reuse_layout {
+            return Err(Error::invalid(
+                "EP_DISPATCH_REUSE_LAYOUT: a fused dispatch cannot reuse a layout",
+            ));
+        }
+        dispatch.no_host_sync = true;
+        let op = MegaDispatchOp {
+            dispatch,
+            gemm: gemm_op(&a)?,
+        };
+        let handle = handle.as_mut().ok_or_else(|| Error::null("handle"))?;
+        context.mega_dispatch_gemm(&op, &mut handle.inner, stream as *mut c_void)
     })
 }
 
-/// Fused grouped GEMM + combine (see `ep_mega_args_t`). Returns
-/// `EP_ERR_UNSUPPORTED` in this release, after checking its arguments.
+/// Fused grouped GEMM + combine: multiplies the expert-major rows
+/// `combine->x` of the handle's dispatch by their local experts' weights
+/// into `y`, and combines `y` like `ep_combine` with
+/// `EP_COMBINE_EXPERT_MAJOR` into `combine->out`, each token's rows leaving
+/// as soon as the GEMM has made them (see `ep_mega_args_t`). Every rank of
+/// the context must call it.
 #[no_mangle]
 pub unsafe extern "C" fn ep_mega_gemm_combine(
     ctx: *mut ep_ctx_t,
@@ -399,10 +425,22 @@ pub unsafe extern "C" fn ep_mega_gemm_combine(
     handle: *const ep_handle_t,
     stream: ep_stream_t,
 ) -> ep_status_t {
-    let _ = stream;
     run("ep_mega_gemm_combine", || {
-        context(ctx)?;
-        deref(handle, "handle")?;
-        mega_unsupported(args)
+        let context = context(ctx)?;
+        let a = read_versioned(args)?;
+        let combine = combine_op(&read_versioned(a.combine)?)?;
+        if !combine.expert_major {
+            return Err(Error::invalid(
+                "combine->input_layout must be EP_COMBINE_EXPERT_MAJOR (the GEMM's rows are expert-major)",
+            ));
+        }
+        let op = MegaCombineOp {
+            x: combine.x,
+            x_scales: a.x_scales,
+            out: combine.out,
+            gemm: gemm_op(&a)?,
+        };
+        let handle = deref(handle, "handle")?;
+        context.mega_gemm_combine(&op, &handle.inner, stream as *mut c_void)
     })
 }

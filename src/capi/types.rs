@@ -394,11 +394,28 @@ pub struct ep_ll_combine_args_t {
 /// Bytes of the oldest accepted `ep_ll_combine_args_t` (all fields).
 pub const EP_LL_COMBINE_ARGS_MIN_SIZE: u32 = std::mem::size_of::<ep_ll_combine_args_t>() as u32;
 
-/// Arguments of the fused megakernels. `ep_mega_dispatch_gemm` dispatches
-/// like `ep_dispatch` (expert-major, no host sync) and multiplies each local
-/// expert's rows by its weight matrix as they arrive;
-/// `ep_mega_gemm_combine` multiplies and combines like `ep_combine` with
-/// `EP_COMBINE_EXPERT_MAJOR`.
+/// Arguments of the fused megakernels: a grouped GEMM over the local
+/// experts fused with the dispatch before it or the combine after it, run as
+/// one persistent kernel in which row movement and GEMM tiles share the SMs.
+///
+/// The GEMM: for every expert-major row `j` of local expert `e`,
+/// `y[j] = x[j] * weights[e]^T`, `weights` being `[local_experts, n, k]`
+/// (K-major: each of the `n` output columns is `k` contiguous elements),
+/// products accumulated in fp32 and rounded to BF16 once. BF16 runs take BF16
+/// rows and weights. FP8 runs take e4m3 rows with one fp32 scale per row and
+/// 128 columns of `k` (the dispatch's FP8 scales) and e4m3 weights with one
+/// fp32 scale per block of 128 x 128 (`[local_experts, n / 128, k / 128]`,
+/// the DeepSeek-V3 layout); each 128-wide block of `k` is summed in fp32 and
+/// then added times its row scale and weight-block scale. The tolerance
+/// against the reference (`src/reference/mega.rs`): `|y - ref| <= 2^-7 |ref|
+/// + c sqrt(sum_k (x_k w_k)^2)` with `c = 2^-10` for BF16 and `2^-5` for FP8,
+/// `ref` being the reference's fp32 value.
+///
+/// Both calls need `n` and `k` to be multiples of 128, never synchronise
+/// with the host (capturable in a CUDA graph), and run on the GPU in the
+/// order they are made, like every operation of the context. On the GPU
+/// backend they need a Hopper GPU (compute capability 9.0); elsewhere they
+/// return `EP_ERR_UNSUPPORTED`. Data pointers must be 16-byte aligned.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct ep_mega_args_t {
@@ -406,19 +423,54 @@ pub struct ep_mega_args_t {
     /// `EP_MEGA_ARGS_MAGIC`.
     pub magic: u32,
     pub version: u32,
+    /// No flags are defined yet: 0.
     pub flags: u32,
-    /// The dispatch half (`ep_mega_dispatch_gemm`) or the combine half
-    /// (`ep_mega_gemm_combine`, which reads `input_layout`, `x` and `out`).
-    pub dispatch: ep_dispatch_args_t,
-    pub combine: ep_combine_args_t,
-    /// `[local_experts, k, n]` BF16 expert weights, row-major.
-    pub weights: *const c_void,
-    /// GEMM output columns.
+    /// `ep_mega_dispatch_gemm`: Required. The dispatch, as `ep_dispatch`
+    /// runs it, with `EP_DISPATCH_NO_HOST_SYNC` implied (so the capacities
+    /// must be the worst case, and the `host_*` outputs are not written);
+    /// `EP_DISPATCH_REUSE_LAYOUT` is refused. Its expert-major output is
+    /// required (`expert_x` and every `expert_*` pointer; the GEMM reads its
+    /// rows from `expert_x`); its source-order output stays optional.
+    /// `ep_mega_gemm_combine`: ignored, may be NULL.
+    pub dispatch: *const ep_dispatch_args_t,
+    /// `ep_mega_gemm_combine`: Required. Its `input_layout` must be
+    /// `EP_COMBINE_EXPERT_MAJOR`; `x` (Required) holds the GEMM's input rows,
+    /// `[expert_capacity, k]` of `weight_dtype` in the expert-major order of
+    /// the handle's dispatch (`expert_capacity` being that dispatch's; only
+    /// its rows of real (token, expert) pairs are read); `out` (Required
+    /// unless the dispatch had no tokens) receives the combined tokens, as
+    /// `ep_combine` writes them from the rows `y`.
+    /// `ep_mega_dispatch_gemm`: ignored, may be NULL.
+    pub combine: *const ep_combine_args_t,
+    /// `EP_DTYPE_BF16` or `EP_DTYPE_FP8_E4M3`: the type of the weights and of
+    /// the GEMM's input rows (for `ep_mega_dispatch_gemm`, the dispatch's
+    /// `dtype`).
+    pub weight_dtype: i32,
+    /// GEMM output columns, a multiple of 128. `ep_mega_gemm_combine`: the
+    /// context's `hidden`.
     pub n: i32,
-    /// GEMM reduction length: `hidden` for dispatch+GEMM, the expert's inner
-    /// size for GEMM+combine.
+    /// GEMM reduction length, a multiple of 128. `ep_mega_dispatch_gemm`: the
+    /// context's `hidden`.
     pub k: i32,
-    /// `[expert_capacity, n]` BF16 GEMM output (dispatch+GEMM), or the
-    /// `[expert rows, k]` BF16 activations (GEMM+combine).
-    pub gemm_io: *mut c_void,
+    /// Streaming multiprocessors the fused kernel may use; 0 means all of
+    /// the device's. The routing kernels before it use the config's
+    /// `num_sms`.
+    pub num_sms: i32,
+    /// Required. `[local_experts, n, k]` expert weights of `weight_dtype`.
+    pub weights: *const c_void,
+    /// FP8: Required, `[local_experts, n / 128, k / 128]` fp32 block scales.
+    /// BF16: ignored, may be NULL.
+    pub weight_scales: *const f32,
+    /// Required. The GEMM's BF16 output, one row of `n` per expert-major row.
+    /// `ep_mega_dispatch_gemm`: `[expert_capacity, n]`; padding rows get
+    /// zeros. `ep_mega_gemm_combine`: `[expert_capacity, n]`, the expert
+    /// outputs before the routing weights, which the combine then reduces;
+    /// rows of real pairs are written, padding rows are left as they were.
+    pub y: *mut c_void,
+    /// `ep_mega_gemm_combine` with FP8: Required, `[expert_capacity, k /
+    /// 128]` fp32 scales of `combine->x`. Otherwise ignored, may be NULL.
+    pub x_scales: *const f32,
 }
+
+/// Bytes of the oldest accepted `ep_mega_args_t` (all fields).
+pub const EP_MEGA_ARGS_MIN_SIZE: u32 = std::mem::size_of::<ep_mega_args_t>() as u32;

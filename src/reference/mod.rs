@@ -23,6 +23,7 @@
 pub mod fp8;
 pub mod layout;
 pub mod low_latency;
+pub mod mega;
 pub mod normal;
 
 /// Number of channels that share one FP8 scale.

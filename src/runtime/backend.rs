@@ -1,7 +1,9 @@
 //! The interface both backends implement. The context validates every
 //! operation against the configuration before calling into a backend.
 
-use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp};
+use super::ops::{
+    CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaCombineOp, MegaDispatchOp,
+};
 use crate::error::Result;
 use std::any::Any;
 use std::os::raw::c_void;
@@ -18,6 +20,22 @@ pub trait Backend: Send {
     fn dispatch(&mut self, op: &DispatchOp, handle: &mut HandleState, stream: Stream)
         -> Result<()>;
     fn combine(&mut self, op: &CombineOp, handle: &HandleState, stream: Stream) -> Result<()>;
+    /// `ep_mega_dispatch_gemm`: the dispatch (recorded in the handle as by
+    /// `dispatch`), then the grouped GEMM of its expert-major rows.
+    fn mega_dispatch_gemm(
+        &mut self,
+        op: &MegaDispatchOp,
+        handle: &mut HandleState,
+        stream: Stream,
+    ) -> Result<()>;
+    /// `ep_mega_gemm_combine`: the grouped GEMM of the handle's expert-major
+    /// rows, then the expert-major combine of its output.
+    fn mega_gemm_combine(
+        &mut self,
+        op: &MegaCombineOp,
+        handle: &HandleState,
+        stream: Stream,
+    ) -> Result<()>;
     fn ll_dispatch(&mut self, op: &LlDispatchOp, stream: Stream) -> Result<()>;
     fn ll_combine(&mut self, op: &LlCombineOp, stream: Stream) -> Result<()>;
     /// The buffer a caller may fill with expert outputs in the masked layout

@@ -4,7 +4,9 @@
 use super::backend::{Backend, Monitor, Stream};
 use super::config::{BackendKind, Config};
 use super::handle::Handle;
-use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp};
+use super::ops::{
+    CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaCombineOp, MegaDispatchOp,
+};
 use super::{gpu, host};
 use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -99,6 +101,37 @@ impl Context {
             ));
         }
         self.backend()?.combine(op, &handle.state, stream)
+    }
+
+    pub fn mega_dispatch_gemm(
+        &self,
+        op: &MegaDispatchOp,
+        handle: &mut Handle,
+        stream: Stream,
+    ) -> Result<()> {
+        op.validate(&self.cfg)?;
+        self.check_handle(handle)?;
+        handle.has_layout = false;
+        self.backend()?
+            .mega_dispatch_gemm(op, &mut handle.state, stream)?;
+        handle.has_layout = true;
+        Ok(())
+    }
+
+    pub fn mega_gemm_combine(
+        &self,
+        op: &MegaCombineOp,
+        handle: &Handle,
+        stream: Stream,
+    ) -> Result<()> {
+        op.validate(&self.cfg)?;
+        self.check_handle(handle)?;
+        if !handle.has_layout {
+            return Err(Error::invalid(
+                "the handle holds no layout: pass the handle of a successful dispatch",
+            ));
+        }
+        self.backend()?.mega_gemm_combine(op, &handle.state, stream)
     }
 
     pub fn ll_dispatch(&self, op: &LlDispatchOp, stream: Stream) -> Result<()> {

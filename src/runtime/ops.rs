@@ -4,7 +4,7 @@
 
 use super::config::{Config, MAX_EXPERT_ALIGNMENT};
 use crate::error::{Error, Result};
-use crate::reference::{normal, Dtype};
+use crate::reference::{normal, Dtype, SCALE_BLOCK};
 
 fn require<T>(ptr: *const T, name: &str) -> Result<()> {
     if ptr.is_null() {
@@ -282,6 +282,107 @@ impl LlCombineOp {
         if self.phases.recv && self.num_tokens > 0 {
             require(self.topk_idx, "topk_idx")?;
             require(self.out, "out")?;
+        }
+        Ok(())
+    }
+}
+
+/// Largest `n` and `k` of a fused call's GEMM.
+pub const MAX_GEMM_DIM: usize = 65536;
+
+/// The grouped GEMM of a fused call (`ep_mega_*`).
+#[derive(Debug, Clone, Copy)]
+pub struct GemmOp {
+    pub dtype: Dtype,
+    pub n: usize,
+    pub k: usize,
+    /// SMs of the fused kernel; 0 = all of the device's.
+    pub num_sms: usize,
+    pub weights: *const u8,
+    pub weight_scales: *const f32,
+    pub y: *mut u8,
+}
+
+impl GemmOp {
+    fn validate(&self) -> Result<()> {
+        for (name, value) in [("n", self.n), ("k", self.k)] {
+            if value == 0 || !value.is_multiple_of(SCALE_BLOCK) || value > MAX_GEMM_DIM {
+                return Err(Error::invalid(format!(
+                    "{name} = {value} is not a multiple of {SCALE_BLOCK} in [{SCALE_BLOCK}, {MAX_GEMM_DIM}]"
+                )));
+            }
+        }
+        require(self.weights, "weights")?;
+        if self.dtype == Dtype::Fp8E4m3 {
+            require(self.weight_scales, "weight_scales")?;
+        }
+        require(self.y, "y")
+    }
+}
+
+/// `ep_mega_dispatch_gemm`: a dispatch with its expert-major output, then the
+/// GEMM of those rows.
+#[derive(Debug, Clone, Copy)]
+pub struct MegaDispatchOp {
+    pub dispatch: DispatchOp,
+    pub gemm: GemmOp,
+}
+
+impl MegaDispatchOp {
+    pub fn validate(&self, cfg: &Config) -> Result<()> {
+        let d = &self.dispatch;
+        if !d.no_host_sync || d.reuse_layout {
+            return Err(Error::invalid(
+                "a fused dispatch never synchronises with the host (EP_DISPATCH_NO_HOST_SYNC is implied) and cannot reuse a layout",
+            ));
+        }
+        let expert = d.expert.ok_or_else(|| Error::null("dispatch->expert_x"))?;
+        d.validate(cfg)?;
+        require(expert.weights, "dispatch->expert_weights")?;
+        require(expert.src_row, "dispatch->expert_src_row")?;
+        require(expert.offsets, "dispatch->expert_offsets")?;
+        require(expert.counts, "dispatch->expert_counts")?;
+        self.gemm.validate()?;
+        if self.gemm.dtype != d.dtype {
+            return Err(Error::invalid(
+                "weight_dtype differs from the dispatch's dtype (the GEMM multiplies the dispatched rows)",
+            ));
+        }
+        if self.gemm.k != cfg.topo.hidden {
+            return Err(Error::invalid(format!(
+                "k = {} must be the context's hidden size {} (the GEMM multiplies the dispatched rows)",
+                self.gemm.k, cfg.topo.hidden
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// `ep_mega_gemm_combine`: the GEMM of a dispatch's expert-major rows, then
+/// the expert-major combine of its output.
+#[derive(Debug, Clone, Copy)]
+pub struct MegaCombineOp {
+    /// `[expert rows, k]` GEMM input in the handle's expert-major order.
+    pub x: *const u8,
+    /// FP8: `[expert rows, k / 128]` scales of `x`.
+    pub x_scales: *const f32,
+    /// `[num_tokens, hidden]` BF16 combined tokens.
+    pub out: *mut u8,
+    pub gemm: GemmOp,
+}
+
+impl MegaCombineOp {
+    pub fn validate(&self, cfg: &Config) -> Result<()> {
+        self.gemm.validate()?;
+        if self.gemm.n != cfg.topo.hidden {
+            return Err(Error::invalid(format!(
+                "n = {} must be the context's hidden size {} (the combine reduces the GEMM's output rows)",
+                self.gemm.n, cfg.topo.hidden
+            )));
+        }
+        require(self.x, "combine->x")?;
+        if self.gemm.dtype == Dtype::Fp8E4m3 {
+            require(self.x_scales, "x_scales")?;
         }
         Ok(())
     }

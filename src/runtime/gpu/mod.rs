@@ -15,7 +15,9 @@ use super::backend::{Backend, HandleState, Monitor, Stream};
 use super::bootstrap::Bootstrap;
 use super::config::{agree_on_config, Config, MAX_WORLD_SIZE};
 use super::cuda::{Device, DeviceStatus, MappedHost, Module};
-use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp};
+use super::ops::{
+    CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaCombineOp, MegaDispatchOp,
+};
 use crate::error::{Error, Result};
 use low_latency::LlMode;
 use normal::NormalMode;
@@ -235,6 +237,24 @@ impl Backend for GpuBackend {
 
     fn combine(&mut self, op: &CombineOp, handle: &HandleState, stream: Stream) -> Result<()> {
         self.normal.combine(&self.rt, op, handle, stream)
+    }
+
+    fn mega_dispatch_gemm(
+        &mut self,
+        _op: &MegaDispatchOp,
+        _handle: &mut HandleState,
+        _stream: Stream,
+    ) -> Result<()> {
+        Err(Error::unsupported("the fused kernels are not built yet"))
+    }
+
+    fn mega_gemm_combine(
+        &mut self,
+        _op: &MegaCombineOp,
+        _handle: &HandleState,
+        _stream: Stream,
+    ) -> Result<()> {
+        Err(Error::unsupported("the fused kernels are not built yet"))
     }
 
     fn ll_dispatch(&mut self, op: &LlDispatchOp, stream: Stream) -> Result<()> {

@@ -17,10 +17,14 @@ mod shm;
 use super::backend::{Backend, HandleState, Monitor, Stream};
 use super::bootstrap::Bootstrap;
 use super::config::{agree_on_config, Config};
-use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp};
+use super::ops::{
+    CombineOp, DispatchOp, GemmOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaCombineOp,
+    MegaDispatchOp,
+};
 use crate::error::{Error, ErrorKind, Result};
 use crate::reference::layout::{dispatch_layout, validate_experts, InvalidExpert};
 use crate::reference::low_latency::{ll_combine, ll_dispatch, LlExpertOutputs, LlRankTokens};
+use crate::reference::mega::{grouped_gemm, ExpertWeights, GemmRows};
 use crate::reference::normal::{
     combine, dispatch, expert_partials, Dispatched, RankTokens, Returned,
 };
@@ -190,6 +194,9 @@ enum Pending {
 #[derive(Default)]
 struct HostHandle {
     num_tokens: usize,
+    /// Whether the dispatch wrote expert-major rows (a fused combine needs
+    /// them).
+    expert_major: bool,
     topk_idx: Vec<i32>,
     dispatched: Option<Dispatched>,
 }
@@ -407,6 +414,7 @@ impl Backend for HostBackend {
         // SAFETY: the context checked every output pointer and capacity.
         let result = unsafe { write_dispatch_outputs(op, &d, &topo) };
         state.num_tokens = n;
+        state.expert_major = op.expert.is_some();
         state.topk_idx = topk_idx.to_vec();
         state.dispatched = Some(d);
         result
@@ -460,6 +468,90 @@ impl Backend for HostBackend {
         // SAFETY: `out` has room for the dispatch's tokens (checked above).
         unsafe { give(op.out as *mut bf16, &out) };
         Ok(())
+    }
+
+    fn mega_dispatch_gemm(
+        &mut self,
+        op: &MegaDispatchOp,
+        handle: &mut HandleState,
+        stream: Stream,
+    ) -> Result<()> {
+        self.dispatch(&op.dispatch, handle, stream)?;
+        let d = dispatched(handle)?;
+        // SAFETY: the context checked the pointers; sizes follow the config.
+        let y = unsafe {
+            self.gemm(
+                &op.gemm,
+                GemmRows {
+                    data: &d.expert_x,
+                    scales: &d.expert_scales,
+                },
+                d,
+            )
+        };
+        // SAFETY: `y` has room for the expert capacity, at least the rows
+        // of a dispatch that succeeded.
+        unsafe { give(op.gemm.y as *mut bf16, &y) };
+        Ok(())
+    }
+
+    fn mega_gemm_combine(
+        &mut self,
+        op: &MegaCombineOp,
+        handle: &HandleState,
+        stream: Stream,
+    ) -> Result<()> {
+        let state = handle
+            .downcast_ref::<HostHandle>()
+            .ok_or_else(|| Error::internal("not a host handle"))?;
+        if !state.expert_major {
+            return Err(Error::invalid(
+                "the handle's dispatch wrote no expert-major rows, which the fused combine multiplies",
+            ));
+        }
+        if state.num_tokens > 0 && op.out.is_null() {
+            return Err(Error::null("combine->out"));
+        }
+        let d = dispatched(handle)?;
+        let dtype = op.gemm.dtype;
+        let rows = d.expert_rows;
+        // SAFETY: the API gives `x` and its scales the dispatch's expert
+        // capacity, at least `rows`.
+        let (x, x_scales) = unsafe {
+            (
+                caller(op.x, rows * dtype.row_bytes(op.gemm.k)),
+                if dtype == Dtype::Fp8E4m3 {
+                    caller(op.x_scales, rows * dtype.scales_per_row(op.gemm.k))
+                } else {
+                    &[]
+                },
+            )
+        };
+        // SAFETY: as above.
+        let y = unsafe {
+            self.gemm(
+                &op.gemm,
+                GemmRows {
+                    data: x,
+                    scales: x_scales,
+                },
+                d,
+            )
+        };
+        // Rows of real pairs go to the caller; padding rows stay as they were.
+        let n = op.gemm.n;
+        for (e, &count) in d.expert_counts.iter().enumerate() {
+            let start = d.expert_offsets[e] as usize * n;
+            let real = &y[start..start + count as usize * n];
+            // SAFETY: `y` has room for every expert-major row.
+            unsafe { give((op.gemm.y as *mut bf16).add(start), real) };
+        }
+        let combine = CombineOp {
+            expert_major: true,
+            x: y.as_ptr() as *const u8,
+            out: op.out,
+        };
+        self.combine(&combine, handle, stream)
     }
 
     fn ll_dispatch(&mut self, op: &LlDispatchOp, _stream: Stream) -> Result<()> {
@@ -597,6 +689,40 @@ impl Backend for HostBackend {
         // SAFETY: the area lies inside the region (see `Areas::new`).
         let ptr = unsafe { region.base().add(self.areas.ll_combine_y) };
         Ok((ptr, self.areas.ll_combine_y_bytes))
+    }
+}
+
+/// The reference layout a dispatch left in a handle.
+fn dispatched(handle: &HandleState) -> Result<&Dispatched> {
+    handle
+        .downcast_ref::<HostHandle>()
+        .and_then(|state| state.dispatched.as_ref())
+        .ok_or_else(|| Error::internal("a host handle without a layout"))
+}
+
+impl HostBackend {
+    /// The grouped GEMM of a fused call over the expert-major `rows` of the
+    /// dispatch `d`: `[d.expert_rows, n]`, zeros in padding rows.
+    ///
+    /// # Safety
+    /// The weight pointers must hold `[local_experts, n, k]` elements (and
+    /// FP8 scales), as the API says.
+    unsafe fn gemm(&self, op: &GemmOp, rows: GemmRows, d: &Dispatched) -> Vec<bf16> {
+        let (n, k, dtype) = (op.n, op.k, op.dtype);
+        let experts = self.cfg.local_experts();
+        let blocks = (n / 128) * (k / 128);
+        let weights = ExpertWeights {
+            dtype,
+            n,
+            k,
+            data: caller(op.weights, experts * n * k * dtype.elem_bytes()),
+            scales: if dtype == Dtype::Fp8E4m3 {
+                caller(op.weight_scales, experts * blocks)
+            } else {
+                &[]
+            },
+        };
+        grouped_gemm(&weights, rows, &d.expert_offsets, &d.expert_counts)
     }
 }
 
