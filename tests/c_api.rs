@@ -374,9 +374,11 @@ fn null_pointers_of_context_functions() {
 
         // Megakernels: context, arguments, handle.
         let dispatch_half = dispatch_args();
+        let mut combine_half = c;
+        combine_half.input_layout = EP_COMBINE_EXPERT_MAJOR;
         let mut m = mega_args();
         m.dispatch = &dispatch_half;
-        m.combine = &c;
+        m.combine = &combine_half;
         expect_null(
             ep_mega_dispatch_gemm(null_mut(), &m, h.0, null_mut()),
             "ep_mega_dispatch_gemm",
