@@ -11,6 +11,10 @@
 //! Environment:
 //! - `NVCC`: the nvcc to use. Otherwise `$CUDA_HOME/bin/nvcc`, then `nvcc` on
 //!   PATH, then the one `scripts/install-cuda-tools.sh` put in `.venv/`.
+//! - `EP_CUTLASS_INCLUDE`: the CUTLASS/CuTe headers (the directory holding
+//!   `cute/` and `cutlass/`) that the fused kernels build on. Otherwise the
+//!   ones of the `nvidia-cutlass` wheel `scripts/install-cuda-tools.sh` put
+//!   in `.venv/`.
 //! - `EP_CUDA_ARCHS`: comma list of targets, such as `90a,100a`. Default:
 //!   `90a` (Hopper), plus `100a` (Blackwell) when this nvcc knows it.
 
@@ -21,7 +25,7 @@ use std::process::Command;
 
 fn main() {
     println!("cargo:rerun-if-changed=kernels");
-    for var in ["NVCC", "CUDA_HOME", "EP_CUDA_ARCHS"] {
+    for var in ["NVCC", "CUDA_HOME", "EP_CUDA_ARCHS", "EP_CUTLASS_INCLUDE"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
     if let Err(message) = build() {
@@ -37,6 +41,7 @@ fn build() -> Result<(), String> {
     let kernels_dir = manifest_dir.join("kernels");
 
     let nvcc = find_nvcc(&manifest_dir)?;
+    let cutlass = find_cutlass(&manifest_dir)?;
     let archs = target_archs(&nvcc)?;
     let gencode: Vec<String> = archs
         .iter()
@@ -59,6 +64,8 @@ fn build() -> Result<(), String> {
                 .arg("--expt-relaxed-constexpr")
                 .arg("-I")
                 .arg(&include_dir)
+                .arg("-isystem")
+                .arg(&cutlass)
                 .args(&gencode)
                 .arg(source)
                 .arg("-o")
@@ -152,6 +159,33 @@ fn venv_nvcc(manifest_dir: &Path) -> Option<PathBuf> {
         .filter_map(|entry| entry.ok())
         .map(|entry| entry.path().join("site-packages/nvidia/cu13/bin/nvcc"))
         .find(|nvcc| nvcc.is_file())
+}
+
+/// The CUTLASS/CuTe include directory: `EP_CUTLASS_INCLUDE`, or the
+/// `nvidia-cutlass` wheel's headers in `.venv/`
+/// (`.venv/lib/python3.X/site-packages/cutlass_library/source/include`).
+fn find_cutlass(manifest_dir: &Path) -> Result<PathBuf, String> {
+    if let Some(dir) = env::var_os("EP_CUTLASS_INCLUDE") {
+        return Ok(PathBuf::from(dir));
+    }
+    let lib = manifest_dir.join(".venv/lib");
+    std::fs::read_dir(lib)
+        .ok()
+        .into_iter()
+        .flatten()
+        .filter_map(|entry| entry.ok())
+        .map(|entry| {
+            entry
+                .path()
+                .join("site-packages/cutlass_library/source/include")
+        })
+        .find(|dir| dir.join("cute/tensor.hpp").is_file())
+        .ok_or_else(|| {
+            "no CUTLASS headers found (tried $EP_CUTLASS_INCLUDE and .venv/).\n\
+             Run scripts/install-cuda-tools.sh to install the nvidia-cutlass wheel into .venv/, \
+             or set EP_CUTLASS_INCLUDE to the directory holding cute/ and cutlass/."
+                .to_string()
+        })
 }
 
 /// The `sm_` targets to build SASS for: `EP_CUDA_ARCHS`, or the default.

@@ -379,6 +379,25 @@ impl Kernel<'_> {
         &self.name
     }
 
+    /// Lets launches of this kernel ask for up to `bytes` of dynamic shared
+    /// memory (above the default 48 KiB).
+    ///
+    /// Errors: `Cuda` when the device has less.
+    pub fn allow_dynamic_shared(&self, bytes: u32) -> Result<()> {
+        let _context = self.module.device.bind()?;
+        // SAFETY: a function attribute of a loaded kernel.
+        check(
+            unsafe {
+                sys::cuFuncSetAttribute(
+                    self.handle,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+            },
+            &format!("cuFuncSetAttribute({})", self.name),
+        )
+    }
+
     /// Queues the kernel on `stream` with a one-dimensional grid of `grid`
     /// blocks of `block` threads and `shared_bytes` of dynamic shared memory.
     /// `params` holds one pointer per kernel parameter, in order, each to a
@@ -471,6 +490,24 @@ impl DeviceBuffer {
             ptr,
             len,
         })
+    }
+
+    /// Allocates `len` bytes on `device` and fills them with zeros before
+    /// returning (synchronises the device).
+    ///
+    /// Errors: `OutOfMemory` when the device has no room; `Cuda` when the
+    /// fill fails.
+    pub fn zeroed(device: &Device, len: usize) -> Result<DeviceBuffer> {
+        let buffer = DeviceBuffer::new(device, len)?;
+        if len > 0 {
+            let _context = device.bind()?;
+            // SAFETY: fills the allocation made above, then waits for it.
+            unsafe {
+                check(sys::cuMemsetD8_v2(buffer.ptr, 0, len), "cuMemsetD8")?;
+                check(sys::cuCtxSynchronize(), "cuCtxSynchronize")?;
+            }
+        }
+        Ok(buffer)
     }
 
     /// The device address of the first byte.
@@ -664,6 +701,81 @@ impl<T: Plain> Drop for MappedHost<T> {
             // SAFETY: allocated by cuMemHostAlloc in new, freed once.
             unsafe { sys::cuMemFreeHost(self.host.cast()) };
         }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Tensor maps
+// ---------------------------------------------------------------------------
+
+/// A TMA descriptor (`CUtensorMap`, 128 bytes), passed to kernels by value.
+#[repr(C, align(128))]
+#[derive(Clone, Copy, Debug)]
+pub struct TensorMap(pub [u64; 16]);
+
+impl Default for TensorMap {
+    fn default() -> Self {
+        TensorMap([0; 16])
+    }
+}
+
+/// Element types of [`TensorMap::tiled`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TensorElement {
+    /// Two-byte bfloat16.
+    Bf16,
+    /// One byte (FP8 e4m3 is moved as bytes).
+    Byte,
+}
+
+impl TensorMap {
+    /// A descriptor of the row-major tensor at `base` with extents `dims`
+    /// (innermost first), byte strides `strides` of dimensions 1.. , copied
+    /// in boxes of `boxes` elements into shared memory with the 128-byte
+    /// swizzle (the innermost box must span 128 bytes); reads outside the
+    /// tensor give zeros.
+    ///
+    /// Errors: `InvalidArgument` when the driver refuses the shape (base or
+    /// strides not 16-byte aligned, extents out of range).
+    pub fn tiled(
+        element: TensorElement,
+        base: u64,
+        dims: &[u64],
+        strides: &[u64],
+        boxes: &[u32],
+    ) -> Result<TensorMap> {
+        init()?;
+        assert!(dims.len() == boxes.len() && strides.len() + 1 == dims.len());
+        let mut map = sys::CUtensorMap { opaque: [0; 16] };
+        let data_type = match element {
+            TensorElement::Bf16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            TensorElement::Byte => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        };
+        let element_strides = vec![1u32; dims.len()];
+        // SAFETY: the arrays hold `dims.len()` (strides one fewer) values;
+        // the driver only encodes, it reads no device memory.
+        let res = unsafe {
+            sys::cuTensorMapEncodeTiled(
+                &mut map,
+                data_type,
+                dims.len() as u32,
+                base as *mut c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                element_strides.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        };
+        if res != CUresult::CUDA_SUCCESS {
+            return Err(Error::invalid(format!(
+                "cuTensorMapEncodeTiled refused the tensor at {base:#x} (extents {dims:?}, strides {strides:?}, box {boxes:?}): {res:?}"
+            )));
+        }
+        Ok(TensorMap(map.opaque))
     }
 }
 

@@ -8,6 +8,7 @@
 //! [`GpuMonitor`] reads from any thread.
 
 mod low_latency;
+mod mega;
 mod normal;
 mod symmetric;
 
@@ -20,6 +21,7 @@ use super::ops::{
 };
 use crate::error::{Error, Result};
 use low_latency::LlMode;
+use mega::MegaMode;
 use normal::NormalMode;
 use std::os::raw::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -68,7 +70,16 @@ pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, 
     };
     let normal = NormalMode::new(&rt, SIGNAL_BYTES)?;
     let ll = LlMode::new(&rt, SIGNAL_BYTES + normal::buffer_bytes(cfg))?;
-    Ok((Box::new(GpuBackend { rt, normal, ll }), monitor))
+    let mega = MegaMode::new(&rt)?;
+    Ok((
+        Box::new(GpuBackend {
+            rt,
+            normal,
+            ll,
+            mega,
+        }),
+        monitor,
+    ))
 }
 
 /// Bytes of communication buffer one rank allocates for `cfg`.
@@ -215,6 +226,7 @@ struct GpuBackend {
     rt: Runtime,
     normal: NormalMode,
     ll: LlMode,
+    mega: MegaMode,
 }
 
 impl Backend for GpuBackend {
@@ -241,20 +253,22 @@ impl Backend for GpuBackend {
 
     fn mega_dispatch_gemm(
         &mut self,
-        _op: &MegaDispatchOp,
-        _handle: &mut HandleState,
-        _stream: Stream,
+        op: &MegaDispatchOp,
+        handle: &mut HandleState,
+        stream: Stream,
     ) -> Result<()> {
-        Err(Error::unsupported("the fused kernels are not built yet"))
+        self.mega
+            .dispatch_gemm(&self.rt, &self.normal, op, handle, stream)
     }
 
     fn mega_gemm_combine(
         &mut self,
-        _op: &MegaCombineOp,
-        _handle: &HandleState,
-        _stream: Stream,
+        op: &MegaCombineOp,
+        handle: &HandleState,
+        stream: Stream,
     ) -> Result<()> {
-        Err(Error::unsupported("the fused kernels are not built yet"))
+        self.mega
+            .gemm_combine(&self.rt, &self.normal, op, handle, stream)
     }
 
     fn ll_dispatch(&mut self, op: &LlDispatchOp, stream: Stream) -> Result<()> {

@@ -93,10 +93,10 @@ pub fn buffer_bytes(cfg: &Config) -> usize {
 }
 
 /// Kernel parameters of the dispatch kernels; mirrors `DispatchParams` in
-/// kernels/normal.cu field by field.
+/// kernels/include/ep_normal.cuh field by field.
 #[repr(C)]
 #[derive(Debug, Default, Clone, Copy)]
-struct DispatchParams {
+pub(super) struct DispatchParams {
     x: u64,
     x_scales: u64,
     topk_idx: u64,
@@ -119,6 +119,7 @@ struct DispatchParams {
     handle_row_weights: u64,
     handle_num_rows: u64,
     handle_in_rank: u64,
+    handle_expert_layout: u64,
     host_counts: u64,
     status: u64,
     area: i64,
@@ -143,14 +144,16 @@ struct DispatchParams {
     scale_cols: i32,
     max_tokens: i32,
     alignment: i32,
-    pad: i32,
+    /// Non-zero: the pull leaves the expert-major rows and their scales to
+    /// the fused kernel (kernels/mega.cu).
+    pub(super) skip_expert_rows: i32,
 }
 
 /// Kernel parameters of the combine kernels; mirrors `CombineParams` in
-/// kernels/normal.cu.
+/// kernels/include/ep_normal.cuh.
 #[repr(C)]
 #[derive(Debug, Default, Clone, Copy)]
-struct CombineParams {
+pub(super) struct CombineParams {
     x: u64,
     out: u64,
     peer_bases: u64,
@@ -174,7 +177,7 @@ struct CombineParams {
 
 /// What a dispatch leaves in its handle: device arrays the combine reads,
 /// sized for the worst case so one handle serves any dispatch.
-struct GpuHandle {
+pub(super) struct GpuHandle {
     /// `[W * T, 2]` (source rank, token) of each received row.
     row_src: DeviceBuffer,
     /// `[W * T, topk]` expert-major row of each (row, slot), or -1.
@@ -185,15 +188,32 @@ struct GpuHandle {
     num_rows: DeviceBuffer,
     /// `[T, W]` whether each of this rank's tokens went to each rank.
     in_rank: DeviceBuffer,
+    /// `[2 L + 1]` the expert-major segment starts (`L + 1`), then the real
+    /// rows of each local expert: what a fused combine multiplies.
+    pub(super) expert_layout: DeviceBuffer,
     /// The last dispatch recorded here, if it succeeded.
-    dispatched: Option<Dispatched>,
+    pub(super) dispatched: Option<Dispatched>,
 }
 
 #[derive(Debug, Clone)]
-struct Dispatched {
-    num_tokens: usize,
+pub(super) struct Dispatched {
+    pub(super) num_tokens: usize,
     /// The counts the host learned (`None` after a no-sync dispatch).
     host_counts: Option<Vec<i32>>,
+    /// The expert-major rows the caller gave room for, when the dispatch
+    /// wrote them.
+    pub(super) expert_capacity: Option<usize>,
+}
+
+impl Dispatched {
+    /// A dispatch whose counts stayed on the device.
+    pub(super) fn on_device(num_tokens: usize, expert_capacity: Option<usize>) -> Dispatched {
+        Dispatched {
+            num_tokens,
+            host_counts: None,
+            expert_capacity,
+        }
+    }
 }
 
 pub struct NormalMode {
@@ -261,6 +281,7 @@ impl NormalMode {
             row_weights: DeviceBuffer::new(&rt.device, slots * 4)?,
             num_rows: DeviceBuffer::new(&rt.device, 4)?,
             in_rank: DeviceBuffer::new(&rt.device, cfg.max_tokens * cfg.world())?,
+            expert_layout: DeviceBuffer::new(&rt.device, (2 * cfg.local_experts() + 1) * 4)?,
             dispatched: None,
         }))
     }
@@ -275,8 +296,6 @@ impl NormalMode {
         let handle = handle
             .downcast_mut::<GpuHandle>()
             .ok_or_else(|| Error::internal("not a GPU handle"))?;
-        let cfg = &rt.cfg;
-        let topo = cfg.topo;
         if op.num_tokens > 0 {
             check_aligned("x", op.x)?;
         }
@@ -299,97 +318,12 @@ impl NormalMode {
         };
         let host_sync = !op.no_host_sync && cached.is_none();
         handle.dispatched = None;
-
-        let a = &self.area;
-        let recv = op.recv;
-        let expert = op.expert;
-        let mut params = DispatchParams {
-            x: ptr(op.x),
-            x_scales: ptr(op.x_scales),
-            topk_idx: ptr(op.topk_idx),
-            topk_weights: ptr(op.topk_weights),
-            peer_bases: rt.memory.peer_bases(),
-            recv_x: recv.map_or(0, |r| ptr(r.x)),
-            recv_scales: recv.map_or(0, |r| ptr(r.scales)),
-            recv_topk_idx: recv.map_or(0, |r| ptr(r.topk_idx)),
-            recv_topk_weights: recv.map_or(0, |r| ptr(r.topk_weights)),
-            recv_src_info: recv.map_or(0, |r| ptr(r.src_info)),
-            recv_num_rows: recv.map_or(0, |r| ptr(r.num_rows)),
-            expert_x: expert.map_or(0, |e| ptr(e.x)),
-            expert_scales: expert.map_or(0, |e| ptr(e.scales)),
-            expert_weights: expert.map_or(0, |e| ptr(e.weights)),
-            expert_src_row: expert.map_or(0, |e| ptr(e.src_row)),
-            expert_offsets: expert.map_or(0, |e| ptr(e.offsets)),
-            expert_counts: expert.map_or(0, |e| ptr(e.counts)),
-            handle_row_src: handle.row_src.ptr(),
-            handle_row_expert_pos: handle.row_expert_pos.ptr(),
-            handle_row_weights: handle.row_weights.ptr(),
-            handle_num_rows: handle.num_rows.ptr(),
-            handle_in_rank: handle.in_rank.ptr(),
-            host_counts: if host_sync {
-                self.host_counts.device_ptr()
-            } else {
-                0
-            },
-            status: rt.status_ptr(),
-            area: self.offset as i64,
-            off_staged_x: a.staged_x as i64,
-            off_staged_scales: a.staged_scales as i64,
-            off_slot_rank: a.slot_rank as i64,
-            off_rank_pos: a.rank_pos as i64,
-            off_chunk_counts: a.chunk_counts as i64,
-            off_totals: a.totals as i64,
-            off_in_token: a.in_token as i64,
-            off_in_local: a.in_local as i64,
-            off_in_rank: a.in_rank as i64,
-            off_in_weight: a.in_weight as i64,
-            recv_capacity: recv.map_or(0, |r| r.capacity as i64),
-            expert_capacity: expert.map_or(0, |e| e.capacity as i64),
-            num_tokens: op.num_tokens as i32,
-            rank: cfg.rank as i32,
-            world: topo.world as i32,
-            num_experts: topo.num_experts as i32,
-            topk: topo.topk as i32,
-            row_bytes: op.dtype.row_bytes(topo.hidden) as i32,
-            scale_cols: op.dtype.scales_per_row(topo.hidden) as i32,
-            max_tokens: cfg.max_tokens as i32,
-            alignment: expert.map_or(1, |e| e.alignment as i32),
-            pad: 0,
-        };
-        let chunks = op.num_tokens.div_ceil(CHUNK_TOKENS).max(1) as u32;
-        let columns = topo.world + topo.num_experts;
-        let sms = cfg.num_sms as u32;
-        let mut p = arg(&mut params);
-        // SAFETY: the parameter struct mirrors the kernels' `DispatchParams`;
-        // the caller's arrays stay valid until the stream has run the
-        // kernels (API rule), the handle's and the context's until the
-        // handle or context is destroyed.
+        let mut params = self.dispatch_params(rt, op, handle, host_sync);
+        // SAFETY: the parameters describe the caller's arrays, which stay
+        // valid until the stream has run the kernels (API rule), and the
+        // handle's and the context's, valid until they are destroyed.
         unsafe {
-            rt.launch(
-                "ep_dispatch_count_kernel",
-                chunks,
-                CHUNK_TOKENS as u32,
-                (CHUNK_WARPS * columns * 4) as u32,
-                stream,
-                std::slice::from_mut(&mut p),
-            )?;
-            rt.launch(
-                "ep_dispatch_stage_kernel",
-                chunks.max(sms),
-                CHUNK_TOKENS as u32,
-                (columns * 4) as u32,
-                stream,
-                std::slice::from_mut(&mut p),
-            )?;
-            rt.barrier(stream)?;
-            rt.launch(
-                "ep_dispatch_pull_kernel",
-                sms,
-                MOVE_THREADS,
-                0,
-                stream,
-                std::slice::from_mut(&mut p),
-            )?;
+            self.enqueue_routing(rt, &mut params, op.num_tokens, stream)?;
             rt.barrier(stream)?;
         }
         let host_counts = if host_sync {
@@ -421,8 +355,129 @@ impl NormalMode {
         handle.dispatched = Some(Dispatched {
             num_tokens: op.num_tokens,
             host_counts,
+            expert_capacity: op.expert.map(|e| e.capacity),
         });
         Ok(())
+    }
+
+    /// The dispatch kernels' parameters for `op`, recording into `handle`;
+    /// `host_sync` asks the pull for the host-mapped counts.
+    pub(super) fn dispatch_params(
+        &self,
+        rt: &Runtime,
+        op: &DispatchOp,
+        handle: &GpuHandle,
+        host_sync: bool,
+    ) -> DispatchParams {
+        let cfg = &rt.cfg;
+        let topo = cfg.topo;
+        let a = &self.area;
+        let recv = op.recv;
+        let expert = op.expert;
+        DispatchParams {
+            x: ptr(op.x),
+            x_scales: ptr(op.x_scales),
+            topk_idx: ptr(op.topk_idx),
+            topk_weights: ptr(op.topk_weights),
+            peer_bases: rt.memory.peer_bases(),
+            recv_x: recv.map_or(0, |r| ptr(r.x)),
+            recv_scales: recv.map_or(0, |r| ptr(r.scales)),
+            recv_topk_idx: recv.map_or(0, |r| ptr(r.topk_idx)),
+            recv_topk_weights: recv.map_or(0, |r| ptr(r.topk_weights)),
+            recv_src_info: recv.map_or(0, |r| ptr(r.src_info)),
+            recv_num_rows: recv.map_or(0, |r| ptr(r.num_rows)),
+            expert_x: expert.map_or(0, |e| ptr(e.x)),
+            expert_scales: expert.map_or(0, |e| ptr(e.scales)),
+            expert_weights: expert.map_or(0, |e| ptr(e.weights)),
+            expert_src_row: expert.map_or(0, |e| ptr(e.src_row)),
+            expert_offsets: expert.map_or(0, |e| ptr(e.offsets)),
+            expert_counts: expert.map_or(0, |e| ptr(e.counts)),
+            handle_row_src: handle.row_src.ptr(),
+            handle_row_expert_pos: handle.row_expert_pos.ptr(),
+            handle_row_weights: handle.row_weights.ptr(),
+            handle_num_rows: handle.num_rows.ptr(),
+            handle_in_rank: handle.in_rank.ptr(),
+            handle_expert_layout: handle.expert_layout.ptr(),
+            host_counts: if host_sync {
+                self.host_counts.device_ptr()
+            } else {
+                0
+            },
+            status: rt.status_ptr(),
+            area: self.offset as i64,
+            off_staged_x: a.staged_x as i64,
+            off_staged_scales: a.staged_scales as i64,
+            off_slot_rank: a.slot_rank as i64,
+            off_rank_pos: a.rank_pos as i64,
+            off_chunk_counts: a.chunk_counts as i64,
+            off_totals: a.totals as i64,
+            off_in_token: a.in_token as i64,
+            off_in_local: a.in_local as i64,
+            off_in_rank: a.in_rank as i64,
+            off_in_weight: a.in_weight as i64,
+            recv_capacity: recv.map_or(0, |r| r.capacity as i64),
+            expert_capacity: expert.map_or(0, |e| e.capacity as i64),
+            num_tokens: op.num_tokens as i32,
+            rank: cfg.rank as i32,
+            world: topo.world as i32,
+            num_experts: topo.num_experts as i32,
+            topk: topo.topk as i32,
+            row_bytes: op.dtype.row_bytes(topo.hidden) as i32,
+            scale_cols: op.dtype.scales_per_row(topo.hidden) as i32,
+            max_tokens: cfg.max_tokens as i32,
+            alignment: expert.map_or(1, |e| e.alignment as i32),
+            skip_expert_rows: 0,
+        }
+    }
+
+    /// Enqueues the dispatch up to its rows: count, stage, barrier, pull
+    /// (which moves the expert-major rows too unless
+    /// `params.skip_expert_rows`). The caller enqueues the closing barrier.
+    ///
+    /// # Safety
+    /// `params` must come from [`Self::dispatch_params`], with every array
+    /// valid until the stream has run the kernels.
+    pub(super) unsafe fn enqueue_routing(
+        &self,
+        rt: &Runtime,
+        params: &mut DispatchParams,
+        num_tokens: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        let topo = rt.cfg.topo;
+        let chunks = num_tokens.div_ceil(CHUNK_TOKENS).max(1) as u32;
+        let columns = topo.world + topo.num_experts;
+        let sms = rt.cfg.num_sms as u32;
+        let mut p = arg(params);
+        // SAFETY: the parameter struct mirrors the kernels' `DispatchParams`
+        // (the caller vouches for the arrays).
+        unsafe {
+            rt.launch(
+                "ep_dispatch_count_kernel",
+                chunks,
+                CHUNK_TOKENS as u32,
+                (CHUNK_WARPS * columns * 4) as u32,
+                stream,
+                std::slice::from_mut(&mut p),
+            )?;
+            rt.launch(
+                "ep_dispatch_stage_kernel",
+                chunks.max(sms),
+                CHUNK_TOKENS as u32,
+                (columns * 4) as u32,
+                stream,
+                std::slice::from_mut(&mut p),
+            )?;
+            rt.barrier(stream)?;
+            rt.launch(
+                "ep_dispatch_pull_kernel",
+                sms,
+                MOVE_THREADS,
+                0,
+                stream,
+                std::slice::from_mut(&mut p),
+            )
+        }
     }
 
     pub fn combine(
@@ -446,8 +501,33 @@ impl NormalMode {
         }
         check_aligned("x", op.x)?;
         check_aligned("out", op.out)?;
+        let mut params = self.combine_params(rt, op, handle, dispatched);
+        let mut p: *mut c_void = arg(&mut params);
+        // SAFETY: the parameter struct mirrors the kernels' `CombineParams`;
+        // buffers stay valid as for the dispatch.
+        unsafe {
+            rt.launch(
+                "ep_combine_send_kernel",
+                rt.cfg.num_sms as u32,
+                MOVE_THREADS,
+                0,
+                stream,
+                std::slice::from_mut(&mut p),
+            )?;
+            self.enqueue_reduce(rt, &mut params, stream)
+        }
+    }
+
+    /// The combine kernels' parameters for `op` over the layout in `handle`.
+    pub(super) fn combine_params(
+        &self,
+        rt: &Runtime,
+        op: &CombineOp,
+        handle: &GpuHandle,
+        dispatched: &Dispatched,
+    ) -> CombineParams {
         let cfg = &rt.cfg;
-        let mut params = CombineParams {
+        CombineParams {
             x: ptr(op.x),
             out: ptr(op.out),
             peer_bases: rt.memory.peer_bases(),
@@ -467,24 +547,28 @@ impl NormalMode {
             hidden: cfg.topo.hidden as i32,
             max_tokens: cfg.max_tokens as i32,
             pad: 0,
-        };
-        let sms = cfg.num_sms as u32;
-        let mut p: *mut c_void = arg(&mut params);
-        // SAFETY: the parameter struct mirrors the kernels' `CombineParams`;
-        // buffers stay valid as for the dispatch.
+        }
+    }
+
+    /// Enqueues the combine after its send: barrier, reduce, barrier.
+    ///
+    /// # Safety
+    /// `params` must come from [`Self::combine_params`], with every array
+    /// valid until the stream has run the kernels.
+    pub(super) unsafe fn enqueue_reduce(
+        &self,
+        rt: &Runtime,
+        params: &mut CombineParams,
+        stream: Stream,
+    ) -> Result<()> {
+        let mut p: *mut c_void = arg(params);
+        // SAFETY: the parameter struct mirrors the kernels' `CombineParams`
+        // (the caller vouches for the arrays).
         unsafe {
-            rt.launch(
-                "ep_combine_send_kernel",
-                sms,
-                MOVE_THREADS,
-                0,
-                stream,
-                std::slice::from_mut(&mut p),
-            )?;
             rt.barrier(stream)?;
             rt.launch(
                 "ep_combine_reduce_kernel",
-                sms,
+                rt.cfg.num_sms as u32,
                 MOVE_THREADS,
                 0,
                 stream,

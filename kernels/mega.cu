@@ -1,0 +1,753 @@
+// Fused kernels: the grouped GEMM of the local experts in one persistent
+// launch with the dispatch before it (ep_mega_dispatch_gemm) or the combine
+// after it (ep_mega_gemm_combine). Hopper only (warpgroup MMA and the tensor
+// memory accelerator); on other targets the kernels compile to a stub that
+// records EP_STATUS_INVALID_ARGUMENT, and the host never launches them there.
+//
+// The GEMM: expert-major row j of local expert e (rows of expert e are
+// [offset[e], offset[e] + count[e]), its segment) times weights[e]^T, the
+// weights [local experts, n, k] K-major; BF16 out. FP8: e4m3 rows with one
+// fp32 scale per 128 columns of k, e4m3 weights with one per 128 x 128
+// block; each 128-wide k block is summed by the tensor cores into a fresh
+// fp32 accumulator, then added times (row scale * block scale) into the
+// result (fma), as src/reference/mega.rs specifies.
+//
+// Tiles: an m-tile is EP_MEGA_BLOCK_M consecutive rows of ONE expert,
+// starting at its segment start (so tiles need no particular expert
+// alignment; the last tile of an expert is ragged: its TMA load also reads
+// the rows after the segment, whatever they hold, and its stores skip them).
+// The m-tiles of all experts are numbered expert by expert; tile t of the
+// call is (m-tile t / n_tiles, n-tile t % n_tiles), and block b takes tiles
+// b, b + grid, b + 2 grid, ... (early experts first).
+//
+// Roles inside a block of 384 threads (3 warpgroups):
+//   warp 0        producer: waits until a tile's rows are there (dispatch),
+//                 then streams its A and B k-blocks into a ring of shared
+//                 memory stages with TMA (and the FP8 scales with cp.async);
+//   warps 1-3     communication: the dispatch's row copies, or the combine's
+//                 weighted sums sent back to the source ranks;
+//   warpgroups 1-2 consumers: warpgroup MMA over the stages (64 rows each),
+//                 then the epilogue stores the BF16 tile into y.
+// Every thread has the same register budget (168; `setmaxnreg` is ignored in
+// the relocatable device code the library's kernels are linked as).
+// Stage s is guarded by two mbarriers: full[s] (the producer's expected
+// bytes, plus for FP8 the 32 producer lanes' cp.async arrivals) and empty[s]
+// (one arrival per consumer warpgroup once its MMAs have read the stage).
+//
+// ep_mega_dispatch_gemm = count, stage, barrier, pull (kernels/normal.cu,
+// with `skip_expert_rows`: the pull writes every output but the
+// expert-major rows), this kernel, barrier. Here the communication warps
+// take the expert-major rows j in ascending order (warp w: rows w, w + W,
+// ...), so early experts fill first. A real row is copied by the task of
+// its token's FIRST expert-major row, which copies the token once (from
+// the source rank's staged rows, over NVLink for a peer) into all its
+// expert-major rows and then, per row, release-stores the call's sequence
+// number into row_ready[row]; the other rows' tasks skip. A padding row
+// gets zeros (and its y row too). The producer acquire-loads row_ready of
+// every real row of a tile until each holds the sequence number, then
+// issues `fence.proxy.async.global` before its TMA loads: the rows were
+// written by generic stores, the TMA reads them through the async proxy.
+//
+// ep_mega_gemm_combine = this kernel, barrier, reduce (kernels/normal.cu),
+// barrier. The GEMM reads the caller's rows (no wait); after storing a tile
+// every consumer thread fences, the two consumer warpgroups meet at a named
+// barrier, and one thread release-stores the sequence number into
+// tile_ready[m-tile][n-tile]. The communication warps take the received
+// rows (source order, warp w: rows w, w + W, ...), acquire-load the flags of
+// every tile holding one of the row's expert-major rows, then run the
+// normal combine's expert-major send for the row (ep_combine_send_row).
+//
+// Sequence numbers: state[0] is the number of the last fused call; every
+// block reads it at its start and uses state[0] + 1; the last block to
+// finish (state[1] counts them, reset by that block) stores the new number.
+// The next launch on the stream sees it, and a CUDA graph replay gets a
+// fresh number each time; no flag is ever cleared. A row or tile flag from
+// an earlier call holds a smaller number, so it never passes for ready.
+//
+// Waits: every wait on another block (rows, tiles) is ep_wait_until_ge with
+// the context timeout and abort flag. A wait that fails records the error
+// and the block goes on without waiting any more (computing garbage, the
+// call having failed), so no block, and no consumer waiting on a stage,
+// hangs. The waits on stages are local to a block and always complete.
+//
+// Blocks of one launch must all be resident for the communication and the
+// tiles to meet: the host launches at most one block per SM (each takes
+// most of an SM's shared memory) on at most the SMs the call may use.
+#include <cuda_bf16.h>
+
+#include "ep_device.cuh"
+#include "ep_normal.cuh"
+
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+// Threads of a fused block: 3 warpgroups.
+#define EP_MEGA_THREADS 384
+#define EP_MEGA_WARPGROUP 128
+// The consumer warpgroups' threads.
+#define EP_MEGA_CONSUMERS 256
+// Communication warps: warps 1-3 of the producer warpgroup.
+#define EP_MEGA_COMM_WARPS 3
+// Named barrier of the two consumer warpgroups (0 is __syncthreads).
+#define EP_MEGA_CONSUMER_BARRIER 1
+// Rows of an m-tile.
+#define EP_MEGA_BLOCK_M 128
+// Columns of k (and of n) that share one FP8 scale.
+#define EP_MEGA_SCALE_BLOCK 128
+// Shared memory a Hopper block may have (227 KiB); the host launches every
+// fused kernel with the device's maximum, and each checks it is enough.
+#define EP_MEGA_MAX_SHARED_BYTES (227 * 1024)
+// Values of MegaParams::mode.
+#define EP_MEGA_MODE_DISPATCH 0
+#define EP_MEGA_MODE_COMBINE 1
+
+// A TMA descriptor (CUtensorMap), made on the host by cuTensorMapEncodeTiled.
+struct alignas(128) EpTmaDescriptor {
+    uint64_t opaque[16];
+};
+
+// Mirrors `MegaParams` in src/runtime/gpu/mega.rs (same order, same types).
+struct MegaParams {
+    EpTmaDescriptor a;  // the GEMM's rows: 2-D (k, rows)
+    EpTmaDescriptor b;  // the weights: 3-D (k, n, local experts)
+    DispatchParams dispatch;  // mode dispatch: the routing of this call
+    CombineParams combine;    // mode combine: the combine (its x is y)
+    __nv_bfloat16* y;         // [rows, n] GEMM output
+    const float* a_scales;    // FP8: [rows, k / 128]
+    const float* b_scales;    // FP8: [local experts, n / 128, k / 128]
+    const int* expert_layout;  // the handle's: [L + 1] segment starts, [L] counts
+    int* row_ready;            // [rows]: sequence number of the call that moved the row
+    int* tile_ready;           // [max_m_tiles, n_tiles]: of the call that stored the tile
+    int* state;                // [2]: last sequence number, blocks finished
+    const int* abort_flag;
+    EpDeviceStatus* status;
+    uint64_t timeout_ns;
+    int64_t rows;     // rows of A, its scales and y (the expert capacity)
+    int mode;         // EP_MEGA_MODE_*
+    int n;
+    int k;
+    int local_experts;
+    int max_m_tiles;  // m-tiles tile_ready has room for
+    int pad;
+};
+
+// The layout src/runtime/gpu/mega.rs has (its test checks the same numbers).
+static_assert(sizeof(DispatchParams) == 344, "DispatchParams differs from the Rust side");
+static_assert(sizeof(CombineParams) == 120, "CombineParams differs from the Rust side");
+static_assert(offsetof(MegaParams, dispatch) == 256 && offsetof(MegaParams, combine) == 600 &&
+                  offsetof(MegaParams, y) == 720 && offsetof(MegaParams, rows) == 800 &&
+                  offsetof(MegaParams, mode) == 808 && sizeof(MegaParams) == 896,
+              "MegaParams differs from the Rust side");
+
+// Where an m-tile lies.
+struct MegaTile {
+    int expert;
+    int first_row;  // its first expert-major row
+    int rows;       // real rows, 1 to EP_MEGA_BLOCK_M
+};
+
+// The expert layout every block reads from the handle, and the m-tiles.
+struct MegaLayout {
+    int offset[EP_MAX_EXPERTS + 1];      // segment starts; [L] = end
+    int count[EP_MAX_EXPERTS];           // real rows
+    int tile_start[EP_MAX_EXPERTS + 1];  // first m-tile of each expert; [L] = m-tiles
+    int comm_rows[EP_MEGA_COMM_WARPS][EP_MAX_TOPK];  // per communication warp
+    float comm_weights[EP_MEGA_COMM_WARPS][EP_MAX_TOPK];
+    int usable;  // the routing and the layout are sane
+    int failed;  // a wait of this block failed: wait no more
+};
+
+// ---------------------------------------------------------------------------
+// Layout and tiles (any target)
+// ---------------------------------------------------------------------------
+
+// Loads the handle's layout and numbers the m-tiles; sets `usable`. Whole
+// block. A layout that cannot come from a dispatch (offsets out of order,
+// counts beyond their segments, more rows than the buffers) is recorded as
+// EP_STATUS_INVALID_ARGUMENT; a failed routing barrier was recorded before.
+__device__ __forceinline__ void ep_mega_load_layout(const MegaParams& p, MegaLayout& l, bool routed, int phase) {
+    const int experts = p.local_experts;
+    for (int i = threadIdx.x; i <= experts; i += blockDim.x) {
+        l.offset[i] = p.expert_layout[i];
+        if (i < experts) {
+            l.count[i] = p.expert_layout[experts + 1 + i];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        const int per_lane = (experts + 31) / 32;
+        const int first = min(experts, lane * per_lane);
+        const int last = min(experts, first + per_lane);
+        bool sane = l.offset[0] == 0 && l.offset[experts] <= p.rows;
+        int tiles = 0;
+        for (int e = first; e < last; ++e) {
+            sane = sane && l.count[e] >= 0 && l.offset[e] + l.count[e] <= l.offset[e + 1];
+            tiles += (max(l.count[e], 0) + EP_MEGA_BLOCK_M - 1) / EP_MEGA_BLOCK_M;
+        }
+        sane = __all_sync(0xffffffffu, sane);
+        // Exclusive prefix of the lanes' tile counts.
+        int before = tiles;
+        for (int d = 1; d < 32; d *= 2) {
+            const int other = __shfl_up_sync(0xffffffffu, before, d);
+            before += lane >= d ? other : 0;
+        }
+        before -= tiles;
+        for (int e = first; e < last; ++e) {
+            l.tile_start[e] = before;
+            before += (max(l.count[e], 0) + EP_MEGA_BLOCK_M - 1) / EP_MEGA_BLOCK_M;
+        }
+        if (lane == 31) {
+            l.tile_start[experts] = before;
+            sane = sane && before <= p.max_m_tiles;
+            if (!sane && routed && blockIdx.x == 0) {
+                ep_record_error(p.status, EP_STATUS_INVALID_ARGUMENT, -1, phase, 0);
+            }
+            l.usable = sane && routed;
+            l.failed = 0;
+        }
+    }
+    __syncthreads();
+}
+
+// The m-tile `m`: its expert is the last one whose first tile is <= m
+// (experts without rows share their successor's first tile).
+__device__ __forceinline__ MegaTile ep_mega_tile(const MegaLayout& l, int experts, int m) {
+    int lo = 0, hi = experts - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (l.tile_start[mid] <= m) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    const int skipped = (m - l.tile_start[lo]) * EP_MEGA_BLOCK_M;
+    return MegaTile{lo, l.offset[lo] + skipped, min(EP_MEGA_BLOCK_M, l.count[lo] - skipped)};
+}
+
+// The local expert whose segment holds the real row `row`: the last one
+// whose segment starts at or before it.
+__device__ __forceinline__ int ep_mega_expert_of_row(const MegaLayout& l, int experts, int row) {
+    int lo = 0, hi = experts - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (l.offset[mid] <= row) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    return lo;
+}
+
+// A bounded wait of one thread for `*flag` to reach `seq`, skipped once any
+// wait of the block has failed.
+__device__ __forceinline__ void ep_mega_wait(const MegaParams& p, MegaLayout& l, const int* flag,
+                                             int seq, int phase) {
+    if (*reinterpret_cast<volatile int*>(&l.failed)) {
+        return;
+    }
+    if (!ep_wait_until_ge(flag, seq, ep_deadline_after(p.timeout_ns), p.abort_flag, p.status, -1,
+                          phase)) {
+        *reinterpret_cast<volatile int*>(&l.failed) = 1;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Communication warps (any target)
+// ---------------------------------------------------------------------------
+
+// Zeros `bytes` (a multiple of 16) at `row` with the whole warp.
+__device__ __forceinline__ void ep_mega_zero_row(uint8_t* row, int64_t bytes, int lane) {
+    int4* v = reinterpret_cast<int4*>(row);
+    for (int64_t i = lane; i < bytes / 16; i += 32) {
+        v[i] = make_int4(0, 0, 0, 0);
+    }
+}
+
+// Dispatch: the expert-major rows, ascending, `warp` of `warps`.
+__device__ __forceinline__ void ep_mega_move_rows(const MegaParams& p, MegaLayout& l, int seq, int warp, int warps,
+                                  int comm_warp, int lane) {
+    const DispatchParams& d = p.dispatch;
+    int* const dests = l.comm_rows[comm_warp];
+    const int total = l.offset[p.local_experts];
+    for (int j = warp; j < total; j += warps) {
+        const int row = d.expert_src_row[j];
+        if (row < 0) {
+            // Padding: zero row, zero scales, zero output row.
+            ep_mega_zero_row(d.expert_x + static_cast<int64_t>(j) * d.row_bytes, d.row_bytes, lane);
+            for (int c = lane; c < d.scale_cols; c += 32) {
+                d.expert_scales[static_cast<int64_t>(j) * d.scale_cols + c] = 0.0f;
+            }
+            ep_mega_zero_row(reinterpret_cast<uint8_t*>(p.y + static_cast<int64_t>(j) * p.n),
+                             static_cast<int64_t>(p.n) * 2, lane);
+            continue;
+        }
+        // The token's expert-major rows; the task of the first one moves it.
+        const int pos = lane < d.topk ? d.handle_row_expert_pos[static_cast<int64_t>(row) * d.topk + lane]
+                                      : -1;
+        const unsigned has_pos = __ballot_sync(0xffffffffu, pos >= 0);
+        const int first = static_cast<int>(
+            __reduce_min_sync(0xffffffffu, pos >= 0 ? static_cast<unsigned>(pos) : 0xffffffffu));
+        if (first != j) {
+            continue;
+        }
+        if (pos >= 0) {
+            dests[__popc(has_pos & ep_lanemask_lt())] = pos;
+        }
+        __syncwarp();
+        const int num = __popc(has_pos);
+        const int source = d.handle_row_src[2 * row];
+        const int token = d.handle_row_src[2 * row + 1];
+        const uint8_t* src = ep_area<uint8_t>(d.peer_bases, source, d.area, d.off_staged_x) +
+                             static_cast<int64_t>(token) * d.row_bytes;
+        ep_warp_copy_row(src, nullptr, d.expert_x, dests, num, d.row_bytes, lane);
+        if (d.scale_cols > 0) {
+            const float* scales = ep_area<float>(d.peer_bases, source, d.area, d.off_staged_scales) +
+                                  static_cast<int64_t>(token) * d.scale_cols;
+            for (int c = lane; c < d.scale_cols; c += 32) {
+                const float v = scales[c];
+                for (int i = 0; i < num; ++i) {
+                    d.expert_scales[static_cast<int64_t>(dests[i]) * d.scale_cols + c] = v;
+                }
+            }
+        }
+        // Release: the rows (every lane's stores) before the flags.
+        __threadfence();
+        __syncwarp();
+        if (lane < num) {
+            ep_st_release_sys(p.row_ready + dests[lane], seq);
+        }
+        __syncwarp();
+    }
+}
+
+// Combine: the received rows, `warp` of `warps`, each sent once every tile
+// holding one of its expert-major rows is stored.
+__device__ __forceinline__ void ep_mega_send_rows(const MegaParams& p, MegaLayout& l, int seq, int warp, int warps,
+                                  int comm_warp, int lane, int n_tiles) {
+    const CombineParams& c = p.combine;
+    int* const tiles = l.comm_rows[comm_warp];
+    const int rows = *c.handle_num_rows;
+    const int vectors = c.hidden / 8;
+    for (int row = warp; row < rows; row += warps) {
+        if (lane < c.topk) {
+            const int pos = c.handle_row_expert_pos[static_cast<int64_t>(row) * c.topk + lane];
+            int tile = -1;
+            if (pos >= 0) {
+                const int e = ep_mega_expert_of_row(l, p.local_experts, pos);
+                tile = l.tile_start[e] + (pos - l.offset[e]) / EP_MEGA_BLOCK_M;
+            }
+            tiles[lane] = tile;
+        }
+        __syncwarp();
+        for (int i = lane; i < c.topk * n_tiles; i += 32) {
+            const int tile = tiles[i / n_tiles];
+            if (tile >= 0) {
+                ep_mega_wait(p, l, p.tile_ready + static_cast<int64_t>(tile) * n_tiles + i % n_tiles,
+                             seq, EP_PHASE_COMBINE);
+            }
+        }
+        __syncwarp();
+        const int source = c.handle_row_src[2 * row];
+        const int token = c.handle_row_src[2 * row + 1];
+        int4* dst = ep_area<int4>(c.peer_bases, source, c.area, c.off_returned) +
+                    (static_cast<int64_t>(c.rank) * c.max_tokens + token) * vectors;
+        ep_combine_send_row(c, row, dst, tiles, l.comm_weights[comm_warp], lane);
+        __syncwarp();
+    }
+}
+
+// Records that a fused kernel ran on a GPU it was not built for, or without
+// the shared memory it needs.
+__device__ __forceinline__ void ep_mega_unsupported(const MegaParams& p) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        ep_record_error(p.status, EP_STATUS_INVALID_ARGUMENT, -1,
+                        p.mode == EP_MEGA_MODE_DISPATCH ? EP_PHASE_DISPATCH : EP_PHASE_COMBINE, 0);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The GEMM (Hopper)
+// ---------------------------------------------------------------------------
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+namespace ep_mega {
+using namespace cute;
+
+// BF16: 128 x 256 tiles, k-blocks of 64, 4 stages (48 KiB each).
+struct Bf16Gemm {
+    using Element = bfloat16_t;
+    using Atom = SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>;
+    static constexpr int kBlockN = 256;
+    static constexpr int kBlockK = 64;
+    static constexpr int kStages = 4;
+    static constexpr bool kScaled = false;
+};
+
+// FP8: 128 x 128 tiles, k-blocks of 128 (one scale block), 6 stages
+// (32 KiB each); two accumulators (a k-block's and the total) per thread.
+struct Fp8Gemm {
+    using Element = float_e4m3_t;
+    using Atom = SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
+    static constexpr int kBlockN = 128;
+    static constexpr int kBlockK = 128;
+    static constexpr int kStages = 6;
+    static constexpr bool kScaled = true;
+};
+
+template <class G>
+struct Gemm {
+    using Element = typename G::Element;
+    static constexpr int kBlockM = EP_MEGA_BLOCK_M;
+    static constexpr int kBlockN = G::kBlockN;
+    static constexpr int kBlockK = G::kBlockK;
+    static constexpr int kStages = G::kStages;
+    static constexpr int kBScales = (kBlockN + EP_MEGA_SCALE_BLOCK - 1) / EP_MEGA_SCALE_BLOCK;
+    static constexpr uint32_t kStageBytes =
+        (kBlockM + kBlockN) * kBlockK * static_cast<uint32_t>(sizeof(Element));
+    // full[s] waits for the producer's arrive (and, FP8, 32 cp.async arrivals).
+    static constexpr uint32_t kFullArrivals = G::kScaled ? 33 : 1;
+    static constexpr uint32_t kEmptyArrivals = EP_MEGA_CONSUMERS / EP_MEGA_WARPGROUP;
+
+    // Two consumer warpgroups stacked along M: 128 x kBlockN per k-step.
+    using TiledMma = decltype(make_tiled_mma(typename G::Atom{}, Layout<Shape<_2, _1, _1>>{}));
+    using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                               make_shape(Int<kBlockM>{}, Int<kBlockK>{},
+                                                          Int<kStages>{})));
+    using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                               make_shape(Int<kBlockN>{}, Int<kBlockK>{},
+                                                          Int<kStages>{})));
+
+    struct alignas(1024) Shared {
+        Element a[kStages * kBlockM * kBlockK];
+        Element b[kStages * kBlockN * kBlockK];
+        float a_scales[kStages][kBlockM];
+        float b_scales[kStages][kBScales];
+        uint64_t full[kStages];
+        uint64_t empty[kStages];
+        MegaLayout layout;
+    };
+};
+
+// The stage ring position of one role: stage index and the parity of the
+// phase it waits for.
+struct Ring {
+    int stage;
+    uint32_t parity;
+    template <int kStages>
+    __device__ __forceinline__ void advance() {
+        if (++stage == kStages) {
+            stage = 0;
+            parity ^= 1;
+        }
+    }
+};
+
+// Producer warp: for every tile of this block, wait for its rows (dispatch),
+// then load its k-blocks into the stages.
+template <class G>
+__device__ __forceinline__ void produce(const MegaParams& p, typename Gemm<G>::Shared& s, int seq, int n_tiles,
+                        int total_tiles, int lane) {
+    using T = Gemm<G>;
+    MegaLayout& l = s.layout;
+    const int k_blocks = p.k / T::kBlockK;
+    const int scale_cols = p.k / EP_MEGA_SCALE_BLOCK;
+    Ring ring{0, 1};  // empty stages: the phase before the first counts as done
+    for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+        const MegaTile t = ep_mega_tile(l, p.local_experts, tile / n_tiles);
+        const int n0 = (tile % n_tiles) * T::kBlockN;
+        if (p.mode == EP_MEGA_MODE_DISPATCH) {
+            for (int i = lane; i < t.rows; i += 32) {
+                ep_mega_wait(p, l, p.row_ready + t.first_row + i, seq, EP_PHASE_DISPATCH);
+            }
+            __syncwarp();
+            // The rows were written by generic stores; TMA reads through
+            // the async proxy.
+            asm volatile("fence.proxy.async.global;" ::: "memory");
+        }
+        for (int kb = 0; kb < k_blocks; ++kb) {
+            cutlass::arch::ClusterBarrier::wait(&s.empty[ring.stage], ring.parity);
+            if constexpr (G::kScaled) {
+                for (int i = lane; i < T::kBlockM; i += 32) {
+                    const int64_t row = t.first_row + i;
+                    const bool inside = row < p.rows;
+                    const float* src = p.a_scales + (inside ? row * scale_cols + kb : 0);
+                    const uint32_t dst = cute::cast_smem_ptr_to_uint(&s.a_scales[ring.stage][i]);
+                    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src),
+                                 "r"(inside ? 4 : 0)
+                                 : "memory");
+                }
+                if (lane < T::kBScales) {
+                    const int n_block = n0 / EP_MEGA_SCALE_BLOCK + lane;
+                    const int n_blocks = p.n / EP_MEGA_SCALE_BLOCK;
+                    const bool inside = n_block < n_blocks;
+                    const float* src =
+                        p.b_scales +
+                        (inside ? (static_cast<int64_t>(t.expert) * n_blocks + n_block) * scale_cols + kb
+                                : 0);
+                    const uint32_t dst = cute::cast_smem_ptr_to_uint(&s.b_scales[ring.stage][lane]);
+                    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src),
+                                 "r"(inside ? 4 : 0)
+                                 : "memory");
+                }
+                cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);
+            }
+            if (lane == 0) {
+                cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[ring.stage],
+                                                                                T::kStageBytes);
+                const uint64_t hint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
+                SM90_TMA_LOAD_2D::copy(&p.a, &s.full[ring.stage], hint,
+                                       s.a + ring.stage * T::kBlockM * T::kBlockK, kb * T::kBlockK,
+                                       t.first_row);
+                SM90_TMA_LOAD_3D::copy(&p.b, &s.full[ring.stage], hint,
+                                       s.b + ring.stage * T::kBlockN * T::kBlockK, kb * T::kBlockK,
+                                       n0, t.expert);
+            }
+            __syncwarp();
+            ring.advance<T::kStages>();
+        }
+    }
+}
+
+// One consumer warpgroup's release of a stage: one arrival per warpgroup,
+// after its MMAs on the stage have completed.
+__device__ __forceinline__ void release_stage(uint64_t* empty, int consumer) {
+    if (consumer % EP_MEGA_WARPGROUP == 0) {
+        cutlass::arch::ClusterBarrier::arrive(empty);
+    }
+}
+
+// BF16 mainloop of one tile: accumulate all k-blocks, one batch of MMAs
+// in flight while the next stage is waited for.
+template <class G, class Frag, class FragA, class FragB>
+__device__ __forceinline__ void mainloop_bf16(typename Gemm<G>::Shared& s, Ring& ring,
+                                              int k_blocks, Frag& accum, FragA& tCrA, FragB& tCrB,
+                                              int consumer) {
+    using T = Gemm<G>;
+    typename T::TiledMma tiled_mma;
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    int in_flight = -1;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+        cutlass::arch::ClusterBarrier::wait(&s.full[ring.stage], ring.parity);
+        warpgroup_fence_operand(accum);
+        warpgroup_arrive();
+        CUTLASS_PRAGMA_UNROLL
+        for (int ks = 0; ks < size<2>(tCrA); ++ks) {
+            cute::gemm(tiled_mma, tCrA(_, _, ks, ring.stage), tCrB(_, _, ks, ring.stage), accum);
+            tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(accum);
+        if (in_flight >= 0) {
+            release_stage(&s.empty[in_flight], consumer);
+        }
+        in_flight = ring.stage;
+        ring.advance<T::kStages>();
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accum);
+    if (in_flight >= 0) {
+        release_stage(&s.empty[in_flight], consumer);
+    }
+}
+
+// FP8 mainloop of one tile: per k-block, the MMAs into `block` from zero,
+// then total += (row scale * weight block scale) * block.
+template <class G, class Frag, class FragA, class FragB, class Coords>
+__device__ __forceinline__ void mainloop_fp8(typename Gemm<G>::Shared& s, Ring& ring, int k_blocks,
+                                             Frag& total, Frag& block, FragA& tCrA, FragB& tCrB,
+                                             const Coords& tCcC, int consumer) {
+    using T = Gemm<G>;
+    typename T::TiledMma tiled_mma;
+    // The two rows of a thread's accumulator fragment.
+    const int row0 = get<0>(tCcC(0));
+    int row1 = row0;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(total); ++i) {
+        total(i) = 0.0f;
+        row1 = get<0>(tCcC(i)) != row0 ? get<0>(tCcC(i)) : row1;
+    }
+    for (int kb = 0; kb < k_blocks; ++kb) {
+        cutlass::arch::ClusterBarrier::wait(&s.full[ring.stage], ring.parity);
+        warpgroup_fence_operand(block);
+        warpgroup_arrive();
+        tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+        CUTLASS_PRAGMA_UNROLL
+        for (int ks = 0; ks < size<2>(tCrA); ++ks) {
+            cute::gemm(tiled_mma, tCrA(_, _, ks, ring.stage), tCrB(_, _, ks, ring.stage), block);
+            tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(block);
+        const float scale0 = s.a_scales[ring.stage][row0];
+        const float scale1 = s.a_scales[ring.stage][row1];
+        float b_scale[T::kBScales];
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < T::kBScales; ++j) {
+            b_scale[j] = s.b_scales[ring.stage][j];
+        }
+        release_stage(&s.empty[ring.stage], consumer);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(total); ++i) {
+            const float a_scale = get<0>(tCcC(i)) == row0 ? scale0 : scale1;
+            const float scale = a_scale * b_scale[get<1>(tCcC(i)) / EP_MEGA_SCALE_BLOCK];
+            total(i) = fmaf(scale, block(i), total(i));
+        }
+        ring.advance<T::kStages>();
+    }
+}
+
+// Stores the real rows and columns of a tile's accumulator as BF16 pairs
+// (a thread's fragment holds column pairs (c, c + 1) of one row).
+template <class Frag, class Coords>
+__device__ __forceinline__ void store_tile(const MegaParams& p, const MegaTile& t, int n0,
+                                           const Frag& accum, const Coords& tCcC) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(accum); i += 2) {
+        const int m = get<0>(tCcC(i));
+        const int col = n0 + get<1>(tCcC(i));
+        if (m < t.rows && col < p.n) {
+            *reinterpret_cast<__nv_bfloat162*>(p.y + static_cast<int64_t>(t.first_row + m) * p.n +
+                                               col) = __floats2bfloat162_rn(accum(i), accum(i + 1));
+        }
+    }
+}
+
+// Consumer warpgroups: the MMAs and the epilogue of every tile of this block.
+template <class G>
+__device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::Shared& s, int seq, int n_tiles,
+                        int total_tiles, int consumer) {
+    using T = Gemm<G>;
+    const MegaLayout& l = s.layout;
+    typename T::TiledMma tiled_mma;
+    Tensor sA = make_tensor(make_smem_ptr(s.a), typename T::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(s.b), typename T::SmemLayoutB{});
+    // A and B descriptors are per warpgroup; C fragments per thread.
+    auto wg_mma = tiled_mma.get_slice(consumer / EP_MEGA_WARPGROUP * EP_MEGA_WARPGROUP);
+    Tensor tCrA = wg_mma.make_fragment_A(wg_mma.partition_A(sA));  // (MMA, M, K, PIPE)
+    Tensor tCrB = wg_mma.make_fragment_B(wg_mma.partition_B(sB));  // (MMA, N, K, PIPE)
+    auto thread_mma = tiled_mma.get_thread_slice(consumer);
+    Tensor tCcC = thread_mma.partition_C(
+        make_identity_tensor(make_shape(Int<T::kBlockM>{}, Int<T::kBlockN>{})));
+    Tensor accum = partition_fragment_C(tiled_mma, make_shape(Int<T::kBlockM>{}, Int<T::kBlockN>{}));
+    const int k_blocks = p.k / T::kBlockK;
+    Ring ring{0, 0};
+    for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+        const int m_tile = tile / n_tiles;
+        const MegaTile t = ep_mega_tile(l, p.local_experts, m_tile);
+        const int n0 = (tile % n_tiles) * T::kBlockN;
+        if constexpr (G::kScaled) {
+            Tensor block = partition_fragment_C(tiled_mma,
+                                                make_shape(Int<T::kBlockM>{}, Int<T::kBlockN>{}));
+            mainloop_fp8<G>(s, ring, k_blocks, accum, block, tCrA, tCrB, tCcC, consumer);
+        } else {
+            mainloop_bf16<G>(s, ring, k_blocks, accum, tCrA, tCrB, consumer);
+        }
+        store_tile(p, t, n0, accum, tCcC);
+        if (p.mode == EP_MEGA_MODE_COMBINE) {
+            // Release: every consumer thread's stores before the tile's flag.
+            __threadfence();
+            asm volatile("bar.sync %0, %1;" ::"r"(EP_MEGA_CONSUMER_BARRIER), "r"(EP_MEGA_CONSUMERS)
+                         : "memory");
+            if (consumer == 0) {
+                ep_st_release_sys(p.tile_ready + static_cast<int64_t>(m_tile) * n_tiles + tile % n_tiles,
+                                  seq);
+            }
+        }
+    }
+}
+
+// The whole fused kernel for one GEMM type.
+template <class G>
+__device__ __forceinline__ void run(const MegaParams& p) {
+    using T = Gemm<G>;
+    extern __shared__ uint8_t smem_raw[];
+    // The swizzled stages need 1024-byte alignment; the host adds the slack.
+    auto& s = *reinterpret_cast<typename T::Shared*>(
+        (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+    MegaLayout& l = s.layout;
+    static_assert(sizeof(typename T::Shared) + 1024 <= EP_MEGA_MAX_SHARED_BYTES,
+                  "the stages do not fit the shared memory of an SM");
+    uint32_t shared_bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(shared_bytes));
+    if (shared_bytes < sizeof(typename T::Shared) + 1024) {
+        ep_mega_unsupported(p);
+        return;
+    }
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int seq = p.state[0] + 1;
+    const bool dispatch = p.mode == EP_MEGA_MODE_DISPATCH;
+
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < T::kStages; ++i) {
+            cutlass::arch::ClusterBarrier::init(&s.full[i], T::kFullArrivals);
+            cutlass::arch::ClusterBarrier::init(&s.empty[i], T::kEmptyArrivals);
+        }
+        cutlass::arch::fence_barrier_init();
+    }
+    const uint64_t own_base =
+        dispatch ? p.dispatch.peer_bases[p.dispatch.rank] : p.combine.peer_bases[p.combine.rank];
+    ep_mega_load_layout(p, l, ep_last_barrier_passed(own_base),
+                        dispatch ? EP_PHASE_DISPATCH : EP_PHASE_COMBINE);
+    const int n_tiles = (p.n + T::kBlockN - 1) / T::kBlockN;
+    const int total_tiles = l.usable ? l.tile_start[p.local_experts] * n_tiles : 0;
+
+    if (threadIdx.x < EP_MEGA_WARPGROUP) {
+        if (warp == 0) {
+            produce<G>(p, s, seq, n_tiles, total_tiles, lane);
+        } else if (l.usable) {
+            const int comm_warp = warp - 1;
+            const int global_warp = blockIdx.x * EP_MEGA_COMM_WARPS + comm_warp;
+            const int warps = gridDim.x * EP_MEGA_COMM_WARPS;
+            if (dispatch) {
+                ep_mega_move_rows(p, l, seq, global_warp, warps, comm_warp, lane);
+            } else {
+                ep_mega_send_rows(p, l, seq, global_warp, warps, comm_warp, lane, n_tiles);
+            }
+        }
+    } else {
+        consume<G>(p, s, seq, n_tiles, total_tiles, threadIdx.x - EP_MEGA_WARPGROUP);
+    }
+
+    // The last block to finish publishes this call's sequence number.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(p.state + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+            p.state[1] = 0;
+            p.state[0] = seq;
+        }
+    }
+}
+
+}  // namespace ep_mega
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// grid = at most one block per SM, EP_MEGA_THREADS threads, dynamic shared
+// memory: the device's maximum (at least sizeof(Gemm<G>::Shared) + 1024).
+extern "C" __global__ void __launch_bounds__(EP_MEGA_THREADS, 1)
+    ep_mega_bf16_kernel(const __grid_constant__ MegaParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    ep_mega::run<ep_mega::Bf16Gemm>(p);
+#else
+    ep_mega_unsupported(p);
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(EP_MEGA_THREADS, 1)
+    ep_mega_fp8_kernel(const __grid_constant__ MegaParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    ep_mega::run<ep_mega::Fp8Gemm>(p);
+#else
+    ep_mega_unsupported(p);
+#endif
+}
