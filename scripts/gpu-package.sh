@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds everything the GPU machine runs (it has no Rust) and copies it into
 # the git-ignored folder .gpu/: libep.so, the GPU test binaries
-# (tests/gpu_*.rs), ep-bench, the C demo and scripts/gpu-check.sh.
+# (tests/gpu_*.rs), ep-bench, the C demo, scripts/gpu-check.sh, and the
+# fused kernels' runner (scripts/gpu-mega.sh) and benchmark
+# (bench/mega_bench.py).
 # Debug info is stripped from the copies to stay well under 60 MiB.
 # Then, on the GPU machine: bash .gpu/gpu-check.sh [budget-seconds]
 set -euo pipefail
@@ -50,8 +52,8 @@ if [ -f examples-c/demo.c ]; then
   [ -f .gpu/demo ] || echo "warning: examples-c/demo.c did not compile" >&2
 fi
 
-cp scripts/gpu-check.sh .gpu/
-chmod +x .gpu/gpu-check.sh
+cp scripts/gpu-check.sh scripts/gpu-mega.sh bench/mega_bench.py .gpu/
+chmod +x .gpu/gpu-check.sh .gpu/gpu-mega.sh
 
 strip --strip-debug .gpu/libep.so .gpu/ep-bench .gpu/tests/* 2>/dev/null || true
 [ -f .gpu/demo ] && strip --strip-debug .gpu/demo

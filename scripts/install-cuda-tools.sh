@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Installs the CUDA 13.0 compiler tool chain (nvcc, cicc, ptxas, headers,
 # libdevice) from NVIDIA's PyPI wheels into <repo root>/.venv, so the kernels
-# build on a machine without a CUDA toolkit and without a GPU.
+# build on a machine without a CUDA toolkit and without a GPU, and the
+# CUTLASS/CuTe headers the fused kernels build on (the nvidia-cutlass wheel,
+# headers only: its Python code generator and that code's dependencies are
+# not used, hence --no-deps).
 #
 # The versions are pinned to 13.0: the GPU driver the kernels run under is
 # CUDA 13.0, and a newer nvcc emits code (PTX ISA / fatbin versions) that an
@@ -23,7 +26,14 @@ find_nvcc() {
     [[ -n "$found" ]] && echo "$found"
 }
 
-if [[ -f "$marker" ]] && nvcc_path=$(find_nvcc) && "$nvcc_path" --version >/dev/null 2>&1; then
+# The wheel puts the headers under site-packages/cutlass_library/source/include.
+have_cutlass() {
+    find "$venv/lib" -path '*/site-packages/cutlass_library/source/include/cute/tensor.hpp' \
+        2>/dev/null | grep -q .
+}
+
+if [[ -f "$marker" ]] && nvcc_path=$(find_nvcc) && "$nvcc_path" --version >/dev/null 2>&1 \
+    && have_cutlass; then
     echo "CUDA tools already installed: $nvcc_path"
     exit 0
 fi
@@ -41,11 +51,16 @@ fi
     nvidia-cuda-cccl==13.0.85 \
     nvidia-cuda-crt==13.0.88 \
     nvidia-nvvm==13.0.88
+"$venv/bin/python" -m pip install --quiet --no-deps nvidia-cutlass==4.2.0.0
 
 nvcc_path=$(find_nvcc) || {
     echo "error: the nvidia-cuda-nvcc wheel installed no nvcc under $venv" >&2
     exit 1
 }
 "$nvcc_path" --version >/dev/null
+have_cutlass || {
+    echo "error: the nvidia-cutlass wheel installed no CUTLASS headers under $venv" >&2
+    exit 1
+}
 touch "$marker"
 echo "CUDA tools installed: $nvcc_path"

@@ -710,14 +710,8 @@ impl<T: Plain> Drop for MappedHost<T> {
 
 /// A TMA descriptor (`CUtensorMap`, 128 bytes), passed to kernels by value.
 #[repr(C, align(128))]
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct TensorMap(pub [u64; 16]);
-
-impl Default for TensorMap {
-    fn default() -> Self {
-        TensorMap([0; 16])
-    }
-}
 
 /// Element types of [`TensorMap::tiled`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
