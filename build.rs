@@ -19,8 +19,17 @@ use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// The structs and constants shared with the runtime, to generate
+/// `ep_abi.h` from (see src/abi/mod.rs).
+#[allow(dead_code)]
+mod abi {
+    include!("src/abi/gen.rs");
+    include!("src/abi/defs.rs");
+}
+
 fn main() {
     println!("cargo:rerun-if-changed=kernels");
+    println!("cargo:rerun-if-changed=src/abi");
     for var in ["NVCC", "CUDA_HOME", "EP_CUDA_ARCHS"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -47,6 +56,13 @@ fn build() -> Result<(), String> {
     let objects_dir = out_dir.join("kernels");
     std::fs::create_dir_all(&objects_dir).map_err(|e| format!("{}: {e}", objects_dir.display()))?;
 
+    // The generated header of the shared structs and constants.
+    let abi_dir = out_dir.join("include");
+    std::fs::create_dir_all(&abi_dir).map_err(|e| format!("{}: {e}", abi_dir.display()))?;
+    let abi_header = abi_dir.join("ep_abi.h");
+    std::fs::write(&abi_header, abi::c_header())
+        .map_err(|e| format!("{}: {e}", abi_header.display()))?;
+
     // Step 1, all files at once: nvcc is single-threaded and slow.
     let include_dir = kernels_dir.join("include");
     let compiles: Vec<(Command, PathBuf)> = sources
@@ -59,6 +75,8 @@ fn build() -> Result<(), String> {
                 .arg("--expt-relaxed-constexpr")
                 .arg("-I")
                 .arg(&include_dir)
+                .arg("-I")
+                .arg(&abi_dir)
                 .args(&gencode)
                 .arg(source)
                 .arg("-o")

@@ -16,7 +16,7 @@
 //! Asynchronous operations take a `CUstream` owned by the caller; the null
 //! stream is allowed.
 
-use std::ffi::{c_void, CStr, CString};
+use std::ffi::{c_void, CStr};
 use std::marker::PhantomData;
 use std::mem::size_of;
 use std::ptr;
@@ -26,6 +26,7 @@ use cudarc::driver::sys;
 pub use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUresult, CUstream};
 use once_cell::sync::OnceCell;
 
+use crate::abi;
 use crate::error::{Error, ErrorKind, Result};
 
 /// Aligns the embedded fatbin: the driver reads its headers as 8-byte
@@ -330,23 +331,23 @@ impl Module {
         })
     }
 
-    /// The kernel called `name` (its `extern "C"` name).
+    /// The kernel called `name` (its `extern "C"` name), which takes one
+    /// parameter of type `P`: looked up once, when a context loads its
+    /// kernels, not at every launch.
     ///
     /// Errors: `Cuda` with `CUDA_ERROR_NOT_FOUND` when there is none.
-    pub fn function(&self, name: &str) -> Result<Kernel<'_>> {
-        let c_name = CString::new(name)
-            .map_err(|_| Error::invalid(format!("kernel name {name:?} contains NUL")))?;
+    pub fn function<P>(&self, name: &'static CStr) -> Result<Kernel<P>> {
         let _context = self.device.bind()?;
         let mut handle = ptr::null_mut();
         // SAFETY: the module is loaded, the name NUL-terminated.
         check(
-            unsafe { sys::cuModuleGetFunction(&mut handle, self.handle, c_name.as_ptr()) },
-            &format!("cuModuleGetFunction({name})"),
+            unsafe { sys::cuModuleGetFunction(&mut handle, self.handle, name.as_ptr()) },
+            &format!("cuModuleGetFunction({})", name.to_string_lossy()),
         )?;
         Ok(Kernel {
-            module: self,
             handle,
-            name: name.to_string(),
+            name,
+            params: PhantomData,
         })
     }
 }
@@ -354,60 +355,73 @@ impl Module {
 impl Drop for Module {
     fn drop(&mut self) {
         if let Ok(_context) = self.device.bind() {
-            // SAFETY: no Kernel outlives the module (they borrow it). The
-            // result is ignored, as in every destructor here.
+            // SAFETY: the kernels of a module are only launched while it
+            // is loaded (their owners keep the module). The result is
+            // ignored, as in every destructor here.
             unsafe { sys::cuModuleUnload(self.handle) };
         }
     }
 }
 
-/// One kernel of a [`Module`].
-pub struct Kernel<'m> {
-    module: &'m Module,
+/// One kernel of a [`Module`], whose single parameter is a `P` (a struct of
+/// `src/abi/defs.rs`), so a launch cannot pass the wrong struct. A plain
+/// handle: valid while its module is loaded, which its owner guarantees.
+pub struct Kernel<P> {
     handle: sys::CUfunction,
-    name: String,
+    name: &'static CStr,
+    params: PhantomData<fn(&P)>,
 }
+
+// Not derived: `P` itself need not be `Clone`.
+impl<P> Clone for Kernel<P> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<P> Copy for Kernel<P> {}
 
 // SAFETY: a function handle is an immutable part of its module; launching
 // it from several threads at once is allowed by the driver.
-unsafe impl Send for Kernel<'_> {}
-unsafe impl Sync for Kernel<'_> {}
+unsafe impl<P> Send for Kernel<P> {}
+unsafe impl<P> Sync for Kernel<P> {}
 
-impl Kernel<'_> {
+impl<P> Kernel<P> {
     /// The kernel's name.
     pub fn name(&self) -> &str {
-        &self.name
+        self.name.to_str().unwrap_or("kernel")
     }
 
     /// Queues the kernel on `stream` with a one-dimensional grid of `grid`
-    /// blocks of `block` threads and `shared_bytes` of dynamic shared memory.
-    /// `params` holds one pointer per kernel parameter, in order, each to a
-    /// value of exactly the parameter's type (`&mut x as *mut _ as *mut
-    /// c_void`); the driver copies the values during the call.
+    /// blocks of `block` threads, `shared_bytes` of dynamic shared memory,
+    /// and `params` as its parameter (the driver copies it during the call).
+    /// `_bound` is the caller's proof that the kernel's context is current
+    /// on this thread: an API call binds its context once, then launches.
     ///
     /// Errors: `InvalidArgument` for an empty grid or block (nothing is
     /// queued); `Cuda` when the driver refuses the launch. Faults while the
     /// kernel runs surface at the next synchronization.
     ///
     /// # Safety
-    /// `params` must match the kernel's signature, and every device pointer
-    /// passed must stay valid until the kernel has finished.
+    /// The module must still be loaded, and every device pointer in
+    /// `params` must stay valid until the kernel has finished.
     pub unsafe fn launch(
         &self,
+        _bound: &ContextGuard<'_>,
         grid: u32,
         block: u32,
         shared_bytes: u32,
         stream: CUstream,
-        params: &mut [*mut c_void],
+        params: &P,
     ) -> Result<()> {
         if grid == 0 || block == 0 {
             return Err(Error::invalid(format!(
                 "{}: empty launch ({grid} blocks of {block} threads)",
-                self.name
+                self.name()
             )));
         }
-        let _context = self.module.device.bind()?;
-        // SAFETY: the caller vouches for `params` and the stream.
+        let mut param = params as *const P as *mut c_void;
+        // SAFETY: the caller vouches for the module, the pointers inside
+        // `params` and the stream; the one parameter is a `P`.
         let res = unsafe {
             sys::cuLaunchKernel(
                 self.handle,
@@ -419,11 +433,11 @@ impl Kernel<'_> {
                 1,
                 shared_bytes,
                 stream,
-                params.as_mut_ptr(),
+                &mut param,
                 ptr::null_mut(),
             )
         };
-        check(res, &format!("cuLaunchKernel({})", self.name))
+        check(res, &format!("cuLaunchKernel({})", self.name()))
     }
 }
 
@@ -671,84 +685,56 @@ impl<T: Plain> Drop for MappedHost<T> {
 // What kernels report
 // ---------------------------------------------------------------------------
 
-/// The first error a rank's kernels hit: the Rust side of `EpDeviceStatus`
-/// in `kernels/include/ep_device.cuh` (same layout, same codes). It lives in
-/// a zeroed [`MappedHost`]; read it after the stream has synchronized, when
-/// all fields have arrived.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DeviceStatus {
-    /// One of the `DeviceStatus::OK`... codes.
-    pub code: i32,
-    /// The rank a failed wait was waiting for, or -1.
-    pub rank: i32,
-    /// Which kernel recorded it: one of the `PHASE_*` values.
-    pub phase: i32,
-    /// Timeout or abort: the last value the wait saw. Invalid expert: the
-    /// flat index `token * topk + slot`. Invalid token count: the count.
-    /// Invalid argument: 0 or the bad value.
-    pub detail: i32,
-}
+pub use crate::abi::DeviceStatus;
 
 // SAFETY: four ints, no padding; every bit pattern is a value.
 unsafe impl Plain for DeviceStatus {}
 
+/// The first error a rank's kernels hit (defined in src/abi/defs.rs). It
+/// lives in a zeroed [`MappedHost`]; read it after the stream has
+/// synchronized, when all fields have arrived.
 impl DeviceStatus {
-    pub const OK: i32 = 0;
-    pub const TIMEOUT: i32 = 1;
-    pub const ABORTED: i32 = 2;
-    pub const INVALID_EXPERT: i32 = 3;
-    pub const INVALID_ARGUMENT: i32 = 4;
-    pub const INVALID_TOKEN_COUNT: i32 = 5;
-
-    pub const PHASE_LAYOUT: i32 = 1;
-    pub const PHASE_BARRIER: i32 = 2;
-    pub const PHASE_DISPATCH: i32 = 3;
-    pub const PHASE_COMBINE: i32 = 4;
-    pub const PHASE_LL_DISPATCH: i32 = 5;
-    pub const PHASE_LL_COMBINE: i32 = 6;
-
     /// `Ok` for code 0, otherwise the matching error: `Timeout`, `Aborted`,
     /// `InvalidArgument` (bad expert id, token count or launch argument), or `Internal`
     /// for a code this side does not know.
     pub fn to_result(&self) -> Result<()> {
         let phase = match self.phase {
-            Self::PHASE_LAYOUT => "layout kernel",
-            Self::PHASE_BARRIER => "barrier kernel",
-            Self::PHASE_DISPATCH => "dispatch kernel",
-            Self::PHASE_COMBINE => "combine kernel",
-            Self::PHASE_LL_DISPATCH => "low-latency dispatch kernel",
-            Self::PHASE_LL_COMBINE => "low-latency combine kernel",
+            abi::PHASE_LAYOUT => "layout kernel",
+            abi::PHASE_BARRIER => "barrier kernel",
+            abi::PHASE_DISPATCH => "dispatch kernel",
+            abi::PHASE_COMBINE => "combine kernel",
+            abi::PHASE_LL_DISPATCH => "low-latency dispatch kernel",
+            abi::PHASE_LL_COMBINE => "low-latency combine kernel",
             _ => "kernel",
         };
         let (kind, what) = match self.code {
-            Self::OK => return Ok(()),
-            Self::TIMEOUT => (
+            abi::STATUS_OK => return Ok(()),
+            abi::STATUS_TIMEOUT => (
                 ErrorKind::Timeout,
                 format!(
                     "timed out waiting for rank {} (last value seen {})",
                     self.rank, self.detail
                 ),
             ),
-            Self::ABORTED => (
+            abi::STATUS_ABORTED => (
                 ErrorKind::Aborted,
                 format!("aborted while waiting for rank {}", self.rank),
             ),
-            Self::INVALID_EXPERT => (
+            abi::STATUS_INVALID_EXPERT => (
                 ErrorKind::InvalidArgument,
                 format!(
                     "invalid expert id (out of range, or listed twice for one token) at topk_idx entry {} (token * topk + slot)",
                     self.detail
                 ),
             ),
-            Self::INVALID_TOKEN_COUNT => (
+            abi::STATUS_INVALID_TOKEN_COUNT => (
                 ErrorKind::InvalidArgument,
                 format!(
                     "*device_num_tokens = {} is outside [0, num_tokens]; the call ran with no tokens",
                     self.detail
                 ),
             ),
-            Self::INVALID_ARGUMENT => (
+            abi::STATUS_INVALID_ARGUMENT => (
                 ErrorKind::InvalidArgument,
                 "launched with invalid arguments".to_string(),
             ),
@@ -835,7 +821,7 @@ mod tests {
             phase,
             detail,
         };
-        let err = status(DeviceStatus::TIMEOUT, 3, DeviceStatus::PHASE_BARRIER, 6)
+        let err = status(abi::STATUS_TIMEOUT, 3, abi::PHASE_BARRIER, 6)
             .to_result()
             .unwrap_err();
         assert_eq!(err.kind, ErrorKind::Timeout);
@@ -844,22 +830,19 @@ mod tests {
             "barrier kernel: timed out waiting for rank 3 (last value seen 6)"
         );
         let kind = |code| {
-            status(code, -1, DeviceStatus::PHASE_LAYOUT, 0)
+            status(code, -1, abi::PHASE_LAYOUT, 0)
                 .to_result()
                 .unwrap_err()
                 .kind
         };
-        assert_eq!(kind(DeviceStatus::ABORTED), ErrorKind::Aborted);
+        assert_eq!(kind(abi::STATUS_ABORTED), ErrorKind::Aborted);
+        assert_eq!(kind(abi::STATUS_INVALID_EXPERT), ErrorKind::InvalidArgument);
         assert_eq!(
-            kind(DeviceStatus::INVALID_EXPERT),
+            kind(abi::STATUS_INVALID_ARGUMENT),
             ErrorKind::InvalidArgument
         );
         assert_eq!(
-            kind(DeviceStatus::INVALID_ARGUMENT),
-            ErrorKind::InvalidArgument
-        );
-        assert_eq!(
-            kind(DeviceStatus::INVALID_TOKEN_COUNT),
+            kind(abi::STATUS_INVALID_TOKEN_COUNT),
             ErrorKind::InvalidArgument
         );
         assert_eq!(kind(99), ErrorKind::Internal);
