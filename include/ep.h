@@ -37,6 +37,9 @@ struct CUstream_st;
 // Largest `ll_max_tokens_per_rank`.
 #define EP_LL_MAX_TOKENS 1024
 
+// Largest `n` and `k` of a fused call's GEMM (`ep_mega_args_t`).
+#define EP_MEGA_MAX_DIM 65536
+
 // Backend selection (`ep_config_t.backend`).
 // `EP_BACKEND_AUTO`: the environment variable `EP_BACKEND` (`gpu` or
 // `host`) decides, and the GPU backend when it is unset. There is never a
@@ -111,15 +114,6 @@ struct CUstream_st;
 
 // Bytes of the oldest accepted `ep_config_t` (through `token_dtype`).
 #define EP_CONFIG_MIN_SIZE 32
-
-// `c` of the tolerance for BF16 GEMMs.
-#define BF16_ERROR (1.0 / 1024.0)
-
-// `c` of the tolerance for FP8 GEMMs.
-#define FP8_ERROR (1.0 / 32.0)
-
-// Largest `n` and `k` of a fused call's GEMM.
-#define MAX_GEMM_DIM 65536
 
 // Opaque communicator: one per rank. Created by `ep_ctx_create`, freed by
 // `ep_ctx_destroy`. Not thread-safe: one thread at a time may call functions
@@ -368,7 +362,8 @@ typedef struct ep_ll_combine_args_t {
 // + c sqrt(sum_k (x_k w_k)^2)` with `c = 2^-10` for BF16 and `2^-5` for FP8,
 // `ref` being the reference's fp32 value.
 //
-// Both calls need `n` and `k` to be multiples of 128, never synchronise
+// Both calls need `n` and `k` to be multiples of 128 up to
+// `EP_MEGA_MAX_DIM`, never synchronise
 // with the host (capturable in a CUDA graph), and run on the GPU in the
 // order they are made, like every operation of the context. On the GPU
 // backend they need a Hopper GPU (compute capability 9.0); elsewhere they

@@ -28,8 +28,9 @@
 //                 weighted sums sent back to the source ranks;
 //   warpgroups 1-2 consumers: warpgroup MMA over the stages (64 rows each),
 //                 then the epilogue stores the BF16 tile into y.
-// Every thread has the same register budget (168; `setmaxnreg` is ignored in
-// the relocatable device code the library's kernels are linked as).
+// A consumer warpgroup whose 64 rows of a tile are all padding (a tile of at
+// most 64 real rows, as at decode) skips its MMAs. Every thread has the
+// same register budget (168, of the launch bounds).
 // Stage s is guarded by two mbarriers: full[s] (the producer's expected
 // bytes, plus for FP8 the 32 producer lanes' cp.async arrivals) and empty[s]
 // (one arrival per consumer warpgroup once its MMAs have read the stage).
@@ -51,11 +52,13 @@
 // ep_mega_gemm_combine = this kernel, barrier, reduce (kernels/normal.cu),
 // barrier. The GEMM reads the caller's rows (no wait); after storing a tile
 // every consumer thread fences, the two consumer warpgroups meet at a named
-// barrier, and one thread release-stores the sequence number into
-// tile_ready[m-tile][n-tile]. The communication warps take the received
-// rows (source order, warp w: rows w, w + W, ...), acquire-load the flags of
-// every tile holding one of the row's expert-major rows, then run the
-// normal combine's expert-major send for the row (ep_combine_send_row).
+// barrier, and one thread counts the n-tile in tile_count[m-tile] (an
+// acquire-release compare-and-swap of (sequence number, count)); the one
+// whose count completes the m-tile release-stores the sequence number into
+// tile_ready[m-tile]. The communication warps take the received rows
+// (source order, warp w: rows w, w + W, ...), acquire-load tile_ready of the
+// m-tile of each of the row's expert-major rows, then run the normal
+// combine's expert-major send for the row (ep_combine_send_row).
 //
 // Sequence numbers: state[0] is the number of the last fused call; every
 // block reads it at its start and uses state[0] + 1; the last block to
@@ -64,8 +67,9 @@
 // fresh number each time; no flag is ever cleared. A row or tile flag from
 // an earlier call holds a smaller number, so it never passes for ready.
 //
-// Waits: every wait on another block (rows, tiles) is ep_wait_until_ge with
-// the context timeout and abort flag. A wait that fails records the error
+// Waits: every wait on another block (rows, tiles) is a local
+// ep_wait_until_ge (GPU-scope acquire, a short sleep between looks) with the
+// context timeout and abort flag. A wait that fails records the error
 // and the block goes on without waiting any more (computing garbage, the
 // call having failed), so no block, and no consumer waiting on a stage,
 // hangs. The waits on stages are local to a block and always complete.
@@ -83,8 +87,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
-// Threads of a fused block: 3 warpgroups.
-#define EP_MEGA_THREADS 384
+// Threads of a warpgroup; the fused block (EP_MEGA_THREADS, ep_abi.h) has 3.
 #define EP_MEGA_WARPGROUP 128
 // The consumer warpgroups' threads.
 #define EP_MEGA_CONSUMERS 256
@@ -92,54 +95,14 @@
 #define EP_MEGA_COMM_WARPS 3
 // Named barrier of the two consumer warpgroups (0 is __syncthreads).
 #define EP_MEGA_CONSUMER_BARRIER 1
-// Rows of an m-tile.
-#define EP_MEGA_BLOCK_M 128
 // Columns of k (and of n) that share one FP8 scale.
-#define EP_MEGA_SCALE_BLOCK 128
+#define EP_MEGA_SCALE_BLOCK EP_HIDDEN_ALIGNMENT
 // Shared memory a Hopper block may have (227 KiB); the host launches every
 // fused kernel with the device's maximum, and each checks it is enough.
 #define EP_MEGA_MAX_SHARED_BYTES (227 * 1024)
-// Values of MegaParams::mode.
-#define EP_MEGA_MODE_DISPATCH 0
-#define EP_MEGA_MODE_COMBINE 1
 
-// A TMA descriptor (CUtensorMap), made on the host by cuTensorMapEncodeTiled.
-struct alignas(128) EpTmaDescriptor {
-    uint64_t opaque[16];
-};
-
-// Mirrors `MegaParams` in src/runtime/gpu/mega.rs (same order, same types).
-struct MegaParams {
-    EpTmaDescriptor a;  // the GEMM's rows: 2-D (k, rows)
-    EpTmaDescriptor b;  // the weights: 3-D (k, n, local experts)
-    DispatchParams dispatch;  // mode dispatch: the routing of this call
-    CombineParams combine;    // mode combine: the combine (its x is y)
-    __nv_bfloat16* y;         // [rows, n] GEMM output
-    const float* a_scales;    // FP8: [rows, k / 128]
-    const float* b_scales;    // FP8: [local experts, n / 128, k / 128]
-    const int* expert_layout;  // the handle's: [L + 1] segment starts, [L] counts
-    int* row_ready;            // [rows]: sequence number of the call that moved the row
-    int* tile_ready;           // [max_m_tiles, n_tiles]: of the call that stored the tile
-    int* state;                // [2]: last sequence number, blocks finished
-    const int* abort_flag;
-    EpDeviceStatus* status;
-    uint64_t timeout_ns;
-    int64_t rows;     // rows of A, its scales and y (the expert capacity)
-    int mode;         // EP_MEGA_MODE_*
-    int n;
-    int k;
-    int local_experts;
-    int max_m_tiles;  // m-tiles tile_ready has room for
-    int pad;
-};
-
-// The layout src/runtime/gpu/mega.rs has (its test checks the same numbers).
-static_assert(sizeof(DispatchParams) == 344, "DispatchParams differs from the Rust side");
-static_assert(sizeof(CombineParams) == 120, "CombineParams differs from the Rust side");
-static_assert(offsetof(MegaParams, dispatch) == 256 && offsetof(MegaParams, combine) == 600 &&
-                  offsetof(MegaParams, y) == 720 && offsetof(MegaParams, rows) == 800 &&
-                  offsetof(MegaParams, mode) == 808 && sizeof(MegaParams) == 896,
-              "MegaParams differs from the Rust side");
+// The parameters, MegaParams (with the TMA descriptors, EpTmaDescriptor),
+// are defined in src/abi/defs.rs and reach this file through ep_abi.h.
 
 // Where an m-tile lies.
 struct MegaTile {
@@ -243,15 +206,15 @@ __device__ __forceinline__ int ep_mega_expert_of_row(const MegaLayout& l, int ex
     return lo;
 }
 
-// A bounded wait of one thread for `*flag` to reach `seq`, skipped once any
-// wait of the block has failed.
+// A bounded wait of one thread for `*flag` (written by blocks of this GPU)
+// to reach `seq`, skipped once any wait of the block has failed.
 __device__ __forceinline__ void ep_mega_wait(const MegaParams& p, MegaLayout& l, const int* flag,
                                              int seq, int phase) {
     if (*reinterpret_cast<volatile int*>(&l.failed)) {
         return;
     }
-    if (!ep_wait_until_ge(flag, seq, ep_deadline_after(p.timeout_ns), p.abort_flag, p.status, -1,
-                          phase)) {
+    if (!ep_wait_until_ge<true>(flag, seq, ep_deadline_after(p.timeout_ns), p.abort_flag, p.status,
+                                -1, phase)) {
         *reinterpret_cast<volatile int*>(&l.failed) = 1;
     }
 }
@@ -319,36 +282,27 @@ __device__ __forceinline__ void ep_mega_move_rows(const MegaParams& p, MegaLayou
         __threadfence();
         __syncwarp();
         if (lane < num) {
-            ep_st_release_sys(p.row_ready + dests[lane], seq);
+            ep_st_release_gpu(p.row_ready + dests[lane], seq);
         }
         __syncwarp();
     }
 }
 
-// Combine: the received rows, `warp` of `warps`, each sent once every tile
-// holding one of its expert-major rows is stored.
-__device__ __forceinline__ void ep_mega_send_rows(const MegaParams& p, MegaLayout& l, int seq, int warp, int warps,
-                                  int comm_warp, int lane, int n_tiles) {
+// Combine: the received rows, `warp` of `warps`, each sent once every
+// m-tile holding one of its expert-major rows is stored (all its n-tiles).
+__device__ __forceinline__ void ep_mega_send_rows(const MegaParams& p, MegaLayout& l, int seq,
+                                                  int warp, int warps, int comm_warp, int lane) {
     const CombineParams& c = p.combine;
-    int* const tiles = l.comm_rows[comm_warp];
     const int rows = *c.handle_num_rows;
     const int vectors = c.hidden / 8;
     for (int row = warp; row < rows; row += warps) {
+        // Lane k waits for the m-tile of slot k's expert-major row.
         if (lane < c.topk) {
             const int pos = c.handle_row_expert_pos[static_cast<int64_t>(row) * c.topk + lane];
-            int tile = -1;
             if (pos >= 0) {
                 const int e = ep_mega_expert_of_row(l, p.local_experts, pos);
-                tile = l.tile_start[e] + (pos - l.offset[e]) / EP_MEGA_BLOCK_M;
-            }
-            tiles[lane] = tile;
-        }
-        __syncwarp();
-        for (int i = lane; i < c.topk * n_tiles; i += 32) {
-            const int tile = tiles[i / n_tiles];
-            if (tile >= 0) {
-                ep_mega_wait(p, l, p.tile_ready + static_cast<int64_t>(tile) * n_tiles + i % n_tiles,
-                             seq, EP_PHASE_COMBINE);
+                const int m_tile = l.tile_start[e] + (pos - l.offset[e]) / EP_MEGA_BLOCK_M;
+                ep_mega_wait(p, l, p.tile_ready + m_tile, seq, EP_PHASE_COMBINE);
             }
         }
         __syncwarp();
@@ -356,8 +310,37 @@ __device__ __forceinline__ void ep_mega_send_rows(const MegaParams& p, MegaLayou
         const int token = c.handle_row_src[2 * row + 1];
         int4* dst = ep_area<int4>(c.peer_bases, source, c.area, c.off_returned) +
                     (static_cast<int64_t>(c.rank) * c.max_tokens + token) * vectors;
-        ep_combine_send_row(c, row, dst, tiles, l.comm_weights[comm_warp], lane);
+        ep_combine_send_row(c, row, dst, l.comm_rows[comm_warp], l.comm_weights[comm_warp], lane);
         __syncwarp();
+    }
+}
+
+// Counts one stored n-tile of m-tile `m_tile` in `tile_count[m_tile]`, a
+// (sequence number << 32 | n-tiles stored) word, starting the count afresh
+// for a new call; the n-tile that completes the m-tile release-stores the
+// sequence number into `tile_ready[m_tile]`. The compare-and-swap is an
+// acquire-release at GPU scope, so the last one has seen every earlier
+// block's stores (each fenced them before its swap).
+__device__ __forceinline__ void ep_mega_count_tile(const MegaParams& p, int m_tile, int n_tiles,
+                                                   int seq) {
+    unsigned long long* word = p.tile_count + m_tile;
+    const unsigned long long call = static_cast<unsigned long long>(static_cast<unsigned>(seq)) << 32;
+    unsigned long long seen = *reinterpret_cast<volatile unsigned long long*>(word);
+    unsigned long long next;
+    for (;;) {
+        next = (seen & 0xffffffff00000000ull) == call ? seen + 1 : call + 1;
+        unsigned long long old;
+        asm volatile("atom.acq_rel.gpu.global.cas.b64 %0, [%1], %2, %3;"
+                     : "=l"(old)
+                     : "l"(word), "l"(seen), "l"(next)
+                     : "memory");
+        if (old == seen) {
+            break;
+        }
+        seen = old;
+    }
+    if (static_cast<int>(next & 0xffffffffull) == n_tiles) {
+        ep_st_release_gpu(p.tile_ready + m_tile, seq);
     }
 }
 
@@ -383,8 +366,8 @@ using namespace cute;
 struct Bf16Gemm {
     using Element = bfloat16_t;
     using Atom = SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>;
-    static constexpr int kBlockN = 256;
-    static constexpr int kBlockK = 64;
+    static constexpr int kBlockN = EP_MEGA_BF16_BLOCK_N;
+    static constexpr int kBlockK = EP_MEGA_BF16_BLOCK_K;
     static constexpr int kStages = 4;
     static constexpr bool kScaled = false;
 };
@@ -394,8 +377,8 @@ struct Bf16Gemm {
 struct Fp8Gemm {
     using Element = float_e4m3_t;
     using Atom = SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
-    static constexpr int kBlockN = 128;
-    static constexpr int kBlockK = 128;
+    static constexpr int kBlockN = EP_MEGA_FP8_BLOCK_N;
+    static constexpr int kBlockK = EP_MEGA_FP8_BLOCK_K;
     static constexpr int kStages = 6;
     static constexpr bool kScaled = true;
 };
@@ -522,6 +505,19 @@ __device__ __forceinline__ void release_stage(uint64_t* empty, int consumer) {
     }
 }
 
+// A consumer warpgroup whose 64 rows of a tile are all beyond the tile's
+// real rows (a tile of 64 rows or fewer, as at decode) still takes every
+// stage in turn, but only to release it: no MMAs.
+template <class G>
+__device__ __forceinline__ void mainloop_skip(typename Gemm<G>::Shared& s, Ring& ring,
+                                              int k_blocks, int consumer) {
+    for (int kb = 0; kb < k_blocks; ++kb) {
+        cutlass::arch::ClusterBarrier::wait(&s.full[ring.stage], ring.parity);
+        release_stage(&s.empty[ring.stage], consumer);
+        ring.advance<Gemm<G>::kStages>();
+    }
+}
+
 // BF16 mainloop of one tile: accumulate all k-blocks, one batch of MMAs
 // in flight while the next stage is waited for.
 template <class G, class Frag, class FragA, class FragB>
@@ -558,20 +554,22 @@ __device__ __forceinline__ void mainloop_bf16(typename Gemm<G>::Shared& s, Ring&
 }
 
 // FP8 mainloop of one tile: per k-block, the MMAs into `block` from zero,
-// then total += (row scale * weight block scale) * block.
+// then total += (row scale * weight block scale) * block. A thread's
+// accumulator fragment holds two rows of one n-tile (one weight block): by
+// the warpgroup MMA's accumulator layout, element i is in row `row1` when
+// bit 1 of i is set, else in `row0`.
 template <class G, class Frag, class FragA, class FragB, class Coords>
 __device__ __forceinline__ void mainloop_fp8(typename Gemm<G>::Shared& s, Ring& ring, int k_blocks,
                                              Frag& total, Frag& block, FragA& tCrA, FragB& tCrB,
                                              const Coords& tCcC, int consumer) {
     using T = Gemm<G>;
+    static_assert(T::kBScales == 1, "an FP8 n-tile spans one weight scale block");
     typename T::TiledMma tiled_mma;
-    // The two rows of a thread's accumulator fragment.
     const int row0 = get<0>(tCcC(0));
-    int row1 = row0;
+    const int row1 = get<0>(tCcC(2));
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(total); ++i) {
         total(i) = 0.0f;
-        row1 = get<0>(tCcC(i)) != row0 ? get<0>(tCcC(i)) : row1;
     }
     for (int kb = 0; kb < k_blocks; ++kb) {
         cutlass::arch::ClusterBarrier::wait(&s.full[ring.stage], ring.parity);
@@ -586,19 +584,13 @@ __device__ __forceinline__ void mainloop_fp8(typename Gemm<G>::Shared& s, Ring& 
         warpgroup_commit_batch();
         warpgroup_wait<0>();
         warpgroup_fence_operand(block);
-        const float scale0 = s.a_scales[ring.stage][row0];
-        const float scale1 = s.a_scales[ring.stage][row1];
-        float b_scale[T::kBScales];
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < T::kBScales; ++j) {
-            b_scale[j] = s.b_scales[ring.stage][j];
-        }
+        const float b_scale = s.b_scales[ring.stage][0];
+        const float scale[2] = {s.a_scales[ring.stage][row0] * b_scale,
+                                s.a_scales[ring.stage][row1] * b_scale};
         release_stage(&s.empty[ring.stage], consumer);
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(total); ++i) {
-            const float a_scale = get<0>(tCcC(i)) == row0 ? scale0 : scale1;
-            const float scale = a_scale * b_scale[get<1>(tCcC(i)) / EP_MEGA_SCALE_BLOCK];
-            total(i) = fmaf(scale, block(i), total(i));
+            total(i) = fmaf(scale[(i >> 1) & 1], block(i), total(i));
         }
         ring.advance<T::kStages>();
     }
@@ -622,15 +614,16 @@ __device__ __forceinline__ void store_tile(const MegaParams& p, const MegaTile& 
 
 // Consumer warpgroups: the MMAs and the epilogue of every tile of this block.
 template <class G>
-__device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::Shared& s, int seq, int n_tiles,
-                        int total_tiles, int consumer) {
+__device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::Shared& s, int seq,
+                                        int n_tiles, int total_tiles, int consumer) {
     using T = Gemm<G>;
     const MegaLayout& l = s.layout;
     typename T::TiledMma tiled_mma;
     Tensor sA = make_tensor(make_smem_ptr(s.a), typename T::SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(s.b), typename T::SmemLayoutB{});
     // A and B descriptors are per warpgroup; C fragments per thread.
-    auto wg_mma = tiled_mma.get_slice(consumer / EP_MEGA_WARPGROUP * EP_MEGA_WARPGROUP);
+    const int warpgroup = consumer / EP_MEGA_WARPGROUP;
+    auto wg_mma = tiled_mma.get_slice(warpgroup * EP_MEGA_WARPGROUP);
     Tensor tCrA = wg_mma.make_fragment_A(wg_mma.partition_A(sA));  // (MMA, M, K, PIPE)
     Tensor tCrB = wg_mma.make_fragment_B(wg_mma.partition_B(sB));  // (MMA, N, K, PIPE)
     auto thread_mma = tiled_mma.get_thread_slice(consumer);
@@ -638,27 +631,31 @@ __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::S
         make_identity_tensor(make_shape(Int<T::kBlockM>{}, Int<T::kBlockN>{})));
     Tensor accum = partition_fragment_C(tiled_mma, make_shape(Int<T::kBlockM>{}, Int<T::kBlockN>{}));
     const int k_blocks = p.k / T::kBlockK;
+    const int rows_per_warpgroup = T::kBlockM / (EP_MEGA_CONSUMERS / EP_MEGA_WARPGROUP);
     Ring ring{0, 0};
     for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
         const int m_tile = tile / n_tiles;
         const MegaTile t = ep_mega_tile(l, p.local_experts, m_tile);
         const int n0 = (tile % n_tiles) * T::kBlockN;
-        if constexpr (G::kScaled) {
-            Tensor block = partition_fragment_C(tiled_mma,
-                                                make_shape(Int<T::kBlockM>{}, Int<T::kBlockN>{}));
-            mainloop_fp8<G>(s, ring, k_blocks, accum, block, tCrA, tCrB, tCcC, consumer);
+        if (t.rows <= warpgroup * rows_per_warpgroup) {
+            mainloop_skip<G>(s, ring, k_blocks, consumer);
         } else {
-            mainloop_bf16<G>(s, ring, k_blocks, accum, tCrA, tCrB, consumer);
+            if constexpr (G::kScaled) {
+                Tensor block = partition_fragment_C(
+                    tiled_mma, make_shape(Int<T::kBlockM>{}, Int<T::kBlockN>{}));
+                mainloop_fp8<G>(s, ring, k_blocks, accum, block, tCrA, tCrB, tCcC, consumer);
+            } else {
+                mainloop_bf16<G>(s, ring, k_blocks, accum, tCrA, tCrB, consumer);
+            }
+            store_tile(p, t, n0, accum, tCcC);
         }
-        store_tile(p, t, n0, accum, tCcC);
         if (p.mode == EP_MEGA_MODE_COMBINE) {
-            // Release: every consumer thread's stores before the tile's flag.
+            // Release: every consumer thread's stores before the count.
             __threadfence();
             asm volatile("bar.sync %0, %1;" ::"r"(EP_MEGA_CONSUMER_BARRIER), "r"(EP_MEGA_CONSUMERS)
                          : "memory");
             if (consumer == 0) {
-                ep_st_release_sys(p.tile_ready + static_cast<int64_t>(m_tile) * n_tiles + tile % n_tiles,
-                                  seq);
+                ep_mega_count_tile(p, m_tile, n_tiles, seq);
             }
         }
     }
@@ -710,7 +707,7 @@ __device__ __forceinline__ void run(const MegaParams& p) {
             if (dispatch) {
                 ep_mega_move_rows(p, l, seq, global_warp, warps, comm_warp, lane);
             } else {
-                ep_mega_send_rows(p, l, seq, global_warp, warps, comm_warp, lane, n_tiles);
+                ep_mega_send_rows(p, l, seq, global_warp, warps, comm_warp, lane);
             }
         }
     } else {

@@ -269,7 +269,7 @@ extern "C" __global__ void ep_dispatch_stage_kernel(const DispatchParams p) {
 
 // Row layout every block derives from the sources' totals.
 struct PullLayout {
-    int source_offset[EP_MAX_WORLD + 1];  // first source-order row of each source
+    int source_offset[EP_MAX_WORLD_SIZE + 1];  // first source-order row of each source
     int expert_base[EP_MAX_EXPERTS];      // [source][local expert]: rows of earlier sources
     int expert_total[EP_MAX_EXPERTS];     // [local expert]: real rows
     int expert_offset[EP_MAX_EXPERTS + 1];  // [local expert]: padded segment start

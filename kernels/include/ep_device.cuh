@@ -17,48 +17,16 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "ep_abi.h"
+
 // ---------------------------------------------------------------------------
 // Status reported to the host
 // ---------------------------------------------------------------------------
 
-// Values of EpDeviceStatus::code. Mirrored in src/runtime/cuda.rs.
-#define EP_STATUS_OK 0
-// A bounded wait passed its deadline.
-#define EP_STATUS_TIMEOUT 1
-// The host raised the abort flag while a kernel waited.
-#define EP_STATUS_ABORTED 2
-// The layout kernel met an expert id outside [-1, num_experts).
-#define EP_STATUS_INVALID_EXPERT 3
-// A kernel was launched with arguments it cannot work with (see each kernel).
-#define EP_STATUS_INVALID_ARGUMENT 4
-// A low-latency kernel read a device token count outside [0, num_tokens].
-#define EP_STATUS_INVALID_TOKEN_COUNT 5
-
-// Values of EpDeviceStatus::phase: which kernel recorded the error.
-// Mirrored in src/runtime/cuda.rs.
-#define EP_PHASE_LAYOUT 1
-#define EP_PHASE_BARRIER 2
-#define EP_PHASE_DISPATCH 3
-#define EP_PHASE_COMBINE 4
-#define EP_PHASE_LL_DISPATCH 5
-#define EP_PHASE_LL_COMBINE 6
-
-// The first error a rank's kernels hit. It lives in host-mapped memory
-// (cuMemHostAlloc with DEVICEMAP), one per rank, zeroed by the host.
-//
-// Only the first error is kept: `code` is claimed with an atomicCAS from
-// EP_STATUS_OK, and only the thread that wins writes the other fields. The
-// host must read the fields after the kernel has finished (after a stream
-// synchronize); while a kernel is still running only a non-zero `code` is
-// meaningful, the other fields may not have arrived yet.
-struct EpDeviceStatus {
-    int code;    // EP_STATUS_*
-    int rank;    // the rank a failed wait was waiting for; -1 if none
-    int phase;   // EP_PHASE_*
-    int detail;  // timeout/abort: the last value seen; invalid expert: the
-                 // flat index token * topk + slot; invalid token count:
-                 // the count; invalid argument: 0 or the bad value
-};
+// EpDeviceStatus, the EP_STATUS_* codes and the EP_PHASE_* values are
+// defined in ep_abi.h (generated from src/abi/defs.rs). A rank's kernels
+// keep the first error they hit there: `code` is claimed with an atomicCAS
+// from EP_STATUS_OK, and only the thread that wins writes the other fields.
 
 // ---------------------------------------------------------------------------
 // Memory-ordered accesses at system scope (inline PTX)
@@ -87,6 +55,20 @@ __device__ __forceinline__ int ep_ld_relaxed_sys(const int* addr) {
 // that acquire-loads the stored value.
 __device__ __forceinline__ void ep_st_release_sys(int* addr, int value) {
     asm volatile("st.release.sys.global.s32 [%0], %1;" : : "l"(addr), "r"(value) : "memory");
+}
+
+// Acquire load and release store at GPU scope: for flags that only blocks of
+// this GPU write and read (a fused kernel's row and tile signals). They are
+// cheaper than the system-scope ones, which must also order against peers
+// and the host.
+__device__ __forceinline__ int ep_ld_acquire_gpu(const int* addr) {
+    int value;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(addr) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ void ep_st_release_gpu(int* addr, int value) {
+    asm volatile("st.release.gpu.global.s32 [%0], %1;" : : "l"(addr), "r"(value) : "memory");
 }
 
 // Atomic add at GPU scope with acquire and release semantics; returns the
@@ -162,6 +144,9 @@ __device__ __forceinline__ bool ep_reached(int value, int target) {
 // normal case) never need them.
 #define EP_HOST_POLL_NS 100000ull
 
+// How long a local wait sleeps between two looks at its flag.
+#define EP_LOCAL_WAIT_SLEEP_NS 256
+
 // Spins until the int at `addr` reaches `target` (see ep_reached), with
 // acquire semantics: when it returns true, whatever the writer did before
 // its release store is visible to this thread.
@@ -175,14 +160,23 @@ __device__ __forceinline__ bool ep_reached(int value, int target) {
 // The first two are looked at only after EP_HOST_POLL_NS of waiting.
 // `rank` and `phase` go into the record: the rank whose signal this wait is
 // for, and the kernel's EP_PHASE_*. The caller must then leave the kernel.
+//
+// `kLocal`: the flag is written by blocks of this GPU only, so the loads are
+// GPU-scope acquires; and the wait sleeps `EP_LOCAL_WAIT_SLEEP_NS` between
+// looks, for flags that many threads poll for long (a fused kernel's), so
+// the polls leave the memory system to the work they wait for.
+template <bool kLocal = false>
 __device__ __forceinline__ bool ep_wait_until_ge(const int* addr, int target, uint64_t deadline_ns,
                                                  const int* abort_flag, EpDeviceStatus* status,
                                                  int rank, int phase) {
     uint64_t next_poll_ns = 0;
     for (uint32_t spin = 0;; ++spin) {
-        int value = ep_ld_acquire_sys(addr);
+        int value = kLocal ? ep_ld_acquire_gpu(addr) : ep_ld_acquire_sys(addr);
         if (ep_reached(value, target)) {
             return true;
+        }
+        if (kLocal) {
+            __nanosleep(EP_LOCAL_WAIT_SLEEP_NS);
         }
         if (spin % EP_WAIT_CHECK_EVERY != 0) {
             continue;
@@ -214,10 +208,9 @@ __device__ __forceinline__ bool ep_wait_until_ge(const int* addr, int target, ui
 // ---------------------------------------------------------------------------
 
 // Every rank's symmetric buffer starts with the barrier's [world] signal
-// slots; at this offset follow two words of the rank itself: the number of
-// barriers it has entered, then the number of the last one it passed.
-// Mirrored by BARRIER_COUNTER_OFFSET in src/runtime/gpu/mod.rs.
-#define EP_BARRIER_COUNTER_OFFSET 256
+// slots; at EP_BARRIER_COUNTER_OFFSET (ep_abi.h) follow two words of the
+// rank itself: the number of barriers it has entered, then the number of
+// the last one it passed.
 
 // True when this rank passed its latest barrier (or has run none), read
 // from its own buffer `own_base`: kernels that use what peers wrote before

@@ -70,6 +70,20 @@ pub const EP_HIDDEN_ALIGNMENT: i32 = 128;
 pub const EP_MAX_WORLD_SIZE: i32 = 64;
 /// Largest `ll_max_tokens_per_rank`.
 pub const EP_LL_MAX_TOKENS: i32 = 1024;
+/// Largest `n` and `k` of a fused call's GEMM (`ep_mega_args_t`).
+pub const EP_MEGA_MAX_DIM: i32 = 65536;
+
+// The public limits are literals (cbindgen writes them into ep.h); the
+// runtime and the kernels use the same values from src/abi/defs.rs.
+const _: () = {
+    use crate::abi;
+    assert!(EP_MAX_TOPK as usize == abi::MAX_TOPK);
+    assert!(EP_MAX_EXPERTS as usize == abi::MAX_EXPERTS);
+    assert!(EP_MAX_HIDDEN as usize == abi::MAX_HIDDEN);
+    assert!(EP_HIDDEN_ALIGNMENT as usize == abi::HIDDEN_ALIGNMENT);
+    assert!(EP_MAX_WORLD_SIZE as usize == abi::MAX_WORLD_SIZE);
+    assert!(EP_LL_MAX_TOKENS as usize == abi::LL_MAX_TOKENS);
+};
 
 /// Backend selection (`ep_config_t.backend`).
 /// `EP_BACKEND_AUTO`: the environment variable `EP_BACKEND` (`gpu` or
@@ -411,7 +425,8 @@ pub const EP_LL_COMBINE_ARGS_MIN_SIZE: u32 = std::mem::size_of::<ep_ll_combine_a
 /// + c sqrt(sum_k (x_k w_k)^2)` with `c = 2^-10` for BF16 and `2^-5` for FP8,
 /// `ref` being the reference's fp32 value.
 ///
-/// Both calls need `n` and `k` to be multiples of 128, never synchronise
+/// Both calls need `n` and `k` to be multiples of 128 up to
+/// `EP_MEGA_MAX_DIM`, never synchronise
 /// with the host (capturable in a CUDA graph), and run on the GPU in the
 /// order they are made, like every operation of the context. On the GPU
 /// backend they need a Hopper GPU (compute capability 9.0); elsewhere they

@@ -2,7 +2,7 @@
 //! pointers on the GPU backend, host pointers on the host backend), checked
 //! against the configuration by `validate` before any backend runs them.
 
-use super::config::{Config, MAX_EXPERT_ALIGNMENT};
+use super::config::{Config, MAX_EXPERT_ALIGNMENT, MAX_GEMM_DIM};
 use crate::error::{Error, Result};
 use crate::reference::{normal, Dtype, SCALE_BLOCK};
 
@@ -286,9 +286,6 @@ impl LlCombineOp {
         Ok(())
     }
 }
-
-/// Largest `n` and `k` of a fused call's GEMM.
-pub const MAX_GEMM_DIM: usize = 65536;
 
 /// The grouped GEMM of a fused call (`ep_mega_*`).
 #[derive(Debug, Clone, Copy)]

@@ -10,57 +10,19 @@
 //! - GEMM + combine: the fused kernel (GEMM and the combine's send), then
 //!   the normal combine's barrier, reduce, barrier.
 
-use super::normal::{CombineParams, DispatchParams, Dispatched, GpuHandle, NormalMode};
-use super::{arg, check_aligned, ptr, Runtime};
+use super::normal::{Dispatched, GpuHandle, NormalMode};
+use super::{check_aligned, ptr, Bound, Runtime};
+use crate::abi::{
+    MegaParams, MEGA_BF16_BLOCK_K, MEGA_BF16_BLOCK_N, MEGA_BLOCK_M, MEGA_FP8_BLOCK_K,
+    MEGA_FP8_BLOCK_N, MEGA_MODE_COMBINE, MEGA_MODE_DISPATCH, MEGA_THREADS,
+};
 use crate::error::{Error, Result};
 use crate::reference::normal::worst_case_rows;
 use crate::reference::Dtype;
 use crate::runtime::backend::{HandleState, Stream};
 use crate::runtime::config::{Config, MAX_EXPERT_ALIGNMENT};
-use crate::runtime::cuda::{CUdevice_attribute, DeviceBuffer, TensorElement, TensorMap};
+use crate::runtime::cuda::{tensor_map, CUdevice_attribute, DeviceBuffer, TensorElement};
 use crate::runtime::ops::{CombineOp, GemmOp, MegaCombineOp, MegaDispatchOp};
-use std::os::raw::c_void;
-
-/// Threads of a fused block (`EP_MEGA_THREADS`).
-const THREADS: u32 = 384;
-/// Rows of an m-tile (`EP_MEGA_BLOCK_M`).
-const BLOCK_M: usize = 128;
-/// Narrowest n-tile of the two kernels (FP8's 128; BF16's is 256).
-const MIN_BLOCK_N: usize = 128;
-/// k-block of each kernel (BF16 64, FP8 128) and n-tile (256, 128).
-const BF16_BLOCK: (u32, u32) = (64, 256);
-const FP8_BLOCK: (u32, u32) = (128, 128);
-/// `MegaParams::mode` (`EP_MEGA_MODE_*`).
-const MODE_DISPATCH: i32 = 0;
-const MODE_COMBINE: i32 = 1;
-
-/// Kernel parameters of the fused kernels; mirrors `MegaParams` in
-/// kernels/mega.cu field by field (its static_asserts check the offsets).
-#[repr(C)]
-#[derive(Debug, Default, Clone, Copy)]
-struct MegaParams {
-    a: TensorMap,
-    b: TensorMap,
-    dispatch: DispatchParams,
-    combine: CombineParams,
-    y: u64,
-    a_scales: u64,
-    b_scales: u64,
-    expert_layout: u64,
-    row_ready: u64,
-    tile_ready: u64,
-    state: u64,
-    abort_flag: u64,
-    status: u64,
-    timeout_ns: u64,
-    rows: i64,
-    mode: i32,
-    n: i32,
-    k: i32,
-    local_experts: i32,
-    max_m_tiles: i32,
-    pad: i32,
-}
 
 /// The fused kernels' state of one context.
 pub struct MegaMode {
@@ -71,9 +33,11 @@ pub struct MegaMode {
     shared_bytes: u32,
     /// `[rows]` sequence number of the call that moved each expert-major row.
     row_ready: DeviceBuffer,
-    /// `[max_m_tiles, hidden / 128]` sequence number of the call that stored
-    /// each tile of a fused combine.
+    /// `[max_m_tiles]` sequence number of the call that stored every n-tile
+    /// of each m-tile of a fused combine, and `[max_m_tiles]` (sequence
+    /// number, n-tiles stored) words counting them.
     tile_ready: DeviceBuffer,
+    tile_count: DeviceBuffer,
     max_m_tiles: usize,
     /// `[2]` the last call's sequence number, blocks finished.
     state: DeviceBuffer,
@@ -83,7 +47,7 @@ pub struct MegaMode {
 /// partial.
 fn max_m_tiles(cfg: &Config) -> usize {
     let (_, pairs) = worst_case_rows(cfg.topo, cfg.max_tokens, 1);
-    pairs.div_ceil(BLOCK_M) + cfg.local_experts()
+    pairs.div_ceil(MEGA_BLOCK_M) + cfg.local_experts()
 }
 
 impl MegaMode {
@@ -98,13 +62,20 @@ impl MegaMode {
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
         let (_, rows) = worst_case_rows(cfg.topo, cfg.max_tokens, MAX_EXPERT_ALIGNMENT);
         let max_m_tiles = max_m_tiles(cfg);
-        let n_tiles = cfg.topo.hidden.div_ceil(MIN_BLOCK_N);
+        let hopper = (major, minor) == (9, 0);
+        if hopper {
+            let bound = device.bind()?;
+            for kernel in [&rt.kernels.mega_bf16, &rt.kernels.mega_fp8] {
+                kernel.allow_dynamic_shared(&bound, shared as u32)?;
+            }
+        }
         Ok(MegaMode {
-            hopper: (major, minor) == (9, 0),
+            hopper,
             sms: device.sm_count()?,
             shared_bytes: shared as u32,
             row_ready: DeviceBuffer::zeroed(device, rows * 4)?,
-            tile_ready: DeviceBuffer::zeroed(device, max_m_tiles * n_tiles * 4)?,
+            tile_ready: DeviceBuffer::zeroed(device, max_m_tiles * 4)?,
+            tile_count: DeviceBuffer::zeroed(device, max_m_tiles * 8)?,
             max_m_tiles,
             state: DeviceBuffer::zeroed(device, 2 * 4)?,
         })
@@ -122,7 +93,7 @@ impl MegaMode {
     /// `ep_mega_dispatch_gemm`.
     pub fn dispatch_gemm(
         &mut self,
-        rt: &Runtime,
+        rt: &Bound,
         normal: &NormalMode,
         op: &MegaDispatchOp,
         handle: &mut HandleState,
@@ -148,15 +119,15 @@ impl MegaMode {
         let mut routing = normal.dispatch_params(rt, d, handle, false);
         routing.skip_expert_rows = 1;
         let mut params = self.params(rt, &op.gemm, expert.x, expert.scales, expert.capacity)?;
-        params.mode = MODE_DISPATCH;
+        params.mode = MEGA_MODE_DISPATCH;
         params.dispatch = routing;
         params.expert_layout = handle.expert_layout.ptr();
         // SAFETY: the parameters describe the caller's arrays (valid until
         // the stream has run the kernels, API rule), the handle's and the
         // context's buffers.
         unsafe {
-            normal.enqueue_routing(rt, &mut routing, d.num_tokens, stream)?;
-            self.launch(rt, &op.gemm, &mut params, stream)?;
+            normal.enqueue_routing(rt, &routing, d.num_tokens, stream)?;
+            self.launch(rt, &op.gemm, &params, stream)?;
             rt.barrier(stream)?;
         }
         handle.dispatched = Some(Dispatched::on_device(d.num_tokens, Some(expert.capacity)));
@@ -166,7 +137,7 @@ impl MegaMode {
     /// `ep_mega_gemm_combine`.
     pub fn gemm_combine(
         &mut self,
-        rt: &Runtime,
+        rt: &Bound,
         normal: &NormalMode,
         op: &MegaCombineOp,
         handle: &HandleState,
@@ -196,15 +167,15 @@ impl MegaMode {
             x: op.gemm.y,
             out: op.out,
         };
-        let mut reduce = normal.combine_params(rt, &combine, handle, dispatched);
+        let reduce = normal.combine_params(rt, &combine, handle, dispatched);
         let mut params = self.params(rt, &op.gemm, op.x, op.x_scales, capacity)?;
-        params.mode = MODE_COMBINE;
+        params.mode = MEGA_MODE_COMBINE;
         params.combine = reduce;
         params.expert_layout = handle.expert_layout.ptr();
         // SAFETY: as in `dispatch_gemm`.
         unsafe {
-            self.launch(rt, &op.gemm, &mut params, stream)?;
-            normal.enqueue_reduce(rt, &mut reduce, stream)
+            self.launch(rt, &op.gemm, &params, stream)?;
+            normal.enqueue_reduce(rt, &reduce, stream)
         }
     }
 
@@ -219,19 +190,30 @@ impl MegaMode {
         rows: usize,
     ) -> Result<MegaParams> {
         let cfg = &rt.cfg;
-        let (element, size, (block_k, block_n)) = match gemm.dtype {
-            Dtype::Bf16 => (TensorElement::Bf16, 2u64, BF16_BLOCK),
-            Dtype::Fp8E4m3 => (TensorElement::Byte, 1u64, FP8_BLOCK),
+        let (element, size, block_k, block_n) = match gemm.dtype {
+            Dtype::Bf16 => (
+                TensorElement::Bf16,
+                2u64,
+                MEGA_BF16_BLOCK_K,
+                MEGA_BF16_BLOCK_N,
+            ),
+            Dtype::Fp8E4m3 => (
+                TensorElement::Byte,
+                1u64,
+                MEGA_FP8_BLOCK_K,
+                MEGA_FP8_BLOCK_N,
+            ),
         };
+        let (block_k, block_n) = (block_k as u32, block_n as u32);
         let (n, k, experts) = (gemm.n as u64, gemm.k as u64, cfg.local_experts() as u64);
-        let a = TensorMap::tiled(
+        let a = tensor_map(
             element,
             ptr(x),
             &[k, rows.max(1) as u64],
             &[k * size],
-            &[block_k, BLOCK_M as u32],
+            &[block_k, MEGA_BLOCK_M as u32],
         )?;
-        let b = TensorMap::tiled(
+        let b = tensor_map(
             element,
             ptr(gemm.weights),
             &[k, n, experts],
@@ -247,6 +229,7 @@ impl MegaMode {
             b_scales: if fp8 { ptr(gemm.weight_scales) } else { 0 },
             row_ready: self.row_ready.ptr(),
             tile_ready: self.tile_ready.ptr(),
+            tile_count: self.tile_count.ptr(),
             state: self.state.ptr(),
             abort_flag: rt.abort_ptr(),
             status: rt.status_ptr(),
@@ -267,31 +250,28 @@ impl MegaMode {
     /// Every pointer in `params` must stay valid until the kernel has run.
     unsafe fn launch(
         &self,
-        rt: &Runtime,
+        rt: &Bound,
         gemm: &GemmOp,
-        params: &mut MegaParams,
+        params: &MegaParams,
         stream: Stream,
     ) -> Result<()> {
-        let name = match gemm.dtype {
-            Dtype::Bf16 => "ep_mega_bf16_kernel",
-            Dtype::Fp8E4m3 => "ep_mega_fp8_kernel",
+        let kernel = match gemm.dtype {
+            Dtype::Bf16 => &rt.kernels.mega_bf16,
+            Dtype::Fp8E4m3 => &rt.kernels.mega_fp8,
         };
         let grid = match gemm.num_sms {
             0 => self.sms,
             budget => self.sms.min(budget as u32),
         };
-        let kernel = rt.module.function(name)?;
-        kernel.allow_dynamic_shared(self.shared_bytes)?;
-        let mut p: *mut c_void = arg(params);
-        // SAFETY: the parameter struct mirrors the kernel's `MegaParams`
-        // (the caller vouches for the pointers).
+        // SAFETY: the caller vouches for the pointers.
         unsafe {
-            kernel.launch(
+            rt.launch(
+                kernel,
                 grid,
-                THREADS,
+                MEGA_THREADS as u32,
                 self.shared_bytes,
-                stream as _,
-                std::slice::from_mut(&mut p),
+                stream,
+                params,
             )
         }
     }
@@ -306,23 +286,4 @@ fn check_gemm_pointers(gemm: &GemmOp) -> Result<()> {
         return Err(Error::invalid("weight_scales is not 4-byte aligned"));
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::mem::{offset_of, size_of};
-
-    #[test]
-    fn params_layout_matches_the_kernels() {
-        // The same numbers are static_asserts in kernels/mega.cu.
-        assert_eq!(size_of::<DispatchParams>(), 344);
-        assert_eq!(size_of::<CombineParams>(), 120);
-        assert_eq!(offset_of!(MegaParams, dispatch), 256);
-        assert_eq!(offset_of!(MegaParams, combine), 600);
-        assert_eq!(offset_of!(MegaParams, y), 720);
-        assert_eq!(offset_of!(MegaParams, rows), 800);
-        assert_eq!(offset_of!(MegaParams, mode), 808);
-        assert_eq!(size_of::<MegaParams>(), 896);
-    }
 }

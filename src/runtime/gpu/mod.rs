@@ -14,16 +14,20 @@ mod symmetric;
 
 use super::backend::{Backend, HandleState, Monitor, Stream};
 use super::bootstrap::Bootstrap;
-use super::config::{agree_on_config, Config, MAX_WORLD_SIZE};
-use super::cuda::{Device, DeviceStatus, MappedHost, Module};
+use super::config::{agree_on_config, Config};
+use super::cuda::{ContextGuard, Device, DeviceStatus, Kernel, MappedHost, Module};
 use super::ops::{
     CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaCombineOp, MegaDispatchOp,
+};
+use crate::abi::{
+    self, BarrierParams, CombineParams, DispatchParams, LayoutParams, LlParams, MegaParams,
+    BARRIER_COUNTER_OFFSET, BARRIER_THREADS,
 };
 use crate::error::{Error, Result};
 use low_latency::LlMode;
 use mega::MegaMode;
 use normal::NormalMode;
-use std::os::raw::c_void;
+use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use symmetric::SymmetricMemory;
@@ -31,13 +35,43 @@ use symmetric::SymmetricMemory;
 /// Bytes at the start of every rank's buffer for cross-rank signals of the
 /// runtime itself, before the modes' areas: the barrier's `[world]` slots at
 /// offset 0 (so the table of peer buffers is also the barrier's table of
-/// peer slot arrays), then this rank's barrier counts (entered, passed).
+/// peer slot arrays), then this rank's barrier counts (entered, passed) at
+/// `BARRIER_COUNTER_OFFSET`.
 const SIGNAL_BYTES: usize = 64 * 1024;
-/// Mirrors `EP_BARRIER_COUNTER_OFFSET` in kernels/include/ep_device.cuh.
-const BARRIER_COUNTER_OFFSET: usize = MAX_WORLD_SIZE * 4;
 
-/// Threads of the barrier kernel's one block: one per rank.
-const BARRIER_THREADS: u32 = MAX_WORLD_SIZE as u32;
+/// Every kernel of the library, looked up once when a context loads the
+/// module, each typed by its parameter struct.
+pub struct Kernels {
+    pub layout: Kernel<LayoutParams>,
+    pub barrier: Kernel<BarrierParams>,
+    pub dispatch_count: Kernel<DispatchParams>,
+    pub dispatch_stage: Kernel<DispatchParams>,
+    pub dispatch_pull: Kernel<DispatchParams>,
+    pub combine_send: Kernel<CombineParams>,
+    pub combine_reduce: Kernel<CombineParams>,
+    pub ll_dispatch: Kernel<LlParams>,
+    pub ll_combine: Kernel<LlParams>,
+    pub mega_bf16: Kernel<MegaParams>,
+    pub mega_fp8: Kernel<MegaParams>,
+}
+
+impl Kernels {
+    fn load(module: &Module) -> Result<Kernels> {
+        Ok(Kernels {
+            layout: module.function(c"ep_layout_kernel")?,
+            barrier: module.function(c"ep_barrier_kernel")?,
+            dispatch_count: module.function(c"ep_dispatch_count_kernel")?,
+            dispatch_stage: module.function(c"ep_dispatch_stage_kernel")?,
+            dispatch_pull: module.function(c"ep_dispatch_pull_kernel")?,
+            combine_send: module.function(c"ep_combine_send_kernel")?,
+            combine_reduce: module.function(c"ep_combine_reduce_kernel")?,
+            ll_dispatch: module.function(c"ep_ll_dispatch_kernel")?,
+            ll_combine: module.function(c"ep_ll_combine_kernel")?,
+            mega_bf16: module.function(c"ep_mega_bf16_kernel")?,
+            mega_fp8: module.function(c"ep_mega_fp8_kernel")?,
+        })
+    }
+}
 
 pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, Arc<dyn Monitor>)> {
     // Probe the driver before joining, so a machine without a GPU fails at
@@ -53,6 +87,7 @@ pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, 
     )?;
     agree_on_config(&boot, cfg)?;
     let module = Module::load(&device)?;
+    let kernels = Kernels::load(&module)?;
     let memory = SymmetricMemory::new(&device, &boot, buffer_bytes(cfg))?;
     let monitor = Arc::new(GpuMonitor {
         status: MappedHost::new(&device, 1)?,
@@ -63,6 +98,7 @@ pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, 
         cfg: *cfg,
         device,
         module,
+        kernels,
         boot,
         memory,
         monitor: monitor.clone(),
@@ -106,8 +142,8 @@ impl Monitor for GpuMonitor {
         self.aborted.store(true, Ordering::Release);
         self.abort_flag.write(0, 1);
         let mut status = self.status.read(0);
-        if status.code == DeviceStatus::OK {
-            status.code = DeviceStatus::ABORTED;
+        if status.code == abi::STATUS_OK {
+            status.code = abi::STATUS_ABORTED;
             status.rank = -1;
             self.status.write(0, status);
         }
@@ -119,7 +155,9 @@ impl Monitor for GpuMonitor {
 pub struct Runtime {
     pub cfg: Config,
     pub device: Device,
+    /// Keeps the kernels' code loaded; `kernels` are its functions.
     pub module: Module,
+    pub kernels: Kernels,
     pub boot: Bootstrap,
     pub memory: SymmetricMemory,
     pub monitor: Arc<GpuMonitor>,
@@ -138,22 +176,56 @@ impl Runtime {
         self.monitor.abort_flag.device_ptr()
     }
 
-    /// Launches kernel `name` on `stream` (see `Kernel::launch`).
+    /// Makes the device's context current for one API call: every launch
+    /// goes through the returned [`Bound`], and the caller's context is
+    /// restored when it is dropped.
+    pub fn bind(&self) -> Result<Bound<'_>> {
+        Ok(Bound {
+            rt: self,
+            _guard: self.device.bind()?,
+        })
+    }
+
+    /// Waits for `stream`, then reports any error a kernel recorded.
+    pub fn synchronize(&self, stream: Stream) -> Result<()> {
+        // SAFETY: the caller's stream of this device (API rule).
+        unsafe { self.device.stream_synchronize(stream as _)? };
+        self.monitor.async_error()
+    }
+}
+
+/// The runtime with its device's context current on this thread, for the
+/// duration of one API call: the only way to launch a kernel.
+pub struct Bound<'a> {
+    rt: &'a Runtime,
+    _guard: ContextGuard<'a>,
+}
+
+impl Deref for Bound<'_> {
+    type Target = Runtime;
+    fn deref(&self) -> &Runtime {
+        self.rt
+    }
+}
+
+impl Bound<'_> {
+    /// Launches `kernel` on `stream` (see `Kernel::launch`).
     ///
     /// # Safety
-    /// `params` must match the kernel's signature, and every pointer passed
-    /// must stay valid until the kernel has finished.
-    pub unsafe fn launch(
+    /// Every pointer in `params` must stay valid until the kernel has
+    /// finished.
+    pub unsafe fn launch<P>(
         &self,
-        name: &str,
+        kernel: &Kernel<P>,
         grid: u32,
         block: u32,
         shared_bytes: u32,
         stream: Stream,
-        params: &mut [*mut c_void],
+        params: &P,
     ) -> Result<()> {
-        let kernel = self.module.function(name)?;
-        kernel.launch(grid, block, shared_bytes, stream as _, params)
+        // SAFETY: the runtime keeps the module loaded; the caller vouches
+        // for the pointers.
+        unsafe { kernel.launch(&self._guard, grid, block, shared_bytes, stream as _, params) }
     }
 
     /// Enqueues a barrier of all ranks on `stream`: work enqueued after it
@@ -162,42 +234,26 @@ impl Runtime {
     /// # Safety
     /// `stream` must be a stream of this context's device (or null).
     pub unsafe fn barrier(&self, stream: Stream) -> Result<()> {
-        let rank = self.cfg.rank;
-        let mut peer_slots = self.memory.peer_bases();
-        let mut rank_arg = rank as i32;
-        let mut world = self.cfg.world() as i32;
-        let mut counter = self.memory.base(rank) + BARRIER_COUNTER_OFFSET as u64;
-        let mut timeout_ns = self.timeout_ns;
-        let mut abort = self.abort_ptr();
-        let mut status = self.status_ptr();
-        let mut params = [
-            arg(&mut peer_slots),
-            arg(&mut rank_arg),
-            arg(&mut world),
-            arg(&mut counter),
-            arg(&mut timeout_ns),
-            arg(&mut abort),
-            arg(&mut status),
-        ];
-        // SAFETY: the parameters match the kernel's signature; the buffers
-        // belong to the context.
+        let params = BarrierParams {
+            peer_signals: self.memory.peer_bases(),
+            epoch_counter: self.memory.base(self.cfg.rank) + BARRIER_COUNTER_OFFSET as u64,
+            abort_flag: self.abort_ptr(),
+            status: self.status_ptr(),
+            timeout_ns: self.timeout_ns,
+            rank: self.cfg.rank as i32,
+            world: self.cfg.world() as i32,
+        };
+        // SAFETY: the context's own buffers and words.
         unsafe {
             self.launch(
-                "ep_barrier_kernel",
+                &self.kernels.barrier,
                 1,
-                BARRIER_THREADS,
+                BARRIER_THREADS as u32,
                 0,
                 stream,
-                &mut params,
+                &params,
             )
         }
-    }
-
-    /// Waits for `stream`, then reports any error a kernel recorded.
-    pub fn synchronize(&self, stream: Stream) -> Result<()> {
-        // SAFETY: the caller's stream of this device (API rule).
-        unsafe { self.device.stream_synchronize(stream as _)? };
-        self.monitor.async_error()
     }
 }
 
@@ -217,11 +273,6 @@ pub fn check_aligned<T>(name: &str, p: *const T) -> Result<()> {
     Ok(())
 }
 
-/// A kernel parameter: the address of the value, as `cuLaunchKernel` takes it.
-pub fn arg<T>(value: &mut T) -> *mut c_void {
-    value as *mut T as *mut c_void
-}
-
 struct GpuBackend {
     rt: Runtime,
     normal: NormalMode,
@@ -231,7 +282,7 @@ struct GpuBackend {
 
 impl Backend for GpuBackend {
     fn layout(&mut self, op: &LayoutOp, stream: Stream) -> Result<()> {
-        self.normal.layout(&self.rt, op, stream)
+        self.normal.layout(&self.rt.bind()?, op, stream)
     }
 
     fn new_handle_state(&mut self) -> Result<HandleState> {
@@ -244,11 +295,11 @@ impl Backend for GpuBackend {
         handle: &mut HandleState,
         stream: Stream,
     ) -> Result<()> {
-        self.normal.dispatch(&self.rt, op, handle, stream)
+        self.normal.dispatch(&self.rt.bind()?, op, handle, stream)
     }
 
     fn combine(&mut self, op: &CombineOp, handle: &HandleState, stream: Stream) -> Result<()> {
-        self.normal.combine(&self.rt, op, handle, stream)
+        self.normal.combine(&self.rt.bind()?, op, handle, stream)
     }
 
     fn mega_dispatch_gemm(
@@ -258,7 +309,7 @@ impl Backend for GpuBackend {
         stream: Stream,
     ) -> Result<()> {
         self.mega
-            .dispatch_gemm(&self.rt, &self.normal, op, handle, stream)
+            .dispatch_gemm(&self.rt.bind()?, &self.normal, op, handle, stream)
     }
 
     fn mega_gemm_combine(
@@ -268,15 +319,15 @@ impl Backend for GpuBackend {
         stream: Stream,
     ) -> Result<()> {
         self.mega
-            .gemm_combine(&self.rt, &self.normal, op, handle, stream)
+            .gemm_combine(&self.rt.bind()?, &self.normal, op, handle, stream)
     }
 
     fn ll_dispatch(&mut self, op: &LlDispatchOp, stream: Stream) -> Result<()> {
-        self.ll.dispatch(&self.rt, op, stream)
+        self.ll.dispatch(&self.rt.bind()?, op, stream)
     }
 
     fn ll_combine(&mut self, op: &LlCombineOp, stream: Stream) -> Result<()> {
-        self.ll.combine(&self.rt, op, stream)
+        self.ll.combine(&self.rt.bind()?, op, stream)
     }
 
     fn ll_combine_buffer(&mut self) -> Result<(*mut u8, usize)> {
