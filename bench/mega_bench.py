@@ -285,9 +285,10 @@ def run(args):
             us = None
         row(name, us, flops)
 
-    for tokens in [4096, 128]:
-        shape = "W3" if tokens == 4096 else "decode"
-        ep = Ep(lib, hidden, topk, experts, tokens, 128)
+    shapes = {"w3": 4096, "decode": 128}
+    for shape in args.shapes.split(","):
+        tokens = shapes[shape]
+        torch.manual_seed(tokens)
         x = (torch.rand(tokens, hidden, device="cuda") * 2 - 1).to(torch.bfloat16)
         xq, xs = quantize_fp8(x)
         idx, wts = routing(tokens, experts, topk)
@@ -296,48 +297,57 @@ def run(args):
         w2 = (torch.randn(experts, hidden, k2, device="cuda") * 0.05).to(torch.bfloat16)
         w1q, w1s = weight_block_scales(w1)
         w2q, w2s = weight_block_scales(w2)
-        y1 = torch.empty(ep.capacity, n1, dtype=torch.bfloat16, device="cuda")
-        y2 = torch.empty(ep.capacity, hidden, dtype=torch.bfloat16, device="cuda")
-        out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device="cuda")
-        x2 = (torch.rand(ep.capacity, k2, device="cuda") * 2 - 1).to(torch.bfloat16)
-        x2q, x2s = quantize_fp8(x2)
         f1, f2 = 2.0 * rows * n1 * hidden, 2.0 * rows * hidden * k2
         print("%s: %d tokens, top-%d of %d experts, hidden %d; GEMM1 n %d; GEMM2 k %d"
               % (shape, tokens, topk, experts, hidden, n1, k2), flush=True)
-
-        for dtype, name in [(EP_DTYPE_BF16, "BF16"), (EP_DTYPE_FP8_E4M3, "FP8")]:
-            fp8 = dtype == EP_DTYPE_FP8_E4M3
-            a = ep.dispatch_args(xq if fp8 else x, xs if fp8 else None, idx, wts, dtype)
-            w1_, w1s_ = (w1q, w1s) if fp8 else (w1, None)
-            w2_, w2s_ = (w2q, w2s) if fp8 else (w2, None)
-            timed("%s %s fused dispatch+GEMM" % (shape, name),
-                  lambda: ep.mega_dispatch_gemm(a, dtype, w1_, w1s_, y1, n1), f1)
-            ep.status()
-            offs = ep.expert_offsets[1:]
-            ex = ep.expert_x[:ep.capacity * hidden * (1 if fp8 else 2)]
-            ex = ex.view(torch.float8_e4m3fn if fp8 else torch.bfloat16).view(ep.capacity, hidden)
-            ones_m = torch.ones(ep.capacity, device="cuda")
-            ones_w1 = torch.ones(experts, n1, device="cuda")
-            ones_w2 = torch.ones(experts, hidden, device="cuda")
-            if fp8:
-                gemm1 = lambda: grouped_fp8(ex, ones_m, w1q, ones_w1, offs)
-                gemm2 = lambda: grouped_fp8(x2q, ones_m, w2q, ones_w2, offs)
-            else:
-                gemm1 = lambda: grouped_bf16(ex, w1, offs)
-                gemm2 = lambda: grouped_bf16(x2, w2, offs)
-            timed("%s %s unfused ep_dispatch + torch GEMM" % (shape, name),
-                  lambda: (ep.dispatch(a), gemm1()), f1)
-            timed("%s %s torch GEMM1 alone" % (shape, name), gemm1, f1)
-            ep.dispatch(a)
-            timed("%s %s fused GEMM+combine" % (shape, name),
-                  lambda: ep.mega_gemm_combine(dtype, x2q if fp8 else x2, x2s if fp8 else None,
-                                               w2_, w2s_, y2, out), f2)
-            ep.status()
-            timed("%s %s unfused torch GEMM + ep_combine" % (shape, name),
-                  lambda: ep.combine(gemm2(), out), f2)
-            timed("%s %s torch GEMM2 alone" % (shape, name), gemm2, f2)
-            ep.status()
-        ep.close()
+        # Fused calls with clusters of 2 blocks (the default) and of 1; the
+        # library reads EP_MEGA_CLUSTER when a context is created.
+        for cluster in args.clusters.split(","):
+            os.environ["EP_MEGA_CLUSTER"] = cluster
+            ep = Ep(lib, hidden, topk, experts, tokens, 128)
+            y1 = torch.empty(ep.capacity, n1, dtype=torch.bfloat16, device="cuda")
+            y2 = torch.empty(ep.capacity, hidden, dtype=torch.bfloat16, device="cuda")
+            out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+            x2 = (torch.rand(ep.capacity, k2, device="cuda") * 2 - 1).to(torch.bfloat16)
+            x2q, x2s = quantize_fp8(x2)
+            baselines = cluster == args.clusters.split(",")[0]
+            for dtype, name in [(EP_DTYPE_BF16, "BF16"), (EP_DTYPE_FP8_E4M3, "FP8")]:
+                fp8 = dtype == EP_DTYPE_FP8_E4M3
+                tag = "%s %s" % (shape, name)
+                a = ep.dispatch_args(xq if fp8 else x, xs if fp8 else None, idx, wts, dtype)
+                w1_, w1s_ = (w1q, w1s) if fp8 else (w1, None)
+                w2_, w2s_ = (w2q, w2s) if fp8 else (w2, None)
+                timed("%s fused dispatch+GEMM (clusters of %s)" % (tag, cluster),
+                      lambda: ep.mega_dispatch_gemm(a, dtype, w1_, w1s_, y1, n1), f1)
+                ep.status()
+                ep.dispatch(a)
+                timed("%s fused GEMM+combine (clusters of %s)" % (tag, cluster),
+                      lambda: ep.mega_gemm_combine(dtype, x2q if fp8 else x2, x2s if fp8 else None,
+                                                   w2_, w2s_, y2, out), f2)
+                ep.status()
+                if not baselines:
+                    continue
+                offs = ep.expert_offsets[1:]
+                ex = ep.expert_x[:ep.capacity * hidden * (1 if fp8 else 2)]
+                ex = ex.view(torch.float8_e4m3fn if fp8 else torch.bfloat16).view(ep.capacity, hidden)
+                ones_m = torch.ones(ep.capacity, device="cuda")
+                ones_w1 = torch.ones(experts, n1, device="cuda")
+                ones_w2 = torch.ones(experts, hidden, device="cuda")
+                if fp8:
+                    gemm1 = lambda: grouped_fp8(ex, ones_m, w1q, ones_w1, offs)
+                    gemm2 = lambda: grouped_fp8(x2q, ones_m, w2q, ones_w2, offs)
+                else:
+                    gemm1 = lambda: grouped_bf16(ex, w1, offs)
+                    gemm2 = lambda: grouped_bf16(x2, w2, offs)
+                timed("%s ep_dispatch alone (expert-major)" % tag, lambda: ep.dispatch(a), None)
+                timed("%s unfused ep_dispatch + torch GEMM" % tag,
+                      lambda: (ep.dispatch(a), gemm1()), f1)
+                timed("%s torch GEMM1 alone" % tag, gemm1, f1)
+                timed("%s unfused torch GEMM + ep_combine" % tag,
+                      lambda: ep.combine(gemm2(), out), f2)
+                timed("%s torch GEMM2 alone" % tag, gemm2, f2)
+                ep.status()
+            ep.close()
 
     print()
     print("| op | median us | TFLOP/s |")
@@ -353,6 +363,9 @@ def main():
     p.add_argument("--lib", default=os.environ.get("EP_LIB", os.path.join(here, "libep.so")))
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--shapes", default="w3,decode", help="comma list of w3, decode")
+    p.add_argument("--clusters", default="2,1",
+                   help="cluster sizes of the fused kernels to time (EP_MEGA_CLUSTER)")
     args = p.parse_args()
     print("date: %s, device: %s, torch %s" % (time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                               torch.cuda.get_device_name(), torch.__version__))

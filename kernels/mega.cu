@@ -108,7 +108,7 @@
 struct MegaTile {
     int expert;
     int first_row;  // its first expert-major row
-    int rows;       // real rows, 1 to EP_MEGA_BLOCK_M
+    int rows;       // real rows, 0 (a cluster's filler) to EP_MEGA_BLOCK_M
 };
 
 // The expert layout every block reads from the handle, and the m-tiles.
@@ -126,11 +126,19 @@ struct MegaLayout {
 // Layout and tiles (any target)
 // ---------------------------------------------------------------------------
 
+// The m-tiles of an expert with `count` rows, rounded up to a multiple of
+// the cluster size (the blocks of a cluster take m-tiles of one expert).
+__device__ __forceinline__ int ep_mega_expert_tiles(int count, int cluster) {
+    const int tiles = (max(count, 0) + EP_MEGA_BLOCK_M - 1) / EP_MEGA_BLOCK_M;
+    return (tiles + cluster - 1) / cluster * cluster;
+}
+
 // Loads the handle's layout and numbers the m-tiles; sets `usable`. Whole
 // block. A layout that cannot come from a dispatch (offsets out of order,
 // counts beyond their segments, more rows than the buffers) is recorded as
 // EP_STATUS_INVALID_ARGUMENT; a failed routing barrier was recorded before.
-__device__ __forceinline__ void ep_mega_load_layout(const MegaParams& p, MegaLayout& l, bool routed, int phase) {
+__device__ __forceinline__ void ep_mega_load_layout(const MegaParams& p, MegaLayout& l,
+                                                    bool routed, int phase, int cluster) {
     const int experts = p.local_experts;
     for (int i = threadIdx.x; i <= experts; i += blockDim.x) {
         l.offset[i] = p.expert_layout[i];
@@ -148,7 +156,7 @@ __device__ __forceinline__ void ep_mega_load_layout(const MegaParams& p, MegaLay
         int tiles = 0;
         for (int e = first; e < last; ++e) {
             sane = sane && l.count[e] >= 0 && l.offset[e] + l.count[e] <= l.offset[e + 1];
-            tiles += (max(l.count[e], 0) + EP_MEGA_BLOCK_M - 1) / EP_MEGA_BLOCK_M;
+            tiles += ep_mega_expert_tiles(l.count[e], cluster);
         }
         sane = __all_sync(0xffffffffu, sane);
         // Exclusive prefix of the lanes' tile counts.
@@ -160,7 +168,7 @@ __device__ __forceinline__ void ep_mega_load_layout(const MegaParams& p, MegaLay
         before -= tiles;
         for (int e = first; e < last; ++e) {
             l.tile_start[e] = before;
-            before += (max(l.count[e], 0) + EP_MEGA_BLOCK_M - 1) / EP_MEGA_BLOCK_M;
+            before += ep_mega_expert_tiles(l.count[e], cluster);
         }
         if (lane == 31) {
             l.tile_start[experts] = before;
@@ -176,7 +184,8 @@ __device__ __forceinline__ void ep_mega_load_layout(const MegaParams& p, MegaLay
 }
 
 // The m-tile `m`: its expert is the last one whose first tile is <= m
-// (experts without rows share their successor's first tile).
+// (experts without rows share their successor's first tile). A tile past
+// the expert's rows (rounding to the cluster size) has 0 rows.
 __device__ __forceinline__ MegaTile ep_mega_tile(const MegaLayout& l, int experts, int m) {
     int lo = 0, hi = experts - 1;
     while (lo < hi) {
@@ -188,7 +197,8 @@ __device__ __forceinline__ MegaTile ep_mega_tile(const MegaLayout& l, int expert
         }
     }
     const int skipped = (m - l.tile_start[lo]) * EP_MEGA_BLOCK_M;
-    return MegaTile{lo, l.offset[lo] + skipped, min(EP_MEGA_BLOCK_M, l.count[lo] - skipped)};
+    return MegaTile{lo, l.offset[lo] + skipped,
+                    min(EP_MEGA_BLOCK_M, max(0, l.count[lo] - skipped))};
 }
 
 // The local expert whose segment holds the real row `row`: the last one
@@ -395,7 +405,9 @@ struct Gemm {
         (kBlockM + kBlockN) * kBlockK * static_cast<uint32_t>(sizeof(Element));
     // full[s] waits for the producer's arrive (and, FP8, 32 cp.async arrivals).
     static constexpr uint32_t kFullArrivals = G::kScaled ? 33 : 1;
-    static constexpr uint32_t kEmptyArrivals = EP_MEGA_CONSUMERS / EP_MEGA_WARPGROUP;
+    // empty[s] waits for each consumer warpgroup of every block of the
+    // cluster (a block's B half lands in its partner's stage too).
+    static constexpr uint32_t kConsumerWarpgroups = EP_MEGA_CONSUMERS / EP_MEGA_WARPGROUP;
 
     // Two consumer warpgroups stacked along M: 128 x kBlockN per k-step.
     using TiledMma = decltype(make_tiled_mma(typename G::Atom{}, Layout<Shape<_2, _1, _1>>{}));
@@ -417,6 +429,27 @@ struct Gemm {
     };
 };
 
+// A block's place in its cluster: `size` blocks (1, or 2 sharing the weight
+// tile), this one `rank`; `id` of `count` clusters in the grid.
+struct Cluster {
+    int size;
+    int rank;
+    int id;
+    int count;
+};
+
+// The m-tile and n-tile of work unit `unit` for this block: a unit is a
+// pair (group of `cluster.size` consecutive m-tiles of one expert, n-tile),
+// the blocks of a cluster take one m-tile of the group each.
+struct MegaUnit {
+    int m_tile;
+    int n_tile;
+};
+
+__device__ __forceinline__ MegaUnit ep_mega_unit(int unit, int n_tiles, const Cluster& cluster) {
+    return MegaUnit{unit / n_tiles * cluster.size + cluster.rank, unit % n_tiles};
+}
+
 // The stage ring position of one role: stage index and the parity of the
 // phase it waits for.
 struct Ring {
@@ -432,25 +465,31 @@ struct Ring {
 };
 
 // Producer warp: for every tile of this block, wait for its rows (dispatch),
-// then load its k-blocks into the stages.
+// then load its k-blocks into the stages: its own A rows, and its part of the
+// weight tile (all of it, or in a cluster of 2 its half, multicast to both
+// blocks, which wait for the whole tile).
 template <class G>
-__device__ __forceinline__ void produce(const MegaParams& p, typename Gemm<G>::Shared& s, int seq, int n_tiles,
-                        int total_tiles, int lane) {
+__device__ __forceinline__ void produce(const MegaParams& p, typename Gemm<G>::Shared& s, int seq,
+                                        int n_tiles, int total_units, const Cluster& cluster,
+                                        int lane) {
     using T = Gemm<G>;
     MegaLayout& l = s.layout;
     const int k_blocks = p.k / T::kBlockK;
     const int scale_cols = p.k / EP_MEGA_SCALE_BLOCK;
+    const int b_rows = T::kBlockN / cluster.size;  // weight rows this block loads
+    const uint16_t everyone = static_cast<uint16_t>((1 << cluster.size) - 1);
     Ring ring{0, 1};  // empty stages: the phase before the first counts as done
-    for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-        const MegaTile t = ep_mega_tile(l, p.local_experts, tile / n_tiles);
-        const int n0 = (tile % n_tiles) * T::kBlockN;
+    for (int unit = cluster.id; unit < total_units; unit += cluster.count) {
+        const MegaUnit u = ep_mega_unit(unit, n_tiles, cluster);
+        const MegaTile t = ep_mega_tile(l, p.local_experts, u.m_tile);
+        const int n0 = u.n_tile * T::kBlockN;
         if (p.mode == EP_MEGA_MODE_DISPATCH) {
             for (int i = lane; i < t.rows; i += 32) {
                 ep_mega_wait(p, l, p.row_ready + t.first_row + i, seq, EP_PHASE_DISPATCH);
             }
             __syncwarp();
-            // The rows were written by generic stores; TMA reads through
-            // the async proxy.
+            // The rows were written by generic stores; TMA reads them
+            // through the async proxy.
             asm volatile("fence.proxy.async.global;" ::: "memory");
         }
         for (int kb = 0; kb < k_blocks; ++kb) {
@@ -481,27 +520,48 @@ __device__ __forceinline__ void produce(const MegaParams& p, typename Gemm<G>::S
                 cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);
             }
             if (lane == 0) {
-                cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[ring.stage],
-                                                                                T::kStageBytes);
+                uint64_t* full = &s.full[ring.stage];
+                cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, T::kStageBytes);
                 const uint64_t hint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
-                SM90_TMA_LOAD_2D::copy(&p.a, &s.full[ring.stage], hint,
-                                       s.a + ring.stage * T::kBlockM * T::kBlockK, kb * T::kBlockK,
-                                       t.first_row);
-                SM90_TMA_LOAD_3D::copy(&p.b, &s.full[ring.stage], hint,
-                                       s.b + ring.stage * T::kBlockN * T::kBlockK, kb * T::kBlockK,
-                                       n0, t.expert);
+                SM90_TMA_LOAD_2D::copy(&p.a, full, hint, s.a + ring.stage * T::kBlockM * T::kBlockK,
+                                       kb * T::kBlockK, t.first_row);
+                typename T::Element* b = s.b + (ring.stage * T::kBlockN + cluster.rank * b_rows) * T::kBlockK;
+                const int b_row = n0 + cluster.rank * b_rows;
+                if (cluster.size == 1) {
+                    SM90_TMA_LOAD_3D::copy(&p.b, full, hint, b, kb * T::kBlockK, b_row, t.expert);
+                } else {
+                    SM90_TMA_LOAD_MULTICAST_3D::copy(&p.b, full, everyone, hint, b, kb * T::kBlockK,
+                                                     b_row, t.expert);
+                }
             }
             __syncwarp();
             ring.advance<T::kStages>();
         }
     }
+    // Tail: wait until every stage's last load has been released by the
+    // consumers of every block of the cluster, so none of their (remote)
+    // arrivals is still on its way when the blocks leave.
+    for (int i = 0; i < T::kStages; ++i) {
+        cutlass::arch::ClusterBarrier::wait(&s.empty[ring.stage], ring.parity);
+        ring.advance<T::kStages>();
+    }
 }
 
-// One consumer warpgroup's release of a stage: one arrival per warpgroup,
-// after its MMAs on the stage have completed.
-__device__ __forceinline__ void release_stage(uint64_t* empty, int consumer) {
-    if (consumer % EP_MEGA_WARPGROUP == 0) {
+// One consumer warpgroup's release of a stage: one arrival per warpgroup on
+// the stage of every block of the cluster, after its MMAs on the stage have
+// completed.
+__device__ __forceinline__ void release_stage(uint64_t* empty, int consumer,
+                                              const Cluster& cluster) {
+    if (consumer % EP_MEGA_WARPGROUP != 0) {
+        return;
+    }
+    if (cluster.size == 1) {
         cutlass::arch::ClusterBarrier::arrive(empty);
+        return;
+    }
+    // Every block of the cluster may write the stage next: tell them all.
+    for (int block = 0; block < cluster.size; ++block) {
+        cutlass::arch::ClusterBarrier::arrive(empty, block, 1);
     }
 }
 
@@ -510,10 +570,10 @@ __device__ __forceinline__ void release_stage(uint64_t* empty, int consumer) {
 // stage in turn, but only to release it: no MMAs.
 template <class G>
 __device__ __forceinline__ void mainloop_skip(typename Gemm<G>::Shared& s, Ring& ring,
-                                              int k_blocks, int consumer) {
+                                              int k_blocks, int consumer, const Cluster& cluster) {
     for (int kb = 0; kb < k_blocks; ++kb) {
         cutlass::arch::ClusterBarrier::wait(&s.full[ring.stage], ring.parity);
-        release_stage(&s.empty[ring.stage], consumer);
+        release_stage(&s.empty[ring.stage], consumer, cluster);
         ring.advance<Gemm<G>::kStages>();
     }
 }
@@ -523,7 +583,7 @@ __device__ __forceinline__ void mainloop_skip(typename Gemm<G>::Shared& s, Ring&
 template <class G, class Frag, class FragA, class FragB>
 __device__ __forceinline__ void mainloop_bf16(typename Gemm<G>::Shared& s, Ring& ring,
                                               int k_blocks, Frag& accum, FragA& tCrA, FragB& tCrB,
-                                              int consumer) {
+                                              int consumer, const Cluster& cluster) {
     using T = Gemm<G>;
     typename T::TiledMma tiled_mma;
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
@@ -541,7 +601,7 @@ __device__ __forceinline__ void mainloop_bf16(typename Gemm<G>::Shared& s, Ring&
         warpgroup_wait<1>();
         warpgroup_fence_operand(accum);
         if (in_flight >= 0) {
-            release_stage(&s.empty[in_flight], consumer);
+            release_stage(&s.empty[in_flight], consumer, cluster);
         }
         in_flight = ring.stage;
         ring.advance<T::kStages>();
@@ -549,7 +609,7 @@ __device__ __forceinline__ void mainloop_bf16(typename Gemm<G>::Shared& s, Ring&
     warpgroup_wait<0>();
     warpgroup_fence_operand(accum);
     if (in_flight >= 0) {
-        release_stage(&s.empty[in_flight], consumer);
+        release_stage(&s.empty[in_flight], consumer, cluster);
     }
 }
 
@@ -561,7 +621,8 @@ __device__ __forceinline__ void mainloop_bf16(typename Gemm<G>::Shared& s, Ring&
 template <class G, class Frag, class FragA, class FragB, class Coords>
 __device__ __forceinline__ void mainloop_fp8(typename Gemm<G>::Shared& s, Ring& ring, int k_blocks,
                                              Frag& total, Frag& block, FragA& tCrA, FragB& tCrB,
-                                             const Coords& tCcC, int consumer) {
+                                             const Coords& tCcC, int consumer,
+                                             const Cluster& cluster) {
     using T = Gemm<G>;
     static_assert(T::kBScales == 1, "an FP8 n-tile spans one weight scale block");
     typename T::TiledMma tiled_mma;
@@ -587,7 +648,7 @@ __device__ __forceinline__ void mainloop_fp8(typename Gemm<G>::Shared& s, Ring& 
         const float b_scale = s.b_scales[ring.stage][0];
         const float scale[2] = {s.a_scales[ring.stage][row0] * b_scale,
                                 s.a_scales[ring.stage][row1] * b_scale};
-        release_stage(&s.empty[ring.stage], consumer);
+        release_stage(&s.empty[ring.stage], consumer, cluster);
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(total); ++i) {
             total(i) = fmaf(scale[(i >> 1) & 1], block(i), total(i));
@@ -615,7 +676,8 @@ __device__ __forceinline__ void store_tile(const MegaParams& p, const MegaTile& 
 // Consumer warpgroups: the MMAs and the epilogue of every tile of this block.
 template <class G>
 __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::Shared& s, int seq,
-                                        int n_tiles, int total_tiles, int consumer) {
+                                        int n_tiles, int total_units, const Cluster& cluster,
+                                        int consumer) {
     using T = Gemm<G>;
     const MegaLayout& l = s.layout;
     typename T::TiledMma tiled_mma;
@@ -633,19 +695,21 @@ __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::S
     const int k_blocks = p.k / T::kBlockK;
     const int rows_per_warpgroup = T::kBlockM / (EP_MEGA_CONSUMERS / EP_MEGA_WARPGROUP);
     Ring ring{0, 0};
-    for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-        const int m_tile = tile / n_tiles;
+    for (int unit = cluster.id; unit < total_units; unit += cluster.count) {
+        const MegaUnit u = ep_mega_unit(unit, n_tiles, cluster);
+        const int m_tile = u.m_tile;
         const MegaTile t = ep_mega_tile(l, p.local_experts, m_tile);
-        const int n0 = (tile % n_tiles) * T::kBlockN;
+        const int n0 = u.n_tile * T::kBlockN;
         if (t.rows <= warpgroup * rows_per_warpgroup) {
-            mainloop_skip<G>(s, ring, k_blocks, consumer);
+            mainloop_skip<G>(s, ring, k_blocks, consumer, cluster);
         } else {
             if constexpr (G::kScaled) {
                 Tensor block = partition_fragment_C(
                     tiled_mma, make_shape(Int<T::kBlockM>{}, Int<T::kBlockN>{}));
-                mainloop_fp8<G>(s, ring, k_blocks, accum, block, tCrA, tCrB, tCcC, consumer);
+                mainloop_fp8<G>(s, ring, k_blocks, accum, block, tCrA, tCrB, tCcC, consumer,
+                                cluster);
             } else {
-                mainloop_bf16<G>(s, ring, k_blocks, accum, tCrA, tCrB, consumer);
+                mainloop_bf16<G>(s, ring, k_blocks, accum, tCrA, tCrB, consumer, cluster);
             }
             store_tile(p, t, n0, accum, tCcC);
         }
@@ -654,15 +718,16 @@ __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::S
             __threadfence();
             asm volatile("bar.sync %0, %1;" ::"r"(EP_MEGA_CONSUMER_BARRIER), "r"(EP_MEGA_CONSUMERS)
                          : "memory");
-            if (consumer == 0) {
+            if (consumer == 0 && t.rows > 0) {
                 ep_mega_count_tile(p, m_tile, n_tiles, seq);
             }
         }
     }
 }
 
-// The whole fused kernel for one GEMM type.
-template <class G>
+// The whole fused kernel for one GEMM type, launched in clusters of
+// `kCluster` blocks (1, or 2 that share each weight tile).
+template <class G, int kCluster>
 __device__ __forceinline__ void run(const MegaParams& p) {
     using T = Gemm<G>;
     extern __shared__ uint8_t smem_raw[];
@@ -682,24 +747,32 @@ __device__ __forceinline__ void run(const MegaParams& p) {
     const int lane = threadIdx.x % 32;
     const int seq = p.state[0] + 1;
     const bool dispatch = p.mode == EP_MEGA_MODE_DISPATCH;
+    const Cluster cluster{kCluster, kCluster > 1 ? static_cast<int>(block_rank_in_cluster()) : 0,
+                          static_cast<int>(blockIdx.x) / kCluster,
+                          static_cast<int>(gridDim.x) / kCluster};
 
     if (threadIdx.x == 0) {
         for (int i = 0; i < T::kStages; ++i) {
             cutlass::arch::ClusterBarrier::init(&s.full[i], T::kFullArrivals);
-            cutlass::arch::ClusterBarrier::init(&s.empty[i], T::kEmptyArrivals);
+            cutlass::arch::ClusterBarrier::init(&s.empty[i], T::kConsumerWarpgroups * kCluster);
         }
         cutlass::arch::fence_barrier_init();
     }
     const uint64_t own_base =
         dispatch ? p.dispatch.peer_bases[p.dispatch.rank] : p.combine.peer_bases[p.combine.rank];
     ep_mega_load_layout(p, l, ep_last_barrier_passed(own_base),
-                        dispatch ? EP_PHASE_DISPATCH : EP_PHASE_COMBINE);
+                        dispatch ? EP_PHASE_DISPATCH : EP_PHASE_COMBINE, kCluster);
+    if constexpr (kCluster > 1) {
+        // The partner's barriers are initialised before anything lands there.
+        cluster_sync();
+    }
     const int n_tiles = (p.n + T::kBlockN - 1) / T::kBlockN;
-    const int total_tiles = l.usable ? l.tile_start[p.local_experts] * n_tiles : 0;
+    const int total_units =
+        l.usable ? l.tile_start[p.local_experts] / kCluster * n_tiles : 0;
 
     if (threadIdx.x < EP_MEGA_WARPGROUP) {
         if (warp == 0) {
-            produce<G>(p, s, seq, n_tiles, total_tiles, lane);
+            produce<G>(p, s, seq, n_tiles, total_units, cluster, lane);
         } else if (l.usable) {
             const int comm_warp = warp - 1;
             const int global_warp = blockIdx.x * EP_MEGA_COMM_WARPS + comm_warp;
@@ -711,11 +784,16 @@ __device__ __forceinline__ void run(const MegaParams& p) {
             }
         }
     } else {
-        consume<G>(p, s, seq, n_tiles, total_tiles, threadIdx.x - EP_MEGA_WARPGROUP);
+        consume<G>(p, s, seq, n_tiles, total_units, cluster, threadIdx.x - EP_MEGA_WARPGROUP);
     }
 
+    // No block leaves while its partner may still arrive on its barriers.
+    if constexpr (kCluster > 1) {
+        cluster_sync();
+    } else {
+        __syncthreads();
+    }
     // The last block to finish publishes this call's sequence number.
-    __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
         if (atomicAdd(p.state + 1, 1) == static_cast<int>(gridDim.x) - 1) {
@@ -729,22 +807,32 @@ __device__ __forceinline__ void run(const MegaParams& p) {
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-// grid = at most one block per SM, EP_MEGA_THREADS threads, dynamic shared
+// grid = at most one block per SM (a multiple of the cluster size, at most
+// the clusters that fit at once), EP_MEGA_THREADS threads, dynamic shared
 // memory: the device's maximum (at least sizeof(Gemm<G>::Shared) + 1024).
+// The *_pair kernels run in clusters of 2 blocks that share weight tiles.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define EP_MEGA_RUN(G, CLUSTER) ep_mega::run<ep_mega::G, CLUSTER>(p)
+#else
+#define EP_MEGA_RUN(G, CLUSTER) ep_mega_unsupported(p)
+#endif
+
 extern "C" __global__ void __launch_bounds__(EP_MEGA_THREADS, 1)
     ep_mega_bf16_kernel(const __grid_constant__ MegaParams p) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    ep_mega::run<ep_mega::Bf16Gemm>(p);
-#else
-    ep_mega_unsupported(p);
-#endif
+    EP_MEGA_RUN(Bf16Gemm, 1);
 }
 
 extern "C" __global__ void __launch_bounds__(EP_MEGA_THREADS, 1)
     ep_mega_fp8_kernel(const __grid_constant__ MegaParams p) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    ep_mega::run<ep_mega::Fp8Gemm>(p);
-#else
-    ep_mega_unsupported(p);
-#endif
+    EP_MEGA_RUN(Fp8Gemm, 1);
+}
+
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(EP_MEGA_THREADS, 1)
+    ep_mega_bf16_pair_kernel(const __grid_constant__ MegaParams p) {
+    EP_MEGA_RUN(Bf16Gemm, 2);
+}
+
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(EP_MEGA_THREADS, 1)
+    ep_mega_fp8_pair_kernel(const __grid_constant__ MegaParams p) {
+    EP_MEGA_RUN(Fp8Gemm, 2);
 }

@@ -19,13 +19,14 @@ FAILED=0
 
 elapsed() { echo $(( $(date +%s) - START )); }
 
-# step NAME MIN_SECONDS TIMEOUT CMD...: as in gpu-check.sh, except that after
-# a step that timed out (a hung kernel) every later step is skipped.
+# step NAME MIN_SECONDS TIMEOUT CMD...: as in gpu-check.sh. A step that timed
+# out (a hung kernel) sets HUNG: later tests are skipped, and the benchmark
+# times only the single-block kernels.
 HUNG=0
 step() {
   local name="$1" need="$2" limit="$3"; shift 3
   local left=$(( BUDGET - $(elapsed) ))
-  if [ "$HUNG" -eq 1 ]; then
+  if [ "$HUNG" -eq 1 ] && [[ "$name" == test* ]]; then
     SUMMARY+=("$(printf '%-44s %-8s %6s' "$name" skipped "-")")
     echo "=== $name: skipped (an earlier step timed out)"
     return 0
@@ -64,16 +65,21 @@ if [[ "$STEPS" == *,sanitizer,* ]]; then
   step "memcheck small cases" 30 180 compute-sanitizer --tool memcheck --error-exitcode 1 \
     "$T" --ignored --exact small_and_uneven_cases_match_the_reference --test-threads=1
 fi
+CLUSTERS=2,1
 if [[ "$STEPS" == *,bench,* ]]; then
+  [ "$HUNG" -eq 1 ] && CLUSTERS=1
   step "bench fused vs unfused vs torch" 30 240 env PYTHONUNBUFFERED=1 \
-    python3 "$G/mega_bench.py" --lib "$G/libep.so"
+    python3 "$G/mega_bench.py" --lib "$G/libep.so" --clusters "$CLUSTERS"
 fi
 if [[ "$STEPS" == *,profile,* ]]; then
-  # One fused call of each kind under ncu (clocks left alone).
+  # Every fused launch of one W3 run of each cluster size under ncu (clocks
+  # left alone); the report goes to $OUT/ncu.txt.
+  [ "$HUNG" -eq 1 ] && CLUSTERS=1
   step "ncu fused kernels" 60 240 ncu --clock-control none --kernel-name regex:ep_mega \
-    --launch-skip 5 --launch-count 4 --section SpeedOfLight --section Occupancy \
-    --section MemoryWorkloadAnalysis env PYTHONUNBUFFERED=1 \
-    python3 "$G/mega_bench.py" --lib "$G/libep.so" --iters 3 --warmup 3
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    --section Occupancy --log-file "$OUT/ncu.txt" env PYTHONUNBUFFERED=1 \
+    python3 "$G/mega_bench.py" --lib "$G/libep.so" --shapes w3 --clusters "$CLUSTERS" \
+    --iters 1 --warmup 0
 fi
 
 echo

@@ -14,7 +14,9 @@
 //! and experts without rows, every row on one expert, BF16 and FP8; and a
 //! CUDA graph of both calls captured once and replayed 100 times with fresh
 //! routing. The world size is a parameter: 1 on one GPU, 2 where there are
-//! two. Needs a Hopper GPU: `cargo test --release --test gpu_mega -- --ignored`.
+//! two. Both kernel variants run (clusters of 2 blocks sharing weight
+//! tiles, the default, and single blocks: `EP_MEGA_CLUSTER`). Needs a
+//! Hopper GPU: `cargo test --release --test gpu_mega -- --ignored`.
 
 mod common;
 
@@ -400,11 +402,19 @@ fn check_combines(case: &MegaCase, refs: &[Dispatched], results: &[Results], wha
     }
 }
 
+/// Selects the fused kernels' cluster size (1 or 2) for the contexts
+/// created after this call (the library reads `EP_MEGA_CLUSTER` when a
+/// context is created; the tests run one at a time).
+fn use_cluster(size: usize) {
+    std::env::set_var("EP_MEGA_CLUSTER", size.to_string());
+}
+
 /// Runs one case on `case.world` GPUs and checks everything.
 fn run_case(case: &MegaCase) {
     let start = Instant::now();
     let what = format!(
-        "world {} hidden {} n {} k2 {} experts {} topk {} {:?} {:?} tokens {:?} alignment {}",
+        "cluster {} world {} hidden {} n {} k2 {} experts {} topk {} {:?} {:?} tokens {:?} alignment {}",
+        std::env::var("EP_MEGA_CLUSTER").unwrap_or_default(),
         case.world,
         case.hidden,
         case.n,
@@ -499,7 +509,8 @@ fn case(
 #[test]
 #[ignore = "needs a Hopper GPU"]
 fn small_and_uneven_cases_match_the_reference() {
-    for world in worlds() {
+    for (world, cluster) in worlds().into_iter().flat_map(|w| [(w, 2), (w, 1)]) {
+        use_cluster(cluster);
         for dtype in [Dtype::Bf16, Dtype::Fp8E4m3] {
             // 0, 1 and 17 tokens; 8, 64 and 256 experts; alignments 1, 16, 128.
             let mut c = case(world, 2048, 1024, 2048, 8, dtype, 0, 11);
@@ -524,8 +535,11 @@ fn small_and_uneven_cases_match_the_reference() {
 #[ignore = "needs a Hopper GPU"]
 fn decode_shape_matches_the_reference() {
     // 32 experts, 128 tokens of top-8: about 32 rows per expert.
-    for dtype in [Dtype::Bf16, Dtype::Fp8E4m3] {
-        run_case(&case(1, 7168, 4096, 2048, 32, dtype, 128, 21));
+    for cluster in [2, 1] {
+        use_cluster(cluster);
+        for dtype in [Dtype::Bf16, Dtype::Fp8E4m3] {
+            run_case(&case(1, 7168, 4096, 2048, 32, dtype, 128, 21));
+        }
     }
 }
 
@@ -533,7 +547,8 @@ fn decode_shape_matches_the_reference() {
 #[ignore = "needs a Hopper GPU"]
 fn w3_shape_matches_the_reference() {
     // One rank of EP8 at 4096 tokens: 32 experts of about 1024 rows,
-    // hidden 7168, n 4096 (gate+up), k 2048 (down).
+    // hidden 7168, n 4096 (gate+up), k 2048 (down); clusters of 2.
+    use_cluster(2);
     for dtype in [Dtype::Bf16, Dtype::Fp8E4m3] {
         run_case(&case(1, 7168, 4096, 2048, 32, dtype, 4096, 31));
     }
@@ -547,7 +562,8 @@ fn both_calls_replay_in_a_cuda_graph_with_fresh_routing() {
     let mut c = case(1, 1024, 1024, 512, 16, Dtype::Bf16, 128, 41);
     c.topk = 4;
     c.alignment = 8;
-    for dtype in [Dtype::Bf16, Dtype::Fp8E4m3] {
+    for (dtype, cluster) in [(Dtype::Bf16, 2), (Dtype::Fp8E4m3, 2), (Dtype::Bf16, 1)] {
+        use_cluster(cluster);
         c.dtype = dtype;
         let cfg = gpu_config(1024, 4, 16, 128, 0, 20_000);
         run_gpu_world(1, &cfg, |_, ctx| {
@@ -586,7 +602,7 @@ fn both_calls_replay_in_a_cuda_graph_with_fresh_routing() {
                 );
                 let want = reference_dispatch(&fresh, &[tokens], 0);
                 let r = b.download(&c, &want, 128);
-                let what = format!("{dtype:?} replay {replay}");
+                let what = format!("{dtype:?} cluster {cluster} replay {replay}");
                 check_rank(&c, &want, &data, &r, &mut rng, &what);
                 check_combines(
                     &c,

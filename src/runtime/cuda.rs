@@ -426,6 +426,40 @@ impl<P> Kernel<P> {
         )
     }
 
+    /// How many clusters of this kernel (compiled with its cluster shape)
+    /// can be resident at once with blocks of `block` threads and
+    /// `shared_bytes` of dynamic shared memory each; `cluster` is the
+    /// cluster's size in blocks.
+    ///
+    /// Errors: `Cuda` when the driver cannot tell.
+    pub fn max_active_clusters(
+        &self,
+        _bound: &ContextGuard<'_>,
+        cluster: u32,
+        block: u32,
+        shared_bytes: u32,
+    ) -> Result<u32> {
+        let config = sys::CUlaunchConfig {
+            gridDimX: cluster,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: shared_bytes,
+            hStream: ptr::null_mut(),
+            attrs: ptr::null_mut(),
+            numAttrs: 0,
+        };
+        let mut clusters = 0;
+        // SAFETY: a query on a loaded kernel with a complete configuration.
+        check(
+            unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, self.handle, &config) },
+            &format!("cuOccupancyMaxActiveClusters({})", self.name()),
+        )?;
+        Ok(clusters.max(0) as u32)
+    }
+
     /// Queues the kernel on `stream` with a one-dimensional grid of `grid`
     /// blocks of `block` threads, `shared_bytes` of dynamic shared memory,
     /// and `params` as its parameter (the driver copies it during the call).

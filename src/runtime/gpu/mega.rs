@@ -24,12 +24,20 @@ use crate::runtime::config::{Config, MAX_EXPERT_ALIGNMENT};
 use crate::runtime::cuda::{tensor_map, CUdevice_attribute, DeviceBuffer, TensorElement};
 use crate::runtime::ops::{CombineOp, GemmOp, MegaCombineOp, MegaDispatchOp};
 
+/// Blocks per cluster of the fused kernels unless `EP_MEGA_CLUSTER` says
+/// otherwise: 2, so that the two blocks of a cluster load each weight tile
+/// once (half each, multicast to both).
+const DEFAULT_CLUSTER: u32 = 2;
+
 /// The fused kernels' state of one context.
 pub struct MegaMode {
     /// Hopper (compute capability 9.0): the only GPUs the kernels run on.
     hopper: bool,
-    /// SMs of the device, and the shared memory one block may have.
-    sms: u32,
+    /// Blocks per cluster (1 or 2), and the most blocks one launch may have
+    /// so that all are resident at once (a multiple of `cluster`).
+    cluster: u32,
+    max_blocks: u32,
+    /// The shared memory one block may have.
     shared_bytes: u32,
     /// `[rows]` sequence number of the call that moved each expert-major row.
     row_ready: DeviceBuffer,
@@ -44,10 +52,25 @@ pub struct MegaMode {
 }
 
 /// The most m-tiles one call can have: every expert's last tile may be
-/// partial.
-fn max_m_tiles(cfg: &Config) -> usize {
+/// partial, and its tiles are rounded up to a multiple of the cluster size.
+fn max_m_tiles(cfg: &Config, cluster: usize) -> usize {
     let (_, pairs) = worst_case_rows(cfg.topo, cfg.max_tokens, 1);
-    pairs.div_ceil(MEGA_BLOCK_M) + cfg.local_experts()
+    pairs.div_ceil(MEGA_BLOCK_M) + cluster * cfg.local_experts()
+}
+
+/// The cluster size to use: `EP_MEGA_CLUSTER` (1 or 2) when set, else
+/// `DEFAULT_CLUSTER`.
+fn cluster_size() -> Result<u32> {
+    match std::env::var("EP_MEGA_CLUSTER") {
+        Err(_) => Ok(DEFAULT_CLUSTER),
+        Ok(value) => match value.trim() {
+            "1" => Ok(1),
+            "2" => Ok(2),
+            other => Err(Error::invalid(format!(
+                "EP_MEGA_CLUSTER = {other:?}: expected 1 or 2"
+            ))),
+        },
+    }
 }
 
 impl MegaMode {
@@ -61,18 +84,45 @@ impl MegaMode {
         let shared = device
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
         let (_, rows) = worst_case_rows(cfg.topo, cfg.max_tokens, MAX_EXPERT_ALIGNMENT);
-        let max_m_tiles = max_m_tiles(cfg);
+        let cluster = cluster_size()?;
+        let max_m_tiles = max_m_tiles(cfg, cluster as usize);
         let hopper = (major, minor) == (9, 0);
+        let shared = shared as u32;
+        let mut max_blocks = device.sm_count()?;
         if hopper {
+            let k = &rt.kernels;
             let bound = device.bind()?;
-            for kernel in [&rt.kernels.mega_bf16, &rt.kernels.mega_fp8] {
-                kernel.allow_dynamic_shared(&bound, shared as u32)?;
+            for kernel in [
+                &k.mega_bf16,
+                &k.mega_fp8,
+                &k.mega_bf16_pair,
+                &k.mega_fp8_pair,
+            ] {
+                kernel.allow_dynamic_shared(&bound, shared)?;
+            }
+            if cluster > 1 {
+                // Not every SM can host half of a cluster (SMs come in
+                // groups): launch only the clusters that fit at once.
+                let clusters = [&k.mega_bf16_pair, &k.mega_fp8_pair]
+                    .iter()
+                    .map(|kernel| {
+                        kernel.max_active_clusters(&bound, cluster, MEGA_THREADS as u32, shared)
+                    })
+                    .collect::<Result<Vec<u32>>>()?;
+                let fit = clusters.into_iter().min().unwrap_or(0);
+                if fit == 0 {
+                    return Err(Error::internal(
+                        "no cluster of the fused kernels fits on this GPU",
+                    ));
+                }
+                max_blocks = max_blocks.min(fit * cluster);
             }
         }
         Ok(MegaMode {
             hopper,
-            sms: device.sm_count()?,
-            shared_bytes: shared as u32,
+            cluster,
+            max_blocks,
+            shared_bytes: shared,
             row_ready: DeviceBuffer::zeroed(device, rows * 4)?,
             tile_ready: DeviceBuffer::zeroed(device, max_m_tiles * 4)?,
             tile_count: DeviceBuffer::zeroed(device, max_m_tiles * 8)?,
@@ -204,7 +254,8 @@ impl MegaMode {
                 MEGA_FP8_BLOCK_N,
             ),
         };
-        let (block_k, block_n) = (block_k as u32, block_n as u32);
+        // Each block of a cluster loads its share of the weight tile's rows.
+        let (block_k, block_n) = (block_k as u32, block_n as u32 / self.cluster);
         let (n, k, experts) = (gemm.n as u64, gemm.k as u64, cfg.local_experts() as u64);
         let a = tensor_map(
             element,
@@ -255,14 +306,19 @@ impl MegaMode {
         params: &MegaParams,
         stream: Stream,
     ) -> Result<()> {
-        let kernel = match gemm.dtype {
-            Dtype::Bf16 => &rt.kernels.mega_bf16,
-            Dtype::Fp8E4m3 => &rt.kernels.mega_fp8,
+        let k = &rt.kernels;
+        let kernel = match (gemm.dtype, self.cluster) {
+            (Dtype::Bf16, 1) => &k.mega_bf16,
+            (Dtype::Fp8E4m3, 1) => &k.mega_fp8,
+            (Dtype::Bf16, _) => &k.mega_bf16_pair,
+            (Dtype::Fp8E4m3, _) => &k.mega_fp8_pair,
         };
-        let grid = match gemm.num_sms {
-            0 => self.sms,
-            budget => self.sms.min(budget as u32),
+        // One block per SM of the budget, whole clusters, all resident.
+        let blocks = match gemm.num_sms {
+            0 => self.max_blocks,
+            budget => self.max_blocks.min(budget as u32),
         };
+        let grid = (blocks / self.cluster).max(1) * self.cluster;
         // SAFETY: the caller vouches for the pointers.
         unsafe {
             rt.launch(

@@ -53,6 +53,8 @@ pub struct Kernels {
     pub ll_combine: Kernel<LlParams>,
     pub mega_bf16: Kernel<MegaParams>,
     pub mega_fp8: Kernel<MegaParams>,
+    pub mega_bf16_pair: Kernel<MegaParams>,
+    pub mega_fp8_pair: Kernel<MegaParams>,
 }
 
 impl Kernels {
@@ -69,6 +71,8 @@ impl Kernels {
             ll_combine: module.function(c"ep_ll_combine_kernel")?,
             mega_bf16: module.function(c"ep_mega_bf16_kernel")?,
             mega_fp8: module.function(c"ep_mega_fp8_kernel")?,
+            mega_bf16_pair: module.function(c"ep_mega_bf16_pair_kernel")?,
+            mega_fp8_pair: module.function(c"ep_mega_fp8_pair_kernel")?,
         })
     }
 }
