@@ -65,7 +65,7 @@ if [[ "$STEPS" == *,sanitizer,* ]]; then
   step "memcheck small cases" 30 180 compute-sanitizer --tool memcheck --error-exitcode 1 \
     "$T" --ignored --exact small_and_uneven_cases_match_the_reference --test-threads=1
 fi
-CLUSTERS=2,1
+CLUSTERS=1,2
 if [[ "$STEPS" == *,bench,* ]]; then
   [ "$HUNG" -eq 1 ] && CLUSTERS=1
   step "bench fused vs unfused vs torch" 30 240 env PYTHONUNBUFFERED=1 \

@@ -14,8 +14,8 @@
 //! and experts without rows, every row on one expert, BF16 and FP8; and a
 //! CUDA graph of both calls captured once and replayed 100 times with fresh
 //! routing. The world size is a parameter: 1 on one GPU, 2 where there are
-//! two. Both kernel variants run (clusters of 2 blocks sharing weight
-//! tiles, the default, and single blocks: `EP_MEGA_CLUSTER`). Needs a
+//! two. Both kernel variants run (single blocks, the default, and clusters
+//! of 2 blocks sharing weight tiles: `EP_MEGA_CLUSTER`). Needs a
 //! Hopper GPU: `cargo test --release --test gpu_mega -- --ignored`.
 
 mod common;
@@ -547,13 +547,16 @@ fn decode_shape_matches_the_reference() {
 #[ignore = "needs a Hopper GPU"]
 fn w3_shape_matches_the_reference() {
     // One rank of EP8 at 4096 tokens: 32 experts of about 1024 rows,
-    // hidden 7168, n 4096 (gate+up), k 2048 (down); clusters of 2.
-    use_cluster(2);
+    // hidden 7168, n 4096 (gate+up), k 2048 (down); single blocks, then
+    // the BF16 case in clusters of 2.
+    use_cluster(1);
     for dtype in [Dtype::Bf16, Dtype::Fp8E4m3] {
         run_case(&case(1, 7168, 4096, 2048, 32, dtype, 4096, 31));
     }
     // 256 experts, hidden 4096.
     run_case(&case(1, 4096, 2048, 1024, 256, Dtype::Fp8E4m3, 4096, 32));
+    use_cluster(2);
+    run_case(&case(1, 7168, 4096, 2048, 32, Dtype::Bf16, 4096, 33));
 }
 
 #[test]
