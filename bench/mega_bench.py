@@ -300,7 +300,7 @@ def run(args):
         f1, f2 = 2.0 * rows * n1 * hidden, 2.0 * rows * hidden * k2
         print("%s: %d tokens, top-%d of %d experts, hidden %d; GEMM1 n %d; GEMM2 k %d"
               % (shape, tokens, topk, experts, hidden, n1, k2), flush=True)
-        # Fused calls with clusters of 2 blocks (the default) and of 1; the
+        # Fused calls with single blocks (the default) and clusters of 2; the
         # library reads EP_MEGA_CLUSTER when a context is created.
         for cluster in args.clusters.split(","):
             os.environ["EP_MEGA_CLUSTER"] = cluster
