@@ -112,6 +112,10 @@ struct CUstream_st;
 // Bytes of the oldest accepted `ep_config_t` (through `token_dtype`).
 #define EP_CONFIG_MIN_SIZE 32
 
+// The handle `CU_STREAM_LEGACY` of cuda.h: the legacy default stream, as
+// NULL is (not in the driver's bindings, which omit the macro).
+#define STREAM_LEGACY 1
+
 // Opaque communicator: one per rank. Created by `ep_ctx_create`, freed by
 // `ep_ctx_destroy`. Not thread-safe: one thread at a time may call functions
 // on a context, except `ep_ctx_abort` and `ep_ctx_get_async_error`, which any
@@ -152,7 +156,9 @@ typedef struct ep_config_t {
   int32_t token_dtype;
   // `EP_BACKEND_*` (default `EP_BACKEND_AUTO`).
   int32_t backend;
-  // Streaming multiprocessors the normal-mode kernels may use (default 24).
+  // Streaming multiprocessors the normal-mode kernels may use (default
+  // 24); on a GPU that ranks share, at most this rank's share of it (see
+  // `ep_ctx_create`).
   int32_t num_sms;
   // Longest wait, in milliseconds, for a peer during bootstrap and inside
   // any kernel before giving up with `EP_ERR_TIMEOUT` (default 100000).
@@ -170,7 +176,8 @@ typedef struct ep_unique_id_t {
 } ep_unique_id_t;
 
 // The caller's CUDA stream (`cudaStream_t` and `CUstream` are this type).
-// NULL is the legacy default stream.
+// NULL is the legacy default stream (refused where ranks share a GPU, see
+// `ep_ctx_create`).
 typedef struct CUstream_st *ep_stream_t;
 
 // Arguments of `ep_dispatch` (normal mode).
@@ -439,6 +446,21 @@ ep_status_t ep_get_unique_id(struct ep_unique_id_t *id);
 // config. On the GPU backend, works on the device's primary context and
 // leaves the calling thread's current context as it was. Thread-safe for
 // distinct contexts.
+//
+// Ranks sharing one GPU (GPU backend): ranks that are threads of one process
+// may name the same device. Each then gets `SMs / (ranks on the device)`
+// of its SMs: the low-latency kernels use one block per SM of that share,
+// the normal-mode kernels at most `num_sms` of it, so that the kernels of
+// all of them run at once and their waits for each other end. Each such
+// rank must pass its own stream to every call (the legacy default stream,
+// NULL, is refused with `EP_ERR_INVALID_ARGUMENT`: it would run their
+// kernels one after the other), and while a collective call is in flight
+// no rank thread may wait for the whole device (free device memory,
+// destroy a handle or context, synchronize the device or use the legacy
+// default stream) before it has made its own part of that call: that wait
+// would not end before the peers' kernels time out. Ranks in different
+// processes cannot share a GPU (their kernels do not run at once without
+// MPS): every rank's `ep_ctx_create` then fails with `EP_ERR_UNSUPPORTED`.
 ep_status_t ep_ctx_create(struct ep_ctx_t **ctx,
                           int32_t world_size,
                           struct ep_unique_id_t id,
@@ -458,6 +480,13 @@ ep_status_t ep_ctx_abort(struct ep_ctx_t *ctx);
 // Writes to `*status` the error raised by enqueued work, such as a
 // device-side timeout (`EP_ERR_TIMEOUT`; `ep_get_last_error` then names the
 // rank and phase that stalled), or `EP_SUCCESS`. Any thread, any time.
+//
+// Once enqueued work has failed, the context refuses every later call that
+// would use it (operations, `ep_handle_create`, `ep_ll_get_combine_buffer`,
+// `ep_get_dispatch_layout`) with that error, and the caller must destroy it
+// (after synchronizing its streams) and make a new group: the peers' calls
+// of the same collective end in `EP_ERR_TIMEOUT` or in an error of their
+// own. Destroying a failed context releases everything it held.
 ep_status_t ep_ctx_get_async_error(struct ep_ctx_t *ctx,
                                    ep_status_t *status);
 

@@ -104,10 +104,23 @@
 // stale value as "not yet" (ep_reached). A rank that stops calling makes its
 // peers time out (EP_STATUS_TIMEOUT), never read a half-written set.
 //
-// Co-residency: the grid has one block per SM, so every block runs at once
-// and a block that waits (steps 5, 6) never waits for one that has not
-// started. Waits are bounded all the same (ep_wait_until_ge); kernels never
-// trap.
+// Co-residency: blocks wait for each other (steps 5 and 6 for the sends of
+// every block of every rank, step 1 for acknowledgements), so no block may
+// wait for one that cannot start. Within one rank's grid the launch is
+// cooperative: the driver starts the grid only when all its blocks are
+// resident. That is not enough when R ranks share a GPU (threads of one
+// process, src/runtime/gpu/placement.rs): it makes a grid co-resident with
+// itself, not with the other ranks' grids. What makes them fit together is
+// the share: each rank's grid is one block per SM of G = floor(SMs / R), and
+// one block of each kernel fits on an empty SM (checked at create). A rank
+// runs its kernels in order on one stream, so it has at most one waiting
+// kernel resident at a time, on at most G SMs (the normal mode's barrier
+// kernel is one block). All ranks' waiting kernels together thus need at
+// most R * G <= SMs SMs: while some rank's grid waits to start, at least G
+// SMs hold no waiting kernel, and whatever else runs there (the normal
+// mode's copy kernels, the application's kernels) never waits for a peer
+// and finishes, after which the grid is resident. Waits are bounded all the
+// same (ep_wait_until_ge); kernels never trap.
 //
 // Expert ids: an id outside [0, E) other than -1, or one repeated within a
 // token, counts as -1 everywhere and the dispatch reports
@@ -560,8 +573,8 @@ __device__ void dispatch_receive(const LlParams& p, int seq, uint64_t deadline) 
             const int count = dispatch_counts(p, p.rank, set, s)[le];
             s_first[le * W + s] = first;
             if (blockIdx.x == 0) {
-                p.recv_layout_range[(le * W + s) * 2] = first;
-                p.recv_layout_range[(le * W + s) * 2 + 1] = count;
+                ep_store_optional(p.recv_layout_range, (le * W + s) * 2, first);
+                ep_store_optional(p.recv_layout_range, (le * W + s) * 2 + 1, count);
             }
             first += count;
         }
@@ -627,7 +640,7 @@ __device__ void dispatch_receive(const LlParams& p, int seq, uint64_t deadline) 
                 token_weights[token_entry(p, s, t, lane)] =
                     reinterpret_cast<const float*>(msg)[EP_MAX_TOPK + lane];
                 if (row >= 0) {
-                    p.recv_src_info[row] = t;
+                    ep_store_optional(p.recv_src_info, row, t);
                 }
             }
         }
@@ -862,8 +875,9 @@ __device__ void combine_receive(const LlParams& p, int seq, uint64_t deadline) {
 }  // namespace
 
 // ---------------------------------------------------------------------------
-// Kernels: grid = one block per SM, EP_LL_THREADS threads, no dynamic shared
-// memory. One launch runs the send phase, the receive phase, or both.
+// Kernels: grid = one block per SM of the rank's share of the GPU (see
+// "Co-residency"), launched cooperatively; EP_LL_THREADS threads, no dynamic
+// shared memory. One launch runs the send phase, the receive phase, or both.
 // ---------------------------------------------------------------------------
 
 extern "C" __global__ void __launch_bounds__(EP_LL_THREADS, 1)

@@ -56,7 +56,8 @@ struct Layout {
     is_token_in_rank: Vec<u8>,
 }
 
-/// What the layout kernel must compute; invalid ids are skipped.
+/// What the layout kernel must compute; invalid ids, and ids a token lists
+/// a second time, are skipped.
 fn layout_on_host(topk_idx: &[i32], topk: usize, num_experts: usize, world: usize) -> Layout {
     let num_tokens = topk_idx.len() / topk;
     let experts_per_rank = num_experts / world;
@@ -66,8 +67,9 @@ fn layout_on_host(topk_idx: &[i32], topk: usize, num_experts: usize, world: usiz
         is_token_in_rank: vec![0; num_tokens * world],
     };
     for (token, experts) in topk_idx.chunks(topk).enumerate() {
-        for &expert in experts {
-            if expert >= 0 && (expert as usize) < num_experts {
+        for (slot, &expert) in experts.iter().enumerate() {
+            let repeated = experts[..slot].contains(&expert);
+            if expert >= 0 && (expert as usize) < num_experts && !repeated {
                 layout.tokens_per_expert[expert as usize] += 1;
                 layout.is_token_in_rank[token * world + expert as usize / experts_per_rank] = 1;
             }
@@ -198,6 +200,26 @@ fn layout_reports_and_skips_invalid_expert_ids() {
     assert_eq!(status.phase, abi::PHASE_LAYOUT);
     assert!([5 * 4 + 3, 70 * 4].contains(&status.detail), "{status:?}");
     assert_eq!(layout, layout_on_host(&topk_idx, topk, num_experts, world));
+}
+
+/// A token that lists one expert twice counts once, as the dispatch routes
+/// it, and the repeat is reported like any invalid id.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn layout_reports_and_skips_repeated_expert_ids() {
+    let (device, module) = gpu();
+    let (topk, num_experts, world) = (3, 8, 2);
+    let topk_idx = [
+        0, 5, 1, /* token 1 */ 6, 6, -1, /* token 2 */ 2, 3, 2,
+    ];
+    let (layout, status) = layout_on_gpu(&device, &module, &topk_idx, topk, num_experts, world);
+    assert_eq!(status.code, abi::STATUS_INVALID_EXPERT);
+    assert_eq!(status.phase, abi::PHASE_LAYOUT);
+    assert!([4, 8].contains(&status.detail), "{status:?}");
+    let want = layout_on_host(&topk_idx, topk, num_experts, world);
+    assert_eq!(want.tokens_per_expert, [1, 1, 1, 1, 0, 1, 1, 0]);
+    assert_eq!(want.tokens_per_rank, [2, 2]);
+    assert_eq!(layout, want);
 }
 
 #[test]

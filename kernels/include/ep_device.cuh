@@ -223,6 +223,15 @@ __device__ __forceinline__ int ep_effective_expert(const int* ids, int slot, int
     return id;
 }
 
+// Stores `value` at `array[index]` unless `array` is nullptr: for every
+// output the caller may leave out (the API documents it "may be NULL").
+template <typename T>
+__device__ __forceinline__ void ep_store_optional(T* array, int64_t index, T value) {
+    if (array != nullptr) {
+        array[index] = value;
+    }
+}
+
 // The 8 BF16 values of a 16-byte vector, widened to fp32 (exact).
 __device__ __forceinline__ void ep_unpack_bf16x8(const int4& raw, float (&out)[8]) {
     const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);

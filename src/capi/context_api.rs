@@ -127,6 +127,21 @@ unsafe fn config_of(
 /// config. On the GPU backend, works on the device's primary context and
 /// leaves the calling thread's current context as it was. Thread-safe for
 /// distinct contexts.
+///
+/// Ranks sharing one GPU (GPU backend): ranks that are threads of one process
+/// may name the same device. Each then gets `SMs / (ranks on the device)`
+/// of its SMs: the low-latency kernels use one block per SM of that share,
+/// the normal-mode kernels at most `num_sms` of it, so that the kernels of
+/// all of them run at once and their waits for each other end. Each such
+/// rank must pass its own stream to every call (the legacy default stream,
+/// NULL, is refused with `EP_ERR_INVALID_ARGUMENT`: it would run their
+/// kernels one after the other), and while a collective call is in flight
+/// no rank thread may wait for the whole device (free device memory,
+/// destroy a handle or context, synchronize the device or use the legacy
+/// default stream) before it has made its own part of that call: that wait
+/// would not end before the peers' kernels time out. Ranks in different
+/// processes cannot share a GPU (their kernels do not run at once without
+/// MPS): every rank's `ep_ctx_create` then fails with `EP_ERR_UNSUPPORTED`.
 #[no_mangle]
 pub unsafe extern "C" fn ep_ctx_create(
     ctx: *mut *mut ep_ctx_t,
@@ -174,6 +189,13 @@ pub unsafe extern "C" fn ep_ctx_abort(ctx: *mut ep_ctx_t) -> ep_status_t {
 /// Writes to `*status` the error raised by enqueued work, such as a
 /// device-side timeout (`EP_ERR_TIMEOUT`; `ep_get_last_error` then names the
 /// rank and phase that stalled), or `EP_SUCCESS`. Any thread, any time.
+///
+/// Once enqueued work has failed, the context refuses every later call that
+/// would use it (operations, `ep_handle_create`, `ep_ll_get_combine_buffer`,
+/// `ep_get_dispatch_layout`) with that error, and the caller must destroy it
+/// (after synchronizing its streams) and make a new group: the peers' calls
+/// of the same collective end in `EP_ERR_TIMEOUT` or in an error of their
+/// own. Destroying a failed context releases everything it held.
 #[no_mangle]
 pub unsafe extern "C" fn ep_ctx_get_async_error(
     ctx: *mut ep_ctx_t,

@@ -44,6 +44,10 @@ static KERNELS: &Aligned<[u8]> = &Aligned(*include_bytes!(concat!(
 /// as SASS for each target architecture, in one module.
 pub static KERNELS_FATBIN: &[u8] = &KERNELS.0;
 
+/// The handle `CU_STREAM_LEGACY` of cuda.h: the legacy default stream, as
+/// NULL is (not in the driver's bindings, which omit the macro).
+pub const STREAM_LEGACY: usize = 0x1;
+
 /// The first four bytes of every fatbin, read as a little-endian `u32`.
 pub const FATBIN_MAGIC: u32 = 0xBA55_ED50;
 
@@ -264,6 +268,19 @@ impl Device {
         Ok(count as u32)
     }
 
+    /// The GPU's UUID, the same in every process that sees the GPU (and
+    /// distinct for every GPU and MIG instance).
+    pub fn uuid(&self) -> Result<[u8; 16]> {
+        // SAFETY: an all-zero CUuuid is a valid value to overwrite.
+        let mut uuid: sys::CUuuid = unsafe { std::mem::zeroed() };
+        // SAFETY: writes one CUuuid.
+        check(
+            unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, self.inner.handle) },
+            "cuDeviceGetUuid",
+        )?;
+        Ok(uuid.bytes.map(|b| b as u8))
+    }
+
     /// Waits until all work queued on `stream` has finished.
     ///
     /// # Safety
@@ -413,31 +430,108 @@ impl<P> Kernel<P> {
         stream: CUstream,
         params: &P,
     ) -> Result<()> {
+        // SAFETY: passed on from the caller.
+        unsafe { self.launch_ex(false, grid, block, shared_bytes, stream, params) }
+    }
+
+    /// Like [`Kernel::launch`], as a cooperative launch: the driver starts
+    /// the grid only with every block resident at once, so blocks may wait
+    /// for each other. Check [`Kernel::max_blocks_per_sm`] first.
+    ///
+    /// Errors: as `launch`, and `Unsupported` when the grid cannot be
+    /// resident at once on this device (too many blocks for its SMs, or
+    /// for the share of them that MPS or a green context leaves).
+    ///
+    /// # Safety
+    /// As for `launch`.
+    pub unsafe fn launch_cooperative(
+        &self,
+        _bound: &ContextGuard<'_>,
+        grid: u32,
+        block: u32,
+        shared_bytes: u32,
+        stream: CUstream,
+        params: &P,
+    ) -> Result<()> {
+        // SAFETY: passed on from the caller.
+        unsafe { self.launch_ex(true, grid, block, shared_bytes, stream, params) }
+    }
+
+    /// Both launches: `cuLaunchKernelEx`, with the cooperative attribute
+    /// when `cooperative`.
+    unsafe fn launch_ex(
+        &self,
+        cooperative: bool,
+        grid: u32,
+        block: u32,
+        shared_bytes: u32,
+        stream: CUstream,
+        params: &P,
+    ) -> Result<()> {
         if grid == 0 || block == 0 {
             return Err(Error::invalid(format!(
                 "{}: empty launch ({grid} blocks of {block} threads)",
                 self.name()
             )));
         }
+        // SAFETY: an all-zero attribute is valid; the union member written
+        // is the one the attribute id names.
+        let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attribute.id = sys::CUlaunchAttributeID_enum::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+        attribute.value.cooperative = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: shared_bytes,
+            hStream: stream,
+            attrs: &mut attribute,
+            numAttrs: cooperative as u32,
+        };
         let mut param = params as *const P as *mut c_void;
         // SAFETY: the caller vouches for the module, the pointers inside
         // `params` and the stream; the one parameter is a `P`.
-        let res = unsafe {
-            sys::cuLaunchKernel(
-                self.handle,
-                grid,
-                1,
-                1,
-                block,
-                1,
-                1,
-                shared_bytes,
-                stream,
-                &mut param,
-                ptr::null_mut(),
-            )
-        };
-        check(res, &format!("cuLaunchKernel({})", self.name()))
+        let res =
+            unsafe { sys::cuLaunchKernelEx(&config, self.handle, &mut param, ptr::null_mut()) };
+        if res == CUresult::CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE {
+            return Err(Error::unsupported(format!(
+                "{}: {grid} blocks of {block} threads cannot all be resident at once on this GPU \
+                 (fewer SMs than expected: MPS or a green context may limit them)",
+                self.name()
+            )));
+        }
+        check(res, &format!("cuLaunchKernelEx({})", self.name()))
+    }
+
+    /// How many blocks of `block` threads with `shared_bytes` of dynamic
+    /// shared memory fit on one SM at once
+    /// (`cuOccupancyMaxActiveBlocksPerMultiprocessor`); 0 when none does.
+    pub fn max_blocks_per_sm(
+        &self,
+        _bound: &ContextGuard<'_>,
+        block: u32,
+        shared_bytes: u32,
+    ) -> Result<u32> {
+        let mut blocks = 0;
+        // SAFETY: writes one int; the function's context is current.
+        check(
+            unsafe {
+                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    &mut blocks,
+                    self.handle,
+                    block as i32,
+                    shared_bytes as usize,
+                )
+            },
+            &format!(
+                "cuOccupancyMaxActiveBlocksPerMultiprocessor({})",
+                self.name()
+            ),
+        )?;
+        Ok(blocks.max(0) as u32)
     }
 }
 

@@ -135,7 +135,7 @@ pub struct LlMode {
     /// Where the mode's area starts in every rank's buffer.
     offset: usize,
     area: Area,
-    /// Blocks per launch: one per SM.
+    /// Blocks per launch: one per SM of this rank's share of the GPU.
     grid: u32,
     pending: Option<Pending>,
     /// Whether this rank's last dispatch was given weights (`None` before
@@ -145,11 +145,27 @@ pub struct LlMode {
 
 impl LlMode {
     /// The mode's area starts at `offset` of every rank's symmetric buffer.
+    ///
+    /// The kernels' blocks wait for each other, so a launch is cooperative
+    /// (the driver starts the grid only when all of it is resident), and
+    /// the grid is one block per SM of this rank's share: the grids of all
+    /// ranks on the GPU fit on it at once (kernels/low_latency.cu,
+    /// "Co-residency"). Errors: `Unsupported` when a block of
+    /// `LL_THREADS` threads does not fit on an SM.
     pub fn new(rt: &Runtime, offset: usize) -> Result<LlMode> {
+        let bound = rt.bind()?;
+        for kernel in [&rt.kernels.ll_dispatch, &rt.kernels.ll_combine] {
+            if bound.max_blocks_per_sm(kernel, LL_THREADS as u32, 0)? == 0 {
+                return Err(Error::unsupported(format!(
+                    "{}: a block of {LL_THREADS} threads does not fit on an SM of this GPU",
+                    kernel.name()
+                )));
+            }
+        }
         Ok(LlMode {
             offset,
             area: Area::new(&rt.cfg),
-            grid: rt.device.sm_count()?,
+            grid: rt.placement.sm_share(),
             pending: None,
             dispatch_had_weights: None,
         })
@@ -208,7 +224,7 @@ impl LlMode {
         }))
     }
 
-    /// Launches `kernel` with `params` on `stream`.
+    /// Launches `kernel` with `params` on `stream`, cooperatively.
     fn launch(
         &self,
         rt: &Bound,
@@ -219,7 +235,7 @@ impl LlMode {
         // SAFETY: the caller's arrays stay valid until the stream has run
         // the kernel (API rule), the context's buffers until it is
         // destroyed.
-        unsafe { rt.launch(kernel, self.grid, LL_THREADS as u32, 0, stream, params) }
+        unsafe { rt.launch_cooperative(kernel, self.grid, LL_THREADS as u32, 0, stream, params) }
     }
 
     pub fn dispatch(&mut self, rt: &Bound, op: &LlDispatchOp, stream: Stream) -> Result<()> {

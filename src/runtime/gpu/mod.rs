@@ -6,15 +6,20 @@
 //! current context is left as it was. Kernels report failures (a timed-out
 //! wait, an invalid expert id) in a status word in host-mapped memory, which
 //! [`GpuMonitor`] reads from any thread.
+//!
+//! Several ranks may share one GPU when they are threads of one process
+//! (see [`placement`]): each gets a share of the SMs, and each must pass its
+//! own stream.
 
 mod low_latency;
 mod normal;
+mod placement;
 mod symmetric;
 
 use super::backend::{Backend, HandleState, Monitor, Stream};
 use super::bootstrap::Bootstrap;
 use super::config::{agree_on_config, Config};
-use super::cuda::{ContextGuard, Device, DeviceStatus, Kernel, MappedHost, Module};
+use super::cuda::{ContextGuard, Device, DeviceStatus, Kernel, MappedHost, Module, STREAM_LEGACY};
 use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp};
 use crate::abi::{
     self, BarrierParams, CombineParams, DispatchParams, LayoutParams, LlParams,
@@ -23,6 +28,7 @@ use crate::abi::{
 use crate::error::{Error, Result};
 use low_latency::LlMode;
 use normal::NormalMode;
+use placement::Placement;
 use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -78,6 +84,7 @@ pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, 
         aborted.clone(),
     )?;
     agree_on_config(&boot, cfg)?;
+    let placement = Placement::exchange(&device, &boot)?;
     let module = Module::load(&device)?;
     let kernels = Kernels::load(&module)?;
     let memory = SymmetricMemory::new(&device, &boot, buffer_bytes(cfg))?;
@@ -95,9 +102,14 @@ pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, 
         memory,
         monitor: monitor.clone(),
         timeout_ns: cfg.timeout.as_nanos() as u64,
+        placement,
     };
     let normal = NormalMode::new(&rt, SIGNAL_BYTES)?;
     let ll = LlMode::new(&rt, SIGNAL_BYTES + normal::buffer_bytes(cfg))?;
+    // No rank returns (and enqueues a collective) before every rank has
+    // made its allocations: on a GPU that ranks share, an allocation could
+    // otherwise wait for a peer's kernel that waits for this rank.
+    rt.boot.barrier()?;
     Ok((Box::new(GpuBackend { rt, normal, ll }), monitor))
 }
 
@@ -146,6 +158,8 @@ pub struct Runtime {
     pub monitor: Arc<GpuMonitor>,
     /// Longest device-side wait, in nanoseconds of `%globaltimer`.
     pub timeout_ns: u64,
+    /// The ranks on this rank's GPU and the share of its SMs this rank gets.
+    pub placement: Placement,
 }
 
 impl Runtime {
@@ -167,6 +181,32 @@ impl Runtime {
             rt: self,
             _guard: self.device.bind()?,
         })
+    }
+
+    /// Blocks of the normal-mode kernels that move rows: the config's SM
+    /// budget, at most this rank's share of the GPU.
+    pub fn normal_grid(&self) -> u32 {
+        (self.cfg.num_sms as u32).min(self.placement.sm_share())
+    }
+
+    /// Checks that this context may enqueue its kernels on `stream`.
+    ///
+    /// Ranks that share a GPU must each use their own stream: on the legacy
+    /// default stream (NULL or `CU_STREAM_LEGACY`) their kernels would run
+    /// one after the other, and a kernel waiting for a peer's would wait
+    /// for its own successor, until the timeout.
+    pub fn check_stream(&self, stream: Stream) -> Result<()> {
+        let legacy = stream.is_null() || stream as usize == STREAM_LEGACY;
+        if legacy && self.placement.shared() {
+            return Err(Error::invalid(format!(
+                "ranks {} share this GPU, so each must pass its own stream: on the legacy \
+                 default stream (NULL) their kernels would run one after the other and wait \
+                 for each other until the timeout (use a stream created with \
+                 CU_STREAM_NON_BLOCKING, or CU_STREAM_PER_THREAD)",
+                describe(&self.placement.sharing)
+            )));
+        }
+        Ok(())
     }
 
     /// Waits for `stream`, then reports any error a kernel recorded.
@@ -211,6 +251,38 @@ impl Bound<'_> {
         unsafe { kernel.launch(&self._guard, grid, block, shared_bytes, stream as _, params) }
     }
 
+    /// Launches `kernel` cooperatively on `stream` (see
+    /// `Kernel::launch_cooperative`): for kernels whose blocks wait for
+    /// each other.
+    ///
+    /// # Safety
+    /// As for `launch`.
+    pub unsafe fn launch_cooperative<P>(
+        &self,
+        kernel: &Kernel<P>,
+        grid: u32,
+        block: u32,
+        shared_bytes: u32,
+        stream: Stream,
+        params: &P,
+    ) -> Result<()> {
+        // SAFETY: as in `launch`.
+        unsafe {
+            kernel.launch_cooperative(&self._guard, grid, block, shared_bytes, stream as _, params)
+        }
+    }
+
+    /// Blocks of `kernel` that fit on one SM at once (see
+    /// `Kernel::max_blocks_per_sm`).
+    pub fn max_blocks_per_sm<P>(
+        &self,
+        kernel: &Kernel<P>,
+        block: u32,
+        shared_bytes: u32,
+    ) -> Result<u32> {
+        kernel.max_blocks_per_sm(&self._guard, block, shared_bytes)
+    }
+
     /// Enqueues a barrier of all ranks on `stream`: work enqueued after it
     /// sees every write any rank enqueued before it (see kernels/barrier.cu).
     ///
@@ -240,6 +312,12 @@ impl Bound<'_> {
     }
 }
 
+/// "rank 3" or "ranks 0, 1, 2".
+fn describe(ranks: &[usize]) -> String {
+    let list: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
+    list.join(", ")
+}
+
 /// A device pointer kernel argument: 0 for "not given".
 pub fn ptr<T>(p: *const T) -> u64 {
     p as u64
@@ -264,6 +342,7 @@ struct GpuBackend {
 
 impl Backend for GpuBackend {
     fn layout(&mut self, op: &LayoutOp, stream: Stream) -> Result<()> {
+        self.rt.check_stream(stream)?;
         self.normal.layout(&self.rt.bind()?, op, stream)
     }
 
@@ -277,18 +356,22 @@ impl Backend for GpuBackend {
         handle: &mut HandleState,
         stream: Stream,
     ) -> Result<()> {
+        self.rt.check_stream(stream)?;
         self.normal.dispatch(&self.rt.bind()?, op, handle, stream)
     }
 
     fn combine(&mut self, op: &CombineOp, handle: &HandleState, stream: Stream) -> Result<()> {
+        self.rt.check_stream(stream)?;
         self.normal.combine(&self.rt.bind()?, op, handle, stream)
     }
 
     fn ll_dispatch(&mut self, op: &LlDispatchOp, stream: Stream) -> Result<()> {
+        self.rt.check_stream(stream)?;
         self.ll.dispatch(&self.rt.bind()?, op, stream)
     }
 
     fn ll_combine(&mut self, op: &LlCombineOp, stream: Stream) -> Result<()> {
+        self.rt.check_stream(stream)?;
         self.ll.combine(&self.rt.bind()?, op, stream)
     }
 

@@ -263,7 +263,7 @@ impl NormalMode {
         };
         let chunks = op.num_tokens.div_ceil(CHUNK_TOKENS).max(1) as u32;
         let columns = topo.world + topo.num_experts;
-        let sms = cfg.num_sms as u32;
+        let sms = rt.normal_grid();
         let k = &rt.kernels;
         // SAFETY: the caller's arrays stay valid until the stream has run
         // the kernels (API rule), the handle's and the context's until the
@@ -371,7 +371,7 @@ impl NormalMode {
             hidden: cfg.topo.hidden as i32,
             max_tokens: cfg.max_tokens as i32,
         };
-        let sms = cfg.num_sms as u32;
+        let sms = rt.normal_grid();
         let k = &rt.kernels;
         // SAFETY: buffers stay valid as for the dispatch.
         unsafe {
