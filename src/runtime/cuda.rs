@@ -2,7 +2,7 @@
 //!
 //! The library links no CUDA library: `libcuda.so.1` is opened at run time
 //! (cudarc's `dynamic-loading`), and the kernels, compiled by `build.rs` into
-//! one fatbin, are embedded in the library and loaded with
+//! one fatbin per kernel file, are embedded in the library and loaded with
 //! `cuModuleLoadData`. A machine without an NVIDIA driver gets
 //! [`ErrorKind::CudaUnavailable`] from the first call, never a panic.
 //!
@@ -29,20 +29,15 @@ use once_cell::sync::OnceCell;
 use crate::abi;
 use crate::error::{Error, ErrorKind, Result};
 
-/// Aligns the embedded fatbin: the driver reads its headers as 8-byte
+/// Aligns an embedded fatbin: the driver reads its headers as 8-byte
 /// structures (nvcc and clang align their embedded fatbins to 8 as well),
 /// while `include_bytes!` alone guarantees an alignment of 1.
 #[repr(C, align(8))]
-struct Aligned<T: ?Sized>(T);
+pub struct Aligned<T: ?Sized>(pub T);
 
-static KERNELS: &Aligned<[u8]> = &Aligned(*include_bytes!(concat!(
-    env!("OUT_DIR"),
-    "/ep_kernels.fatbin"
-)));
-
-/// The fatbin `build.rs` made of `kernels/*.cu`: every kernel of the library,
-/// as SASS for each target architecture, in one module.
-pub static KERNELS_FATBIN: &[u8] = &KERNELS.0;
+// `KERNEL_IMAGES`: (file name, fatbin) of every `kernels/*.cu`, as
+// `build.rs` compiled it: SASS for each target architecture plus PTX.
+include!(concat!(env!("OUT_DIR"), "/ep_kernels.rs"));
 
 /// The handle `CU_STREAM_LEGACY` of cuda.h: the legacy default stream, as
 /// NULL is (not in the driver's bindings, which omit the macro).
@@ -317,10 +312,11 @@ impl Drop for ContextGuard<'_> {
 // Kernels
 // ---------------------------------------------------------------------------
 
-/// The library's kernels, loaded into a device's primary context.
+/// The library's kernels, loaded into a device's primary context: one
+/// driver module per kernel file.
 pub struct Module {
     device: Device,
-    handle: sys::CUmodule,
+    handles: Vec<sys::CUmodule>,
 }
 
 // SAFETY: a module handle belongs to a context, not to a thread, and is
@@ -329,23 +325,28 @@ unsafe impl Send for Module {}
 unsafe impl Sync for Module {}
 
 impl Module {
-    /// Loads [`KERNELS_FATBIN`] on `device`.
+    /// Loads every image of [`KERNEL_IMAGES`] on `device`.
     ///
-    /// Errors: `Cuda` with `CUDA_ERROR_NO_BINARY_FOR_GPU` when the fatbin
-    /// holds no code for this GPU (see `EP_CUDA_ARCHS` in build.rs).
+    /// Errors: `Cuda` with `CUDA_ERROR_NO_BINARY_FOR_GPU` when an image
+    /// holds no code this GPU can run (see `EP_CUDA_ARCHS` in build.rs).
     pub fn load(device: &Device) -> Result<Module> {
         let _context = device.bind()?;
-        let mut handle = ptr::null_mut();
-        // SAFETY: the image is a complete fatbin made by nvcc, 8-byte
-        // aligned, and static.
-        check(
-            unsafe { sys::cuModuleLoadData(&mut handle, KERNELS_FATBIN.as_ptr().cast()) },
-            "cuModuleLoadData",
-        )?;
-        Ok(Module {
+        // Owned from the start, so an error unloads what was loaded.
+        let mut module = Module {
             device: device.clone(),
-            handle,
-        })
+            handles: Vec::with_capacity(KERNEL_IMAGES.len()),
+        };
+        for (name, image) in KERNEL_IMAGES {
+            let mut handle = ptr::null_mut();
+            // SAFETY: the image is a complete fatbin made by nvcc, 8-byte
+            // aligned, and static.
+            check(
+                unsafe { sys::cuModuleLoadData(&mut handle, image.0.as_ptr().cast()) },
+                &format!("cuModuleLoadData(kernels/{name}.cu)"),
+            )?;
+            module.handles.push(handle);
+        }
+        Ok(module)
     }
 
     /// The kernel called `name` (its `extern "C"` name), which takes one
@@ -355,27 +356,42 @@ impl Module {
     /// Errors: `Cuda` with `CUDA_ERROR_NOT_FOUND` when there is none.
     pub fn function<P>(&self, name: &'static CStr) -> Result<Kernel<P>> {
         let _context = self.device.bind()?;
-        let mut handle = ptr::null_mut();
-        // SAFETY: the module is loaded, the name NUL-terminated.
-        check(
-            unsafe { sys::cuModuleGetFunction(&mut handle, self.handle, name.as_ptr()) },
-            &format!("cuModuleGetFunction({})", name.to_string_lossy()),
-        )?;
-        Ok(Kernel {
-            handle,
-            name,
-            params: PhantomData,
-        })
+        for &module in &self.handles {
+            let mut handle = ptr::null_mut();
+            // SAFETY: the module is loaded, the name NUL-terminated.
+            let res = unsafe { sys::cuModuleGetFunction(&mut handle, module, name.as_ptr()) };
+            if res == CUresult::CUDA_ERROR_NOT_FOUND {
+                continue;
+            }
+            check(
+                res,
+                &format!("cuModuleGetFunction({})", name.to_string_lossy()),
+            )?;
+            return Ok(Kernel {
+                handle,
+                name,
+                params: PhantomData,
+            });
+        }
+        Err(Error::new(
+            ErrorKind::Cuda,
+            format!(
+                "cuModuleGetFunction({}): no kernel of that name in any kernel file",
+                name.to_string_lossy()
+            ),
+        ))
     }
 }
 
 impl Drop for Module {
     fn drop(&mut self) {
         if let Ok(_context) = self.device.bind() {
-            // SAFETY: the kernels of a module are only launched while it
-            // is loaded (their owners keep the module). The result is
-            // ignored, as in every destructor here.
-            unsafe { sys::cuModuleUnload(self.handle) };
+            for &handle in &self.handles {
+                // SAFETY: the kernels of a module are only launched while
+                // it is loaded (their owners keep the module). The result
+                // is ignored, as in every destructor here.
+                unsafe { sys::cuModuleUnload(handle) };
+            }
         }
     }
 }
@@ -866,16 +882,24 @@ mod tests {
     }
 
     #[test]
-    fn embedded_fatbin_is_a_fatbin_with_every_kernel() {
-        assert!(KERNELS_FATBIN.len() > 16);
-        assert_eq!(KERNELS_FATBIN.as_ptr() as usize % 8, 0);
-        let magic = u32::from_le_bytes(KERNELS_FATBIN[..4].try_into().unwrap());
-        assert_eq!(magic, FATBIN_MAGIC);
-        // The device link put the kernels of all .cu files into one image.
-        let contains = |name: &[u8]| KERNELS_FATBIN.windows(name.len()).any(|w| w == name);
-        assert!(contains(b"ep_layout_kernel"));
-        assert!(contains(b"ep_barrier_kernel"));
+    fn embedded_fatbins_hold_every_kernel_as_sass_and_ptx() {
+        let all: Vec<&[u8]> = KERNEL_IMAGES
+            .iter()
+            .map(|(_, image)| &image.0[..])
+            .collect();
+        for image in &all {
+            assert!(image.len() > 16);
+            assert_eq!(image.as_ptr() as usize % 8, 0);
+            let magic = u32::from_le_bytes(image[..4].try_into().unwrap());
+            assert_eq!(magic, FATBIN_MAGIC);
+        }
+        let contains = |name: &[u8]| {
+            all.iter()
+                .any(|image| image.windows(name.len()).any(|w| w == name))
+        };
         for name in [
+            "ep_layout_kernel",
+            "ep_barrier_kernel",
             "ep_dispatch_count_kernel",
             "ep_dispatch_stage_kernel",
             "ep_dispatch_pull_kernel",
