@@ -112,10 +112,6 @@ struct CUstream_st;
 // Bytes of the oldest accepted `ep_config_t` (through `token_dtype`).
 #define EP_CONFIG_MIN_SIZE 32
 
-// The handle `CU_STREAM_LEGACY` of cuda.h: the legacy default stream, as
-// NULL is (not in the driver's bindings, which omit the macro).
-#define STREAM_LEGACY 1
-
 // Opaque communicator: one per rank. Created by `ep_ctx_create`, freed by
 // `ep_ctx_destroy`. Not thread-safe: one thread at a time may call functions
 // on a context, except `ep_ctx_abort` and `ep_ctx_get_async_error`, which any

@@ -38,6 +38,12 @@
 // Both sums follow src/reference/normal.rs step by step, so the results are
 // bit-exact with the reference, not only close.
 //
+// Collective calls: the first kernel of a dispatch (count) or combine
+// (send) numbers the call and publishes its word (ep_begin_collective); the
+// barriers carry it, so ranks in different calls stop at the first barrier
+// with EP_STATUS_MISMATCH, and the kernels after a failed barrier do nothing
+// (ep_last_barrier_passed): no rank uses what a peer wrote for another call.
+//
 // Waiting: only the barrier kernel (one block) waits for other ranks; the
 // count, stage, pull, send and reduce kernels never wait for another block,
 // so any number of their blocks may be resident. The row-moving grids are
@@ -143,6 +149,11 @@ __device__ __forceinline__ void ep_warp_copy_row(const uint8_t* src, uint8_t* ds
 // counts are then turned into per-warp bases in token order.
 extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
     extern __shared__ int warp_counts[];  // [EP_CHUNK_WARPS][world + experts]
+    // The dispatch's first kernel starts the collective call (ep_device.cuh,
+    // "Collective calls"); the barriers carry its word.
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        ep_begin_collective(p.peer_bases[p.rank], p.collective);
+    }
     const int columns = p.world + p.num_experts;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -594,6 +605,10 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     ep_combine_send_kernel(const CombineParams p) {
     __shared__ int slot_rows[EP_MOVE_WARPS][EP_MAX_TOPK];
     __shared__ float slot_weights[EP_MOVE_WARPS][EP_MAX_TOPK];
+    // The combine's first kernel starts the collective call.
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        ep_begin_collective(p.peer_bases[p.rank], p.collective);
+    }
     // After a failed dispatch the handle's rows cannot be trusted.
     if (!ep_last_barrier_passed(p.peer_bases[p.rank])) {
         return;

@@ -797,7 +797,7 @@ impl<T: Plain> Drop for MappedHost<T> {
 
 pub use crate::abi::DeviceStatus;
 
-// SAFETY: four ints, no padding; every bit pattern is a value.
+// SAFETY: five ints, no padding; every bit pattern is a value.
 unsafe impl Plain for DeviceStatus {}
 
 /// The first error a rank's kernels hit (defined in src/abi/defs.rs). It
@@ -848,6 +848,16 @@ impl DeviceStatus {
                 ErrorKind::InvalidArgument,
                 "launched with invalid arguments".to_string(),
             ),
+            abi::STATUS_MISMATCH => (
+                ErrorKind::Remote,
+                format!(
+                    "this rank is in {} but rank {} is in {}: the ranks' collective calls do not \
+                     match (every rank must make the same calls in the same order)",
+                    describe_call(self.call),
+                    self.rank,
+                    describe_call(self.detail)
+                ),
+            ),
             code => (
                 ErrorKind::Internal,
                 format!("unknown device status code {code}"),
@@ -855,6 +865,21 @@ impl DeviceStatus {
         };
         Err(Error::new(kind, format!("{phase}: {what}")))
     }
+}
+
+/// A call word of the kernels (see `abi::CALL_NUMBER_BITS`) as
+/// "ep_dispatch (collective call 7 on the device)"; the number is counted
+/// modulo 2^CALL_NUMBER_BITS.
+fn describe_call(word: i32) -> String {
+    let number = word & ((1 << abi::CALL_NUMBER_BITS) - 1);
+    let name = match word >> abi::CALL_NUMBER_BITS {
+        1 => "ep_dispatch",
+        2 => "ep_combine",
+        3 => "ep_ll_dispatch",
+        4 => "ep_ll_combine",
+        _ => "an unknown operation",
+    };
+    format!("{name} (collective call {number} on the device)")
 }
 
 #[cfg(test)]
@@ -931,13 +956,14 @@ mod tests {
 
     #[test]
     fn device_status_matches_the_c_struct_and_maps_codes() {
-        assert_eq!(size_of::<DeviceStatus>(), 16);
+        assert_eq!(size_of::<DeviceStatus>(), 20);
         assert_eq!(DeviceStatus::default().to_result(), Ok(()));
         let status = |code, rank, phase, detail| DeviceStatus {
             code,
             rank,
             phase,
             detail,
+            call: 0,
         };
         let err = status(abi::STATUS_TIMEOUT, 3, abi::PHASE_BARRIER, 6)
             .to_result()
@@ -964,5 +990,19 @@ mod tests {
             ErrorKind::InvalidArgument
         );
         assert_eq!(kind(99), ErrorKind::Internal);
+        let word = |op: i32, n: i32| op << abi::CALL_NUMBER_BITS | n;
+        let mismatch = DeviceStatus {
+            call: word(3, 7),
+            ..status(abi::STATUS_MISMATCH, 1, abi::PHASE_LL_DISPATCH, word(1, 7))
+        };
+        let err = mismatch.to_result().unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Remote);
+        assert_eq!(
+            err.message,
+            "low-latency dispatch kernel: this rank is in ep_ll_dispatch (collective call 7 on \
+             the device) but rank 1 is in ep_dispatch (collective call 7 on the device): the \
+             ranks' collective calls do not match (every rank must make the same calls in the \
+             same order)"
+        );
     }
 }

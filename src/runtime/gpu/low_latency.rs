@@ -30,7 +30,7 @@
 //! dispatch had weights); if ranks disagree, those that expect rows no peer
 //! sends time out.
 
-use super::{check_aligned, ptr, Bound, Runtime};
+use super::{check_aligned, collective, ptr, Bound, Runtime};
 use crate::abi::{LlCounters, LlParams, LL_CHUNK_CHANNELS, LL_HEADER_BYTES, LL_THREADS};
 use crate::error::{Error, Result};
 use crate::reference::Dtype;
@@ -262,6 +262,7 @@ impl LlMode {
             ue8m0: op.ue8m0 as i32,
             do_send: phases.send as i32,
             do_recv: phases.recv as i32,
+            collective: collective::LL_DISPATCH,
             ..self.params(rt)
         };
         self.launch(rt, &rt.kernels.ll_dispatch, &params, stream)?;
@@ -310,6 +311,7 @@ impl LlMode {
             weighted: weighted as i32,
             do_send: phases.send as i32,
             do_recv: phases.recv as i32,
+            collective: collective::LL_COMBINE,
             ..self.params(rt)
         };
         self.launch(rt, &rt.kernels.ll_combine, &params, stream)?;

@@ -312,6 +312,15 @@ impl Bound<'_> {
     }
 }
 
+/// The code of each collective operation in the kernels' call words (see
+/// `abi::CALL_NUMBER_BITS`).
+pub mod collective {
+    pub const DISPATCH: i32 = 1;
+    pub const COMBINE: i32 = 2;
+    pub const LL_DISPATCH: i32 = 3;
+    pub const LL_COMBINE: i32 = 4;
+}
+
 /// "rank 3" or "ranks 0, 1, 2".
 fn describe(ranks: &[usize]) -> String {
     let list: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();

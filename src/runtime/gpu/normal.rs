@@ -6,7 +6,7 @@
 //! dispatch/combine pair needs no host synchronisation and can be captured
 //! in a CUDA graph), and enqueues the launches.
 
-use super::{check_aligned, ptr, Bound, Runtime};
+use super::{check_aligned, collective, ptr, Bound, Runtime};
 use crate::abi::{
     CombineParams, DispatchParams, LayoutParams, CHUNK_TOKENS, LAYOUT_THREADS, MOVE_THREADS,
 };
@@ -260,6 +260,7 @@ impl NormalMode {
             scale_cols: op.dtype.scales_per_row(topo.hidden) as i32,
             max_tokens: cfg.max_tokens as i32,
             alignment: expert.map_or(1, |e| e.alignment as i32),
+            collective: collective::DISPATCH,
         };
         let chunks = op.num_tokens.div_ceil(CHUNK_TOKENS).max(1) as u32;
         let columns = topo.world + topo.num_experts;
@@ -370,6 +371,7 @@ impl NormalMode {
             topk: cfg.topo.topk as i32,
             hidden: cfg.topo.hidden as i32,
             max_tokens: cfg.max_tokens as i32,
+            collective: collective::COMBINE,
         };
         let sms = rt.normal_grid();
         let k = &rt.kernels;
