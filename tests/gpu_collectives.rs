@@ -38,6 +38,8 @@ struct Bufs {
     weights: DevBuf,
     recv_x: DevBuf,
     recv_count: DevBuf,
+    recv_src_info: DevBuf,
+    recv_range: DevBuf,
     ll_y: DevBuf,
     out: DevBuf,
     recv_rows: i32,
@@ -54,6 +56,8 @@ impl Bufs {
             weights: DevBuf::from(&[0.5f32; TOKENS * TOPK]),
             recv_x: DevBuf::of::<u16>(rows * HIDDEN),
             recv_count: DevBuf::of::<i32>(EXPERTS),
+            recv_src_info: DevBuf::of::<i32>(rows),
+            recv_range: DevBuf::of::<i32>(EXPERTS * world * 2),
             ll_y: DevBuf::of::<u16>(rows * HIDDEN),
             out: DevBuf::of::<u16>(MAX_TOKENS * HIDDEN),
             recv_rows: (world * MAX_TOKENS) as i32,
@@ -90,6 +94,8 @@ impl Bufs {
                 a.topk_weights = self.weights.as_const();
                 a.recv_x = self.recv_x.as_mut();
                 a.recv_count = self.recv_count.as_mut();
+                a.recv_src_info = self.recv_src_info.as_mut();
+                a.recv_layout_range = self.recv_range.as_mut();
                 unsafe { ep_ll_dispatch(ctx.0, &a, stream()) }
             }
             Op::LlCombine => {
@@ -98,6 +104,8 @@ impl Bufs {
                 c.x = self.ll_y.as_const();
                 c.topk_idx = self.idx.as_const();
                 c.topk_weights = null();
+                c.src_info = self.recv_src_info.as_const();
+                c.layout_range = self.recv_range.as_const();
                 c.out = self.out.as_mut();
                 unsafe { ep_ll_combine(ctx.0, &c, stream()) }
             }

@@ -187,6 +187,8 @@ fn fail_and_check_refusals(ctx: &Ctx) {
     l.out_dtype = EP_DTYPE_BF16;
     l.recv_x = d_in.as_mut();
     l.recv_count = d_rank.as_mut();
+    l.recv_src_info = d_expert.as_mut();
+    l.recv_layout_range = d_expert.as_mut();
     // SAFETY: as above.
     refused(
         unsafe { ep_ll_dispatch(ctx.0, &l, stream()) },
@@ -281,6 +283,8 @@ fn destroy_after_an_async_error_or_a_timeout_leaks_nothing() {
                 // [local experts, world * ll_max_tokens, hidden] BF16.
                 let recv = DevBuf::poisoned(32 * 2 * 128 * 7168 * 2);
                 let count = DevBuf::of::<i32>(32);
+                let src_info = DevBuf::of::<i32>(32 * 2 * 128);
+                let range = DevBuf::of::<i32>(32 * 2 * 2);
                 let mut a = ll_dispatch_args();
                 a.num_tokens = 1;
                 a.out_dtype = EP_DTYPE_BF16;
@@ -289,6 +293,8 @@ fn destroy_after_an_async_error_or_a_timeout_leaks_nothing() {
                 a.topk_weights = null();
                 a.recv_x = recv.as_mut();
                 a.recv_count = count.as_mut();
+                a.recv_src_info = src_info.as_mut();
+                a.recv_layout_range = range.as_mut();
                 // SAFETY: device buffers sized for the config.
                 ok(
                     unsafe { ep_ll_dispatch(ctx.0, &a, stream()) },

@@ -498,8 +498,9 @@ fn check_shape(ranks: Ranks, world: usize, hidden: usize, topk: usize, experts: 
 }
 
 /// Whether `world` ranks of `topo` fit the machine: the GPU that holds the
-/// most ranks has room for their worst-case outputs and buffers. Prints why
-/// when they do not.
+/// most ranks has room for their worst-case outputs and buffers, and the
+/// host for the reference's results (`Expected` of the two large rounds).
+/// Prints why when they do not.
 fn fits(topo: &Topology, max_tokens: usize) -> bool {
     let world = topo.world;
     let (rows, expert_rows) = worst_case_rows(*topo, max_tokens, 128);
@@ -509,18 +510,35 @@ fn fits(topo: &Topology, max_tokens: usize) -> bool {
     let per_rank = (2 * rows + expert_rows) * row + 2 * max_tokens * row;
     let ranks_per_gpu = world.div_ceil(device_count());
     let (free, _) = memory_info(0);
-    let fits = ranks_per_gpu * per_rank <= free / 10 * 8;
+    // A rank receives at most W * T source rows and T * topk expert rows;
+    // a round keeps about three copies of them per rank.
+    let host = 5 * world * (world + topo.topk) * max_tokens * row;
+    let host_total = host_memory();
+    let fits = ranks_per_gpu * per_rank <= free / 10 * 8 && host <= host_total / 2;
     if !fits {
         println!(
-            "skipped world {world} hidden {} topk {} experts {}: {ranks_per_gpu} ranks of {} MiB on one GPU with {} MiB free",
+            "skipped world {world} hidden {} topk {} experts {}: {ranks_per_gpu} ranks of {} MiB \
+             on one GPU with {} MiB free, {} MiB of host memory for the reference of {} MiB",
             topo.hidden,
             topo.topk,
             topo.num_experts,
             per_rank >> 20,
-            free >> 20
+            free >> 20,
+            host >> 20,
+            host_total >> 20
         );
     }
     fits
+}
+
+/// Bytes of host memory (`MemTotal` of /proc/meminfo; 0 when unknown).
+fn host_memory() -> usize {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
+        .map_or(0, |kib| kib << 10)
 }
 
 /// World sizes: 1, 2, 4 and 8 ranks, sharing the GPUs when there are fewer

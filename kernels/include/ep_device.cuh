@@ -182,7 +182,11 @@ __device__ __forceinline__ int ep_begin_collective(uint64_t own_base, int op) {
     int* words = ep_call_words(own_base);
     const int word = ep_call_word(op, *reinterpret_cast<volatile int*>(words) + 1);
     words[0] += 1;
-    // Release: the peers that read this word see the earlier calls' work.
+    // The fence orders the earlier kernels' writes (which this thread has
+    // not observed itself) before the word, and the release store
+    // publishes them: a peer that reads this word sees every signal of the
+    // earlier calls.
+    __threadfence_system();
     ep_st_release_sys(words + 1, word);
     return word;
 }
