@@ -138,22 +138,25 @@ fn layout_on_gpu(
     (layout, status.read(0))
 }
 
-/// Deterministic expert choices, about one slot in ten left empty (-1).
+/// Deterministic expert choices, about one slot in ten left empty (-1),
+/// and none that repeats an earlier slot of its token (-1 instead).
 fn routing(num_tokens: usize, topk: usize, num_experts: usize, seed: u64) -> Vec<i32> {
     let mut state = seed;
-    (0..num_tokens * topk)
-        .map(|_| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            let draw = (state >> 33) as usize;
-            if draw.is_multiple_of(10) {
-                -1
-            } else {
-                (draw % num_experts) as i32
-            }
-        })
-        .collect()
+    let mut ids = Vec::with_capacity(num_tokens * topk);
+    for i in 0..num_tokens * topk {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let draw = (state >> 33) as usize;
+        let id = (draw % num_experts) as i32;
+        let earlier = &ids[i - i % topk..];
+        ids.push(if draw.is_multiple_of(10) || earlier.contains(&id) {
+            -1
+        } else {
+            id
+        });
+    }
+    ids
 }
 
 #[test]
@@ -337,14 +340,16 @@ impl Signals {
         let kernel = module
             .function::<BarrierParams>(c"ep_barrier_kernel")
             .unwrap();
+        // A rank outside the world (refused by the kernel) gets rank 0's words.
+        let own = if rank < self.world { rank } else { 0 };
         self.set_words(
             device,
-            rank,
+            own,
             abi::BARRIER_COUNTER_OFFSET,
             &[epoch - 1, passed],
         );
-        self.set_call(device, rank, call);
-        let counter = self.table_entry(rank) + abi::BARRIER_COUNTER_OFFSET as u64;
+        self.set_call(device, own, call);
+        let counter = self.table_entry(own) + abi::BARRIER_COUNTER_OFFSET as u64;
         let params = BarrierParams {
             peer_signals: self.table.ptr(),
             epoch_counter: counter,
@@ -367,7 +372,7 @@ impl Signals {
         let elapsed = start.elapsed();
         let status = self.status.read(0);
         if status.code == abi::STATUS_OK && passed == epoch - 1 {
-            let at = rank * RANK_BYTES + abi::BARRIER_COUNTER_OFFSET;
+            let at = own * RANK_BYTES + abi::BARRIER_COUNTER_OFFSET;
             let words = &self.all(device)[at..at + 8];
             assert_eq!(words[..4], epoch.to_le_bytes(), "epoch count");
             assert_eq!(words[4..], epoch.to_le_bytes(), "last barrier passed");

@@ -10,7 +10,9 @@
 mod common;
 
 use common::gpu::*;
-use common::{bf16_to_bytes, bits, bytes_to_bf16, random_bf16, routing, weights, Ctx, Rng};
+use common::{
+    bf16_to_bytes, bits, bytes_to_bf16, last_error, random_bf16, routing, weights, Ctx, Rng,
+};
 use ep::capi::*;
 use ep::reference::normal::{
     combine, dispatch, expert_partials, worst_case_rows, Dispatched, RankTokens, Returned,
@@ -838,7 +840,10 @@ fn optional_outputs_may_be_null() {
                 c.out = y.as_mut();
                 // SAFETY: device buffers of the sizes the dispatch gives.
                 ok(unsafe { ep_combine(ctx.0, &c, handle.0, stream()) }, &what);
-                assert_close(&y.download::<bf16>(n * topo.hidden), &combined, &what);
+                let got = y.download::<bf16>(n * topo.hidden);
+                let status = async_status(ctx);
+                assert_eq!(status, EP_SUCCESS, "{what}: combine: {}", last_error());
+                assert_close(&got, &combined, &what);
             }
             gate();
         });
