@@ -112,30 +112,6 @@ struct CUstream_st;
 // Bytes of the oldest accepted `ep_config_t` (through `token_dtype`).
 #define EP_CONFIG_MIN_SIZE 32
 
-// Bytes of an encoded [`Call`] with its step.
-#define TAG_BYTES 24
-
-// The collective operations, with the codes that travel between ranks.
-// The codes are part of the wire format: never renumber them (codes 5 and
-// 6 are kept for the fused megakernels).
-enum Collective
-#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
-  : uint32_t
-#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
- {
-  Dispatch = 1,
-  Combine = 2,
-  LlDispatch = 3,
-  LlCombine = 4,
-};
-#ifndef __cplusplus
-#if __STDC_VERSION__ >= 202311L
-typedef enum Collective Collective;
-#else
-typedef uint32_t Collective;
-#endif // __STDC_VERSION__ >= 202311L
-#endif // __cplusplus
-
 // Opaque communicator: one per rank. Created by `ep_ctx_create`, freed by
 // `ep_ctx_destroy`. Not thread-safe: one thread at a time may call functions
 // on a context, except `ep_ctx_abort` and `ep_ctx_get_async_error`, which any
@@ -241,11 +217,11 @@ typedef struct ep_dispatch_args_t {
   // Expert-major segment alignment in rows, 1 to 1024 (0 means 1).
   int32_t expert_alignment;
   // `[recv_capacity, hidden]` received tokens, the source-order output.
-  // Required when expert_x is NULL; may be NULL otherwise (then no
+  // Required when `expert_x` is NULL; may be NULL otherwise (then no
   // source-order output; the other recv_* pointers are not used).
   void *recv_x;
   // FP8 only: `[recv_capacity, hidden / 128]` scales. Required when
-  // recv_x is given and dtype is FP8; may be NULL otherwise (then not
+  // `recv_x` is given and dtype is FP8; may be NULL otherwise (then not
   // written).
   float *recv_x_scales;
   // `[recv_capacity, topk]` local expert ids (global id minus this rank's
@@ -264,12 +240,12 @@ typedef struct ep_dispatch_args_t {
   // Expert-major output rows available (see `ep_get_dispatch_capacity`).
   int32_t expert_capacity;
   // `[expert_capacity, hidden]` tokens in expert-major order, the
-  // expert-major output. Required when recv_x is NULL; may be NULL
+  // expert-major output. Required when `recv_x` is NULL; may be NULL
   // otherwise (then no expert-major output; the other expert_* pointers
   // are not used).
   void *expert_x;
   // FP8 only: `[expert_capacity, hidden / 128]` scales. Required when
-  // expert_x is given and dtype is FP8; may be NULL otherwise (then not
+  // `expert_x` is given and dtype is FP8; may be NULL otherwise (then not
   // written).
   float *expert_x_scales;
   // `[expert_capacity]` routing weight of each row; 0 in padding rows. May
@@ -281,7 +257,7 @@ typedef struct ep_dispatch_args_t {
   // `[local_experts + 1]` padded start of each expert's segment; the last
   // entry is the total padded row count. Ready for a grouped GEMM, and the
   // only way to find the segments without a host synchronisation, hence
-  // required with the output. Required when expert_x is given; may be NULL
+  // required with the output. Required when `expert_x` is given; may be NULL
   // otherwise (then not written).
   int32_t *expert_offsets;
   // `[local_experts]` rows of each local expert, without padding. May be
@@ -491,8 +467,6 @@ typedef struct ep_mega_args_t {
 
 // A peer rank refused the connection, disagreed on the setup, or vanished.
 #define EP_ERR_REMOTE 12
-
-#define Collective_ALL { Dispatch, Combine, LlDispatch, LlCombine, }
 
 #ifdef __cplusplus
 extern "C" {

@@ -903,7 +903,7 @@ fn dispatch_arguments_are_checked() {
         dispatch(&ctx, &b, &h),
         EP_ERR_NULL_POINTER,
         "ep_dispatch",
-        &["`recv_x` is NULL (required when expert_x is NULL)"],
+        &["`recv_x` is NULL (required when `expert_x` is NULL)"],
     );
     bad(
         &|b| {

@@ -263,11 +263,11 @@ pub struct ep_dispatch_args_t {
     /// Expert-major segment alignment in rows, 1 to 1024 (0 means 1).
     pub expert_alignment: i32,
     /// `[recv_capacity, hidden]` received tokens, the source-order output.
-    /// Required when expert_x is NULL; may be NULL otherwise (then no
+    /// Required when `expert_x` is NULL; may be NULL otherwise (then no
     /// source-order output; the other recv_* pointers are not used).
     pub recv_x: *mut c_void,
     /// FP8 only: `[recv_capacity, hidden / 128]` scales. Required when
-    /// recv_x is given and dtype is FP8; may be NULL otherwise (then not
+    /// `recv_x` is given and dtype is FP8; may be NULL otherwise (then not
     /// written).
     pub recv_x_scales: *mut f32,
     /// `[recv_capacity, topk]` local expert ids (global id minus this rank's
@@ -287,12 +287,12 @@ pub struct ep_dispatch_args_t {
     /// Expert-major output rows available (see `ep_get_dispatch_capacity`).
     pub expert_capacity: i32,
     /// `[expert_capacity, hidden]` tokens in expert-major order, the
-    /// expert-major output. Required when recv_x is NULL; may be NULL
+    /// expert-major output. Required when `recv_x` is NULL; may be NULL
     /// otherwise (then no expert-major output; the other expert_* pointers
     /// are not used).
     pub expert_x: *mut c_void,
     /// FP8 only: `[expert_capacity, hidden / 128]` scales. Required when
-    /// expert_x is given and dtype is FP8; may be NULL otherwise (then not
+    /// `expert_x` is given and dtype is FP8; may be NULL otherwise (then not
     /// written).
     pub expert_x_scales: *mut f32,
     /// `[expert_capacity]` routing weight of each row; 0 in padding rows. May
@@ -304,7 +304,7 @@ pub struct ep_dispatch_args_t {
     /// `[local_experts + 1]` padded start of each expert's segment; the last
     /// entry is the total padded row count. Ready for a grouped GEMM, and the
     /// only way to find the segments without a host synchronisation, hence
-    /// required with the output. Required when expert_x is given; may be NULL
+    /// required with the output. Required when `expert_x` is given; may be NULL
     /// otherwise (then not written).
     pub expert_offsets: *mut i32,
     /// `[local_experts]` rows of each local expert, without padding. May be

@@ -408,3 +408,119 @@ fn combined_dispatch(op: &CombineOp, handle: &Handle) -> Result<DispatchRecord> 
     }
     Ok(d)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reference::Dtype;
+    use crate::runtime::backend::HandleState;
+    use crate::runtime::config::ConfigRequest;
+    use crate::runtime::contract::{Field, PointerCheck};
+    use crate::runtime::ops::Received;
+    use std::os::raw::c_void;
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+
+    /// A backend whose next layout call panics, as a bug would.
+    struct Buggy {
+        panic_next: bool,
+    }
+
+    impl PointerCheck for Buggy {
+        fn check_pointer(&self, _field: &Field, _ptr: *const c_void) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    fn not_here<T>() -> Result<T> {
+        Err(Error::unsupported("not in this test"))
+    }
+
+    impl Backend for Buggy {
+        fn check_stream(&self, _stream: Stream) -> Result<()> {
+            Ok(())
+        }
+        fn check_inputs(&mut self, _inputs: Inputs<'_>) -> Result<()> {
+            Ok(())
+        }
+        fn layout(&mut self, _op: &LayoutOp, _stream: Stream) -> Result<()> {
+            if std::mem::take(&mut self.panic_next) {
+                panic!("a bug in a backend");
+            }
+            Ok(())
+        }
+        fn new_handle_state(&mut self) -> Result<HandleState> {
+            not_here()
+        }
+        fn dispatch(
+            &mut self,
+            _: Call,
+            _: &DispatchOp,
+            _: &mut HandleState,
+            _: Stream,
+        ) -> Result<Option<Received>> {
+            not_here()
+        }
+        fn combine(&mut self, _: Call, _: &CombineOp, _: &HandleState, _: Stream) -> Result<()> {
+            not_here()
+        }
+        fn ll_dispatch(&mut self, _: Call, _: &LlDispatchOp, _: Stream) -> Result<()> {
+            not_here()
+        }
+        fn ll_combine(&mut self, _: Call, _: &LlCombineOp, _: Stream) -> Result<()> {
+            not_here()
+        }
+        fn ll_combine_buffer(&mut self) -> Result<(*mut u8, usize)> {
+            not_here()
+        }
+    }
+
+    struct Quiet;
+
+    impl Monitor for Quiet {
+        fn async_error(&self) -> Result<()> {
+            Ok(())
+        }
+        fn abort(&self) {}
+    }
+
+    #[test]
+    fn a_panic_in_a_call_does_not_poison_the_context() {
+        let cfg = Config::new(&ConfigRequest {
+            world: 1,
+            rank: 0,
+            device: 0,
+            max_tokens_per_rank: 8,
+            hidden: 128,
+            topk: 1,
+            num_experts: 2,
+            token_dtype: Dtype::Bf16,
+            backend: BackendKind::Host,
+            num_sms: 0,
+            timeout_ms: 1000,
+            ll_max_tokens_per_rank: 0,
+        })
+        .unwrap();
+        let ctx = Context {
+            id: 0,
+            cfg,
+            inner: Mutex::new(Inner {
+                backend: Box::new(Buggy { panic_next: true }),
+                calls: 0,
+                ll_dispatch: None,
+                pending: None,
+            }),
+            monitor: Arc::new(Quiet),
+        };
+        let (mut per_rank, mut per_expert) = ([0i32; 1], [0i32; 2]);
+        let op = LayoutOp {
+            num_tokens: 0,
+            topk_idx: std::ptr::null(),
+            tokens_per_rank: per_rank.as_mut_ptr(),
+            tokens_per_expert: per_expert.as_mut_ptr(),
+            is_token_in_rank: std::ptr::null_mut(),
+        };
+        let first = catch_unwind(AssertUnwindSafe(|| ctx.layout(&op, std::ptr::null_mut())));
+        assert!(first.is_err(), "the bug did not panic");
+        assert_eq!(ctx.layout(&op, std::ptr::null_mut()), Ok(()));
+    }
+}

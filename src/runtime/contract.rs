@@ -57,10 +57,10 @@ impl Cond {
             Cond::Tokens => "num_tokens > 0",
             Cond::Fp8 => "dtype is FP8",
             Cond::Fp8Out => "out_dtype is FP8",
-            Cond::SourceOrder => "recv_x is given",
-            Cond::NoSourceOrder => "recv_x is NULL",
-            Cond::ExpertMajor => "expert_x is given",
-            Cond::NoExpertMajor => "expert_x is NULL",
+            Cond::SourceOrder => "`recv_x` is given",
+            Cond::NoSourceOrder => "`recv_x` is NULL",
+            Cond::ExpertMajor => "`expert_x` is given",
+            Cond::NoExpertMajor => "`expert_x` is NULL",
             Cond::Rows => {
                 "the handle's dispatch received rows for this layout or ran with EP_DISPATCH_NO_HOST_SYNC"
             }

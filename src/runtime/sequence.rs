@@ -45,20 +45,21 @@ pub enum Collective {
     LlCombine = 4,
 }
 
-impl Collective {
-    pub const ALL: [Collective; 4] = [
-        Collective::Dispatch,
-        Collective::Combine,
-        Collective::LlDispatch,
-        Collective::LlCombine,
-    ];
+/// Every collective operation.
+const COLLECTIVES: [Collective; 4] = [
+    Collective::Dispatch,
+    Collective::Combine,
+    Collective::LlDispatch,
+    Collective::LlCombine,
+];
 
+impl Collective {
     pub fn code(self) -> u32 {
         self as u32
     }
 
     pub fn from_code(code: u32) -> Option<Collective> {
-        Self::ALL.into_iter().find(|c| c.code() == code)
+        COLLECTIVES.into_iter().find(|c| c.code() == code)
     }
 
     /// The C function that makes this call.
@@ -85,7 +86,7 @@ pub struct Call {
 }
 
 /// Bytes of an encoded [`Call`] with its step.
-pub const TAG_BYTES: usize = 24;
+pub(crate) const TAG_BYTES: usize = 24;
 
 impl Call {
     /// The call and the step within it (0, 1, ...), as 24 little-endian
@@ -148,7 +149,7 @@ mod tests {
             call.to_string(),
             "ep_ll_combine call #7 (combining the dispatch of call #6)"
         );
-        for c in Collective::ALL {
+        for c in COLLECTIVES {
             assert_eq!(Collective::from_code(c.code()), Some(c));
         }
     }
