@@ -429,10 +429,9 @@ fn bad_low_latency_combines_are_refused_and_the_context_stays_usable() {
                             .replace("topk_idx", |idx: &mut Vec<i32>| idx[2] = e)
                     }),
                     ("another routing", |o, _| {
-                        o.call.call.replace("topk_idx", |idx: &mut Vec<i32>| {
-                            let at = idx.iter().position(|&id| id >= 0).unwrap();
-                            idx[at] = -1;
-                        })
+                        o.call
+                            .call
+                            .replace("topk_idx", |idx: &mut Vec<i32>| other_routing(idx))
                     }),
                     ("fewer tokens, NULL weights", |o, _| {
                         o.call.call.args.num_tokens -= 1;

@@ -740,14 +740,14 @@ macro_rules! header_bads {
     };
 }
 
-/// Bad routing: an id out of range, a negative id other than -1, and an
-/// expert listed twice for one token (token 0 must route to two experts).
 /// Points an operation's `topk_idx` to a changed copy of its routing.
 type ReplaceRouting<T> = fn(&mut T, &dyn Fn(&mut Vec<i32>));
 
-fn bad_routing<'a, T: Op + 'a>(num_experts: usize, replace: ReplaceRouting<T>) -> Vec<Bad<'a, T>> {
-    let e = num_experts as i32;
-    vec![
+/// Bad routing: an id out of range, a negative id other than -1, and (with
+/// topk > 1) an expert listed twice for token 0.
+fn bad_routing<'a, T: Op + 'a>(shape: &Shape, replace: ReplaceRouting<T>) -> Vec<Bad<'a, T>> {
+    let e = shape.experts as i32;
+    let mut bads = vec![
         Bad::new(
             "an expert id out of range",
             move |o: &mut T| replace(o, &|idx| idx[0] = e),
@@ -762,19 +762,32 @@ fn bad_routing<'a, T: Op + 'a>(num_experts: usize, replace: ReplaceRouting<T>) -
             &["topk_idx[0][0] = -2 is not an expert id"],
         )
         .host_only(),
-        Bad::new(
-            "an expert listed twice for one token",
-            move |o: &mut T| {
-                replace(o, &|idx| {
-                    idx[0] = 0;
-                    idx[1] = 0;
-                })
-            },
-            INVALID,
-            &["topk_idx[0][1] = 0 is listed twice"],
-        )
-        .host_only(),
-    ]
+    ];
+    if shape.topk > 1 {
+        bads.push(
+            Bad::new(
+                "an expert listed twice for one token",
+                move |o: &mut T| {
+                    replace(o, &|idx| {
+                        idx[0] = 0;
+                        idx[1] = 0;
+                    })
+                },
+                INVALID,
+                &["topk_idx[0][1] = 0 is listed twice"],
+            )
+            .host_only(),
+        );
+    }
+    bads
+}
+
+/// Routing that differs from `idx` in one slot and is still valid.
+pub fn other_routing(idx: &mut [i32]) {
+    match idx.iter().position(|&id| id >= 0) {
+        Some(at) => idx[at] = -1,
+        None => idx[0] = 0,
+    }
 }
 
 /// Bad inputs of `ep_get_dispatch_layout` (`max` tokens per rank).
@@ -803,7 +816,7 @@ pub fn bad_layout<'m>(shape: &Shape) -> Vec<Bad<'m, LayoutOp<'m>>> {
             &["`topk_idx`", "is not 4-byte aligned"],
         ),
     ];
-    bads.extend(bad_routing(shape.experts, |o: &mut LayoutOp<'m>, f| {
+    bads.extend(bad_routing(shape, |o: &mut LayoutOp<'m>, f| {
         o.call.call.replace("topk_idx", f)
     }));
     bads
@@ -882,7 +895,7 @@ pub fn bad_dispatch<'m>(shape: &Shape) -> Vec<Bad<'m, DispatchOp<'m>>> {
             &["`expert_offsets`", "is not 4-byte aligned"],
         ),
     ]);
-    bads.extend(bad_routing(shape.experts, |o: &mut DispatchOp<'m>, f| {
+    bads.extend(bad_routing(shape, |o: &mut DispatchOp<'m>, f| {
         o.call.call.replace("topk_idx", f)
     }));
     bads
@@ -982,7 +995,7 @@ pub fn bad_ll_dispatch<'m>(shape: &Shape) -> Vec<Bad<'m, LlDispatchOp<'m>>> {
             &["EP_LL_UE8M0_SCALES needs out_dtype FP8"],
         ),
     ]);
-    bads.extend(bad_routing(shape.experts, |o: &mut LlDispatchOp<'m>, f| {
+    bads.extend(bad_routing(shape, |o: &mut LlDispatchOp<'m>, f| {
         o.call.call.replace("topk_idx", f)
     }));
     bads
@@ -1038,10 +1051,9 @@ pub fn bad_ll_combine<'m>(shape: &Shape) -> Vec<Bad<'m, LlCombineOp<'m>>> {
         Bad::new(
             "a topk_idx other than its dispatch's",
             |o: &mut LlCombineOp<'m>| {
-                o.call.call.replace("topk_idx", |idx: &mut Vec<i32>| {
-                    let at = idx.iter().position(|&id| id >= 0).expect("a routed slot");
-                    idx[at] = -1;
-                })
+                o.call
+                    .call
+                    .replace("topk_idx", |idx: &mut Vec<i32>| other_routing(idx))
             },
             INVALID,
             &["but the low-latency dispatch it combines had"],
