@@ -89,11 +89,11 @@ fn null_walk_of_the_normal_mode() {
         }
         let tokens = Tokens::new(&s, 10, &SOME, false);
         walk_nulls(
-            &mut MegaDispatchOp::new(&HOST, ctx, &s, &tokens, rank),
+            &mut MegaOp::dispatch(&HOST, ctx, &s, &tokens, rank),
             ctx,
             rank,
         );
-        walk_nulls(&mut MegaCombineOp::new(&HOST, ctx, &s), ctx, rank);
+        walk_nulls(&mut MegaOp::combine(&HOST, ctx, &s), ctx, rank);
     });
 }
 
@@ -185,7 +185,7 @@ fn bad_input_walk() {
         walk_bad(&mut dispatch, &bad_dispatch(&s), ctx, rank, true);
         let mut combine = CombineOp::new(&HOST, ctx, &s, &tokens, rank, 22, true);
         walk_bad(&mut combine, &bad_combine(), ctx, rank, true);
-        let mut mega = MegaDispatchOp::new(&HOST, ctx, &s, &tokens, rank);
+        let mut mega = MegaOp::dispatch(&HOST, ctx, &s, &tokens, rank);
         walk_bad(&mut mega, &bad_mega_dispatch(), ctx, rank, true);
 
         let ll = LlTokens::new(&s, 23, &LL_SOME);

@@ -274,14 +274,7 @@ impl<'c> Fuzz<'c> {
             let field = required[plan.below(required.len())];
             op.pointers().null(field.name);
             let status = op.run(self.ctx, 0);
-            let needle = format!("`{}` is NULL", field.name);
-            expect_error(
-                status,
-                EP_ERR_NULL_POINTER,
-                op.function(),
-                &[&needle],
-                &self.what,
-            );
+            expect_null(status, op.function(), field.name, &self.what);
         } else {
             let bad = &bads[plan.below(bads.len())];
             (bad.apply)(op);

@@ -7,7 +7,7 @@ use super::entry::{check_embedded, deref, read_versioned, run};
 use super::types::*;
 use crate::error::{Error, Result};
 use crate::reference::normal::worst_case_rows;
-use crate::runtime::context::Context;
+use crate::runtime::context::{Context, MegaHalf};
 use crate::runtime::ops::{
     expert_alignment, CombineOp, DispatchOp, ExpertMajorOut, LayoutOp, LlCombineOp, LlDispatchOp,
     MegaOp, Phases, SourceOrderOut,
@@ -428,7 +428,8 @@ pub unsafe extern "C" fn ep_mega_dispatch_gemm(
         let context = context(ctx)?;
         let handle = deref(handle, "handle")?;
         let (dispatch, _, mega) = mega_op(args)?;
-        context.mega_dispatch_gemm(&dispatch, &mega, &handle.inner, stream as *mut c_void)
+        let half = MegaHalf::Dispatch(&dispatch);
+        context.mega(half, &mega, &handle.inner, stream as *mut c_void)
     })
 }
 
@@ -449,6 +450,7 @@ pub unsafe extern "C" fn ep_mega_gemm_combine(
         let context = context(ctx)?;
         let handle = deref(handle, "handle")?;
         let (_, combine, mega) = mega_op(args)?;
-        context.mega_gemm_combine(&combine, &mega, &handle.inner, stream as *mut c_void)
+        let half = MegaHalf::Combine(&combine);
+        context.mega(half, &mega, &handle.inner, stream as *mut c_void)
     })
 }

@@ -333,52 +333,45 @@ impl Context {
         inner.backend.ll_combine_buffer()
     }
 
-    /// `ep_mega_dispatch_gemm`: checks every argument, then reports that the
-    /// fused kernels are not in this release.
-    pub fn mega_dispatch_gemm(
+    /// `ep_mega_dispatch_gemm` and `ep_mega_gemm_combine`: checks every
+    /// argument (a combine half as if rows had arrived), then reports that
+    /// the fused kernels are not in this release.
+    pub fn mega(
         &self,
-        op: &DispatchOp,
+        half: MegaHalf<'_>,
         mega: &MegaOp,
         handle: &Handle,
         stream: Stream,
     ) -> Result<()> {
         let inner = self.lock()?;
         self.check_handle(handle)?;
-        op.validate(&self.cfg)?;
-        check_pointers(contract::DISPATCH, op, &op.facts(), &*inner.backend)?;
-        check_pointers(contract::MEGA, mega, &Facts::default(), &*inner.backend)?;
+        let backend = &*inner.backend;
+        match half {
+            MegaHalf::Dispatch(op) => {
+                op.validate(&self.cfg)?;
+                check_pointers(contract::DISPATCH, op, &op.facts(), backend)?;
+            }
+            MegaHalf::Combine(op) => {
+                let facts = Facts {
+                    tokens: true,
+                    rows: true,
+                    ..Facts::default()
+                };
+                check_pointers(contract::COMBINE, op, &facts, backend)?;
+            }
+        }
+        check_pointers(contract::MEGA, mega, &Facts::default(), backend)?;
         inner.check_stream(stream)?;
-        Err(mega_unsupported())
-    }
-
-    /// `ep_mega_gemm_combine`: checks every argument (the combine half as
-    /// if rows had arrived), then reports that the fused kernels are not in
-    /// this release.
-    pub fn mega_gemm_combine(
-        &self,
-        op: &CombineOp,
-        mega: &MegaOp,
-        handle: &Handle,
-        stream: Stream,
-    ) -> Result<()> {
-        let inner = self.lock()?;
-        self.check_handle(handle)?;
-        let facts = Facts {
-            tokens: true,
-            rows: true,
-            ..Facts::default()
-        };
-        check_pointers(contract::COMBINE, op, &facts, &*inner.backend)?;
-        check_pointers(contract::MEGA, mega, &Facts::default(), &*inner.backend)?;
-        inner.check_stream(stream)?;
-        Err(mega_unsupported())
+        Err(Error::unsupported(
+            "the fused dispatch+GEMM and GEMM+combine kernels are not available in this release",
+        ))
     }
 }
 
-fn mega_unsupported() -> Error {
-    Error::unsupported(
-        "the fused dispatch+GEMM and GEMM+combine kernels are not available in this release",
-    )
+/// The half of the megakernels' arguments a call uses.
+pub enum MegaHalf<'a> {
+    Dispatch(&'a DispatchOp),
+    Combine(&'a CombineOp),
 }
 
 /// The dispatch a combine returns rows of: the handle's, which must have

@@ -583,6 +583,17 @@ mod tests {
     }
 
     #[test]
+    fn wrong_memory_names_the_field_and_the_device() {
+        let ptr = 0x1000 as *const c_void;
+        let e = wrong_memory(&DISPATCH[0].field, ptr, "host memory", 3);
+        assert_eq!(e.kind, crate::error::ErrorKind::InvalidArgument);
+        assert_eq!(
+            e.message,
+            "`x` = 0x1000 is host memory, expected device memory of device 3"
+        );
+    }
+
+    #[test]
     fn names_are_unique_per_table() {
         fn unique<Op>(table: &[Pointer<Op>]) {
             let mut names: Vec<&str> = fields(table).map(|f| f.name).collect();

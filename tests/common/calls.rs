@@ -186,29 +186,22 @@ pointer_fields!(LayoutArgs {
     is_token_in_rank
 });
 
-/// The megakernels' args with the pointers of one half: `half` is
-/// `dispatch` or `combine`.
+/// The megakernels' args, whose pointer names are their own (`weights`,
+/// `gemm_io`) and those of the half a call uses.
 #[derive(Clone, Copy)]
-pub struct MegaDispatchArgs(pub ep_mega_args_t);
-#[derive(Clone, Copy)]
-pub struct MegaCombineArgs(pub ep_mega_args_t);
-
-impl PointerFields for MegaDispatchArgs {
-    fn slot(&mut self, name: &str) -> *mut *mut u8 {
-        match name {
-            "weights" => std::ptr::addr_of_mut!(self.0.weights) as *mut *mut u8,
-            "gemm_io" => std::ptr::addr_of_mut!(self.0.gemm_io) as *mut *mut u8,
-            other => self.0.dispatch.slot(other),
-        }
-    }
+pub struct MegaArgs {
+    pub args: ep_mega_args_t,
+    /// The combine half (`ep_mega_gemm_combine`), else the dispatch half.
+    pub combine: bool,
 }
 
-impl PointerFields for MegaCombineArgs {
+impl PointerFields for MegaArgs {
     fn slot(&mut self, name: &str) -> *mut *mut u8 {
         match name {
-            "weights" => std::ptr::addr_of_mut!(self.0.weights) as *mut *mut u8,
-            "gemm_io" => std::ptr::addr_of_mut!(self.0.gemm_io) as *mut *mut u8,
-            other => self.0.combine.slot(other),
+            "weights" => std::ptr::addr_of_mut!(self.args.weights) as *mut *mut u8,
+            "gemm_io" => std::ptr::addr_of_mut!(self.args.gemm_io) as *mut *mut u8,
+            other if self.combine => self.args.combine.slot(other),
+            other => self.args.dispatch.slot(other),
         }
     }
 }
@@ -443,6 +436,13 @@ impl Shape {
     }
 }
 
+/// Routing and weights of `count` tokens: 15% of the slots dropped, the
+/// first slot mostly to `hot` when given.
+fn routed(rng: &mut Rng, shape: &Shape, count: usize, hot: Option<usize>) -> (Vec<i32>, Vec<f32>) {
+    let idx = routing(rng, shape.experts, shape.topk, count, 0.15, hot);
+    (idx, weights(rng, count * shape.topk))
+}
+
 /// Token inputs of every rank for one normal-mode dispatch.
 pub struct Tokens {
     pub n: Vec<usize>,
@@ -466,16 +466,9 @@ impl Tokens {
         let (h, cols) = (shape.hidden, shape.hidden / 128);
         for (rank, &count) in n.iter().enumerate() {
             let mut rng = Rng::new(seed.wrapping_mul(1_000_003).wrapping_add(rank as u64));
-            let hot = seed.is_multiple_of(3).then_some(0);
-            t.idx.push(routing(
-                &mut rng,
-                shape.experts,
-                shape.topk,
-                count,
-                0.15,
-                hot,
-            ));
-            t.w.push(weights(&mut rng, count * shape.topk));
+            let (idx, w) = routed(&mut rng, shape, count, seed.is_multiple_of(3).then_some(0));
+            t.idx.push(idx);
+            t.w.push(w);
             let values = random_bf16(&mut rng, count * h);
             if fp8 {
                 let mut x = vec![0u8; count * h];
@@ -840,15 +833,9 @@ impl LlTokens {
         for (rank, &count) in n.iter().enumerate() {
             let mut rng = Rng::new(seed.wrapping_mul(31).wrapping_add(rank as u64));
             let hot = seed.is_multiple_of(2).then_some(shape.experts - 1);
-            t.idx.push(routing(
-                &mut rng,
-                shape.experts,
-                shape.topk,
-                count,
-                0.15,
-                hot,
-            ));
-            t.w.push(weights(&mut rng, count * shape.topk));
+            let (idx, w) = routed(&mut rng, shape, count, hot);
+            t.idx.push(idx);
+            t.w.push(w);
             t.x.push(random_bf16(&mut rng, count * shape.hidden));
         }
         t
@@ -899,6 +886,14 @@ pub fn ll_phases(split: bool) -> Vec<u32> {
     } else {
         vec![0]
     }
+}
+
+/// Runs each half of a (split or whole) call until one fails.
+fn run_halves(split: bool, mut run: impl FnMut(usize) -> ep_status_t) -> ep_status_t {
+    (0..ll_phases(split).len())
+        .map(&mut run)
+        .find(|&status| status != EP_SUCCESS)
+        .unwrap_or(EP_SUCCESS)
 }
 
 /// A low-latency dispatch of `rank` and its reference.
@@ -976,13 +971,7 @@ impl<'m> LlDispatchCall<'m> {
 
     /// Runs every half.
     pub fn run_all(&mut self, ctx: &Ctx) -> ep_status_t {
-        for phase in 0..ll_phases(self.case.split).len() {
-            let status = self.run(ctx, phase);
-            if status != EP_SUCCESS {
-                return status;
-            }
-        }
-        EP_SUCCESS
+        run_halves(self.case.split, |phase| self.run(ctx, phase))
     }
 
     /// Compares the valid rows of every output passed with the reference.
@@ -1119,14 +1108,9 @@ impl<'m> LlCombineCall<'m> {
         unsafe { ep_ll_combine(ctx.0, &a, null_mut()) }
     }
 
+    /// Runs every half.
     pub fn run_all(&mut self, ctx: &Ctx) -> ep_status_t {
-        for phase in 0..ll_phases(self.case.split).len() {
-            let status = self.run(ctx, phase);
-            if status != EP_SUCCESS {
-                return status;
-            }
-        }
-        EP_SUCCESS
+        run_halves(self.case.split, |phase| self.run(ctx, phase))
     }
 
     pub fn check(&mut self, tolerance: f32) -> Result<(), String> {

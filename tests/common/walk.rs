@@ -111,6 +111,13 @@ pub fn expect_error(
     }
 }
 
+/// Asserts that a call with `field` NULL was refused for it.
+#[track_caller]
+pub fn expect_null(status: ep_status_t, function: &str, field: &str, what: &str) {
+    let needle = format!("`{field}` is NULL");
+    expect_error(status, EP_ERR_NULL_POINTER, function, &[&needle], what);
+}
+
 /// Sets each pointer that `op` passes to NULL in turn (see the module doc).
 pub fn walk_nulls(op: &mut dyn Op, ctx: &Ctx, rank: usize) {
     let phases = op.phases();
@@ -127,14 +134,7 @@ pub fn walk_nulls(op: &mut dyn Op, ctx: &Ctx, rank: usize) {
         for (phase, facts) in phases.iter().enumerate() {
             let status = op.run(ctx, phase);
             if field.required(facts) {
-                let needle = format!("`{}` is NULL", field.name);
-                expect_error(
-                    status,
-                    EP_ERR_NULL_POINTER,
-                    op.function(),
-                    &[&needle],
-                    &what,
-                );
+                expect_null(status, op.function(), field.name, &what);
                 assert!(op.pointers().untouched(), "{what}: an output was written");
                 refused = Some(phase);
                 break;
@@ -575,22 +575,23 @@ impl Op for LlCombineOp<'_> {
     }
 }
 
-/// The megakernels' own pointers (`weights`, `gemm_io`), for their args.
-fn mega_buffers<A: PointerFields>(call: &mut Call<'_, A>, shape: &Shape) {
-    call.input("weights", &vec![0u16; shape.local() * shape.hidden * 128]);
-    call.output("gemm_io", 1 << 16);
-}
-
-/// `ep_mega_dispatch_gemm` as it is today: every argument checked, then
-/// `EP_ERR_UNSUPPORTED`.
-pub struct MegaDispatchOp<'m> {
-    pub call: Call<'m, MegaDispatchArgs>,
+/// `ep_mega_dispatch_gemm` or `ep_mega_gemm_combine` as they are today:
+/// every argument checked, then `EP_ERR_UNSUPPORTED`.
+pub struct MegaOp<'m> {
+    pub call: Call<'m, MegaArgs>,
     pub handle: Handle,
     facts: Facts,
 }
 
-impl<'m> MegaDispatchOp<'m> {
-    pub fn new(mem: &'m dyn Mem, ctx: &Ctx, shape: &Shape, tokens: &Tokens, rank: usize) -> Self {
+impl<'m> MegaOp<'m> {
+    /// The dispatch half with `tokens`, both outputs.
+    pub fn dispatch(
+        mem: &'m dyn Mem,
+        ctx: &Ctx,
+        shape: &Shape,
+        tokens: &Tokens,
+        rank: usize,
+    ) -> Self {
         let case = DispatchCase {
             source_order: true,
             expert_major: true,
@@ -600,32 +601,69 @@ impl<'m> MegaDispatchOp<'m> {
         let dispatch = DispatchCall::new(mem, shape, tokens, rank, case);
         let mut args = super::mega_args();
         args.dispatch = dispatch.call.args;
-        args.n = 128;
-        args.k = shape.hidden as i32;
-        let mut call = dispatch.call.into_args(MegaDispatchArgs(args));
-        mega_buffers(&mut call, shape);
+        let call = dispatch.call.into_args(MegaArgs {
+            args,
+            combine: false,
+        });
+        let facts = dispatch_facts(&case, tokens.n[rank], tokens.fp8);
+        MegaOp::finish(call, ctx, shape, facts)
+    }
+
+    /// The combine half, expert-major.
+    pub fn combine(mem: &'m dyn Mem, ctx: &Ctx, shape: &Shape) -> Self {
+        let mut args = super::mega_args();
+        args.combine.input_layout = EP_COMBINE_EXPERT_MAJOR;
+        let mut call = Call::new(
+            mem,
+            MegaArgs {
+                args,
+                combine: true,
+            },
+        );
+        call.input("x", &vec![0u16; 64 * shape.hidden]);
+        call.output("out", 64 * shape.hidden * 2);
+        let facts = Facts {
+            tokens: true,
+            rows: true,
+            ..Facts::default()
+        };
+        MegaOp::finish(call, ctx, shape, facts)
+    }
+
+    /// Adds the megakernels' own buffers.
+    fn finish(mut call: Call<'m, MegaArgs>, ctx: &Ctx, shape: &Shape, facts: Facts) -> Self {
+        call.args.args.n = 128;
+        call.args.args.k = shape.hidden as i32;
+        call.input("weights", &vec![0u16; shape.local() * shape.hidden * 128]);
+        call.output("gemm_io", 1 << 16);
         call.save();
-        MegaDispatchOp {
+        MegaOp {
             call,
             handle: ctx.handle(),
-            facts: dispatch_facts(&case, tokens.n[rank], tokens.fp8),
+            facts,
         }
     }
 }
 
-impl Op for MegaDispatchOp<'_> {
+impl Op for MegaOp<'_> {
     fn label(&self) -> String {
-        "fused dispatch + GEMM".to_string()
+        self.function().to_string()
     }
     fn function(&self) -> &'static str {
-        "ep_mega_dispatch_gemm"
+        if self.call.args.combine {
+            "ep_mega_gemm_combine"
+        } else {
+            "ep_mega_dispatch_gemm"
+        }
     }
     fn fields(&self) -> Vec<Field> {
-        let own = contract::fields(contract::MEGA).copied();
-        contract::fields(contract::DISPATCH)
-            .copied()
-            .chain(own)
-            .collect()
+        let mut fields: Vec<Field> = if self.call.args.combine {
+            contract::fields(contract::COMBINE).copied().collect()
+        } else {
+            contract::fields(contract::DISPATCH).copied().collect()
+        };
+        fields.extend(contract::fields(contract::MEGA));
+        fields
     }
     fn phases(&self) -> Vec<Facts> {
         vec![self.facts]
@@ -635,68 +673,15 @@ impl Op for MegaDispatchOp<'_> {
     }
     fn prepare(&mut self, _ctx: &Ctx) {}
     fn run(&mut self, ctx: &Ctx, _phase: usize) -> ep_status_t {
+        let (args, handle) = (&self.call.args.args, self.handle.0);
         // SAFETY: live context and handle; buffers as the API says.
-        unsafe { ep_mega_dispatch_gemm(ctx.0, &self.call.args.0, self.handle.0, null_mut()) }
-    }
-    fn check(&mut self) -> Result<(), String> {
-        Ok(())
-    }
-    fn success(&self) -> ep_status_t {
-        EP_ERR_UNSUPPORTED
-    }
-}
-
-/// `ep_mega_gemm_combine` as it is today: every argument checked, then
-/// `EP_ERR_UNSUPPORTED`.
-pub struct MegaCombineOp<'m> {
-    pub call: Call<'m, MegaCombineArgs>,
-    pub handle: Handle,
-}
-
-impl<'m> MegaCombineOp<'m> {
-    pub fn new(mem: &'m dyn Mem, ctx: &Ctx, shape: &Shape) -> Self {
-        let mut args = super::mega_args();
-        args.combine.input_layout = EP_COMBINE_EXPERT_MAJOR;
-        let mut call = Call::new(mem, MegaCombineArgs(args));
-        call.input("x", &vec![0u16; 64 * shape.hidden]);
-        call.output("out", 64 * shape.hidden * 2);
-        mega_buffers(&mut call, shape);
-        call.save();
-        MegaCombineOp {
-            call,
-            handle: ctx.handle(),
+        unsafe {
+            if self.call.args.combine {
+                ep_mega_gemm_combine(ctx.0, args, handle, null_mut())
+            } else {
+                ep_mega_dispatch_gemm(ctx.0, args, handle, null_mut())
+            }
         }
-    }
-}
-
-impl Op for MegaCombineOp<'_> {
-    fn label(&self) -> String {
-        "fused GEMM + combine".to_string()
-    }
-    fn function(&self) -> &'static str {
-        "ep_mega_gemm_combine"
-    }
-    fn fields(&self) -> Vec<Field> {
-        let own = contract::fields(contract::MEGA).copied();
-        contract::fields(contract::COMBINE)
-            .copied()
-            .chain(own)
-            .collect()
-    }
-    fn phases(&self) -> Vec<Facts> {
-        vec![Facts {
-            tokens: true,
-            rows: true,
-            ..Facts::default()
-        }]
-    }
-    fn pointers(&mut self) -> &mut dyn Pointers {
-        &mut self.call
-    }
-    fn prepare(&mut self, _ctx: &Ctx) {}
-    fn run(&mut self, ctx: &Ctx, _phase: usize) -> ep_status_t {
-        // SAFETY: live context and handle; buffers as the API says.
-        unsafe { ep_mega_gemm_combine(ctx.0, &self.call.args.0, self.handle.0, null_mut()) }
     }
     fn check(&mut self) -> Result<(), String> {
         Ok(())
@@ -738,6 +723,30 @@ macro_rules! header_bads {
             ),
         ]
     };
+}
+
+/// A token count above the configured `max`, and a negative one, set by
+/// `set`.
+fn bad_counts<'a, T: Op + 'a>(max: usize, set: fn(&mut T, i32)) -> Vec<Bad<'a, T>> {
+    let max = max as i32;
+    let above = format!(
+        "num_tokens = {} is above the configured maximum {max}",
+        max + 1
+    );
+    vec![
+        Bad::new(
+            "num_tokens above the maximum",
+            move |o: &mut T| set(o, max + 1),
+            INVALID,
+            &[&above],
+        ),
+        Bad::new(
+            "a negative num_tokens",
+            move |o: &mut T| set(o, -1),
+            INVALID,
+            &["num_tokens = -1 is negative"],
+        ),
+    ]
 }
 
 /// Points an operation's `topk_idx` to a changed copy of its routing.
@@ -792,30 +801,15 @@ pub fn other_routing(idx: &mut [i32]) {
 
 /// Bad inputs of `ep_get_dispatch_layout` (`max` tokens per rank).
 pub fn bad_layout<'m>(shape: &Shape) -> Vec<Bad<'m, LayoutOp<'m>>> {
-    let max = shape.max_tokens as i32;
-    let mut bads = vec![
-        Bad::new(
-            "num_tokens above the maximum",
-            move |o: &mut LayoutOp<'m>| o.call.call.args.num_tokens = max + 1,
-            INVALID,
-            &[&format!(
-                "num_tokens = {} is above the configured maximum {max}",
-                max + 1
-            )],
-        ),
-        Bad::new(
-            "a negative num_tokens",
-            |o: &mut LayoutOp<'m>| o.call.call.args.num_tokens = -1,
-            INVALID,
-            &["num_tokens = -1 is negative"],
-        ),
-        Bad::new(
-            "a misaligned topk_idx",
-            |o: &mut LayoutOp<'m>| o.call.call.offset("topk_idx", 2),
-            INVALID,
-            &["`topk_idx`", "is not 4-byte aligned"],
-        ),
-    ];
+    let mut bads = bad_counts(shape.max_tokens, |o: &mut LayoutOp<'m>, n| {
+        o.call.call.args.num_tokens = n
+    });
+    bads.extend([Bad::new(
+        "a misaligned topk_idx",
+        |o: &mut LayoutOp<'m>| o.call.call.offset("topk_idx", 2),
+        INVALID,
+        &["`topk_idx`", "is not 4-byte aligned"],
+    )]);
     bads.extend(bad_routing(shape, |o: &mut LayoutOp<'m>, f| {
         o.call.call.replace("topk_idx", f)
     }));
@@ -824,7 +818,6 @@ pub fn bad_layout<'m>(shape: &Shape) -> Vec<Bad<'m, LayoutOp<'m>>> {
 
 /// Bad inputs of `ep_dispatch` (both outputs requested).
 pub fn bad_dispatch<'m>(shape: &Shape) -> Vec<Bad<'m, DispatchOp<'m>>> {
-    let max = shape.max_tokens as i32;
     let size = std::mem::size_of::<ep_dispatch_args_t>() as u32;
     let mut bads = header_bads!(
         DispatchOp,
@@ -833,22 +826,10 @@ pub fn bad_dispatch<'m>(shape: &Shape) -> Vec<Bad<'m, DispatchOp<'m>>> {
         size,
         "dispatch args"
     );
+    bads.extend(bad_counts(shape.max_tokens, |o: &mut DispatchOp<'m>, n| {
+        o.call.call.args.num_tokens = n
+    }));
     bads.extend([
-        Bad::new(
-            "num_tokens above the maximum",
-            move |o: &mut DispatchOp<'m>| o.call.call.args.num_tokens = max + 1,
-            INVALID,
-            &[&format!(
-                "num_tokens = {} is above the configured maximum {max}",
-                max + 1
-            )],
-        ),
-        Bad::new(
-            "a negative num_tokens",
-            |o: &mut DispatchOp<'m>| o.call.call.args.num_tokens = -1,
-            INVALID,
-            &["num_tokens = -1 is negative"],
-        ),
         Bad::new(
             "an unknown flag",
             |o: &mut DispatchOp<'m>| o.call.call.args.flags |= 0x40,
@@ -930,7 +911,6 @@ pub fn bad_combine<'m>() -> Vec<Bad<'m, CombineOp<'m>>> {
 
 /// Bad inputs of `ep_ll_dispatch` (FP8 output).
 pub fn bad_ll_dispatch<'m>(shape: &Shape) -> Vec<Bad<'m, LlDispatchOp<'m>>> {
-    let max = shape.ll_max as i32;
     let size = std::mem::size_of::<ep_ll_dispatch_args_t>() as u32;
     let mut bads = header_bads!(
         LlDispatchOp,
@@ -939,22 +919,10 @@ pub fn bad_ll_dispatch<'m>(shape: &Shape) -> Vec<Bad<'m, LlDispatchOp<'m>>> {
         size,
         "low-latency dispatch args"
     );
+    bads.extend(bad_counts(shape.ll_max, |o: &mut LlDispatchOp<'m>, n| {
+        o.call.call.args.num_tokens = n
+    }));
     bads.extend([
-        Bad::new(
-            "num_tokens above the maximum",
-            move |o: &mut LlDispatchOp<'m>| o.call.call.args.num_tokens = max + 1,
-            INVALID,
-            &[&format!(
-                "num_tokens = {} is above the configured maximum {max}",
-                max + 1
-            )],
-        ),
-        Bad::new(
-            "a negative num_tokens",
-            |o: &mut LlDispatchOp<'m>| o.call.call.args.num_tokens = -1,
-            INVALID,
-            &["num_tokens = -1 is negative"],
-        ),
         Bad::new(
             "a misaligned device_num_tokens",
             |o: &mut LlDispatchOp<'m>| o.call.call.offset("device_num_tokens", 1),
@@ -1064,18 +1032,12 @@ pub fn bad_ll_combine<'m>(shape: &Shape) -> Vec<Bad<'m, LlCombineOp<'m>>> {
 }
 
 /// Bad headers of the megakernels' args.
-pub fn bad_mega_dispatch<'m>() -> Vec<Bad<'m, MegaDispatchOp<'m>>> {
+pub fn bad_mega_dispatch<'m>() -> Vec<Bad<'m, MegaOp<'m>>> {
     let size = std::mem::size_of::<ep_mega_args_t>() as u32;
-    let mut bads = header_bads!(
-        MegaDispatchOp,
-        |o| o.call.args.0,
-        size,
-        size,
-        "megakernel args"
-    );
+    let mut bads = header_bads!(MegaOp, |o| o.call.args.args, size, size, "megakernel args");
     bads.push(Bad::new(
         "an embedded struct with a bad magic",
-        |o: &mut MegaDispatchOp<'m>| o.call.args.0.dispatch.magic = 1,
+        |o: &mut MegaOp<'m>| o.call.args.args.dispatch.magic = 1,
         INVALID,
         &["embedded dispatch args"],
     ));
