@@ -29,7 +29,12 @@
 //! - The GPU backend's signals are to carry the same code and number, so a
 //!   kernel that sees a peer's signal of another call records a mismatch
 //!   (`EP_ERR_REMOTE`) instead of using its data. Call numbers start at 1,
-//!   so zero-filled signal memory never matches a call.
+//!   so zero-filled signal memory never matches a call. A call captured in a
+//!   CUDA graph keeps the number it had at capture, while each replay is a
+//!   new call: the kernels therefore count calls in device memory (one
+//!   counter per context, advanced by every collective launch, as the
+//!   low-latency kernels already do for their buffer sets), which gives the
+//!   same numbers as this count for calls made directly.
 
 use std::fmt;
 
