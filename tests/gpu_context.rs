@@ -10,7 +10,7 @@ mod common;
 
 use common::gpu::{
     async_status, gate, gpu_config, memory_info, ok, run_gpu_world, run_gpu_world_on, stream, sync,
-    test_worlds, DevBuf,
+    test_worlds, trim_pool, DevBuf,
 };
 use common::{last_error, ll_combine_args, ll_dispatch_args, routing, Ctx, Rng};
 use ep::capi::*;
@@ -221,6 +221,7 @@ struct Holdings {
 impl Holdings {
     fn now() -> Holdings {
         let count = |dir: &str| std::fs::read_dir(dir).map_or(0, |d| d.count());
+        trim_pool(0);
         Holdings {
             free_bytes: memory_info(0).0,
             fds: count("/proc/self/fd"),

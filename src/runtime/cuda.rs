@@ -26,6 +26,7 @@ use cudarc::driver::sys;
 pub use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUresult, CUstream};
 use once_cell::sync::OnceCell;
 
+use super::sequence::Collective;
 use crate::abi;
 use crate::error::{Error, ErrorKind, Result};
 
@@ -42,6 +43,10 @@ include!(concat!(env!("OUT_DIR"), "/ep_kernels.rs"));
 /// The handle `CU_STREAM_LEGACY` of cuda.h: the legacy default stream, as
 /// NULL is (not in the driver's bindings, which omit the macro).
 pub const STREAM_LEGACY: usize = 0x1;
+
+/// The handle `CU_STREAM_PER_THREAD` of cuda.h: the calling thread's
+/// default stream.
+pub const STREAM_PER_THREAD: usize = 0x2;
 
 /// The first four bytes of every fatbin, read as a little-endian `u32`.
 pub const FATBIN_MAGIC: u32 = 0xBA55_ED50;
@@ -229,6 +234,11 @@ impl Device {
     /// The driver's handle of the device.
     pub fn handle(&self) -> sys::CUdevice {
         self.inner.handle
+    }
+
+    /// The device's primary context, where everything here runs.
+    pub fn primary_context(&self) -> sys::CUcontext {
+        self.inner.context
     }
 
     /// Makes the primary context current on this thread until the guard is
@@ -872,13 +882,8 @@ impl DeviceStatus {
 /// modulo 2^CALL_NUMBER_BITS.
 fn describe_call(word: i32) -> String {
     let number = word & ((1 << abi::CALL_NUMBER_BITS) - 1);
-    let name = match word >> abi::CALL_NUMBER_BITS {
-        1 => "ep_dispatch",
-        2 => "ep_combine",
-        3 => "ep_ll_dispatch",
-        4 => "ep_ll_combine",
-        _ => "an unknown operation",
-    };
+    let op = Collective::from_code((word >> abi::CALL_NUMBER_BITS) as u32);
+    let name = op.map_or("an unknown operation", Collective::function);
     format!("{name} (collective call {number} on the device)")
 }
 

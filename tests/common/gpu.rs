@@ -218,6 +218,9 @@ pub fn sync() {
 pub struct DevBuf {
     pub ptr: u64,
     pub bytes: usize,
+    /// From the device's pool (`cuMemAllocAsync`, on a rank thread), else
+    /// from `cuMemAlloc`.
+    pooled: bool,
 }
 
 impl DevBuf {
@@ -225,9 +228,24 @@ impl DevBuf {
     pub fn poisoned(bytes: usize) -> DevBuf {
         let alloc = bytes.max(4);
         let mut ptr = 0;
-        // SAFETY: allocates `alloc` bytes.
-        unsafe { cu(sys::cuMemAlloc_v2(&mut ptr, alloc), "cuMemAlloc") };
-        let buf = DevBuf { ptr, bytes };
+        let s = stream();
+        // SAFETY: allocates `alloc` bytes: on a rank thread from the
+        // device's pool in the order of the rank's stream (see `Drop`).
+        unsafe {
+            if s.is_null() {
+                cu(sys::cuMemAlloc_v2(&mut ptr, alloc), "cuMemAlloc");
+            } else {
+                cu(
+                    sys::cuMemAllocAsync(&mut ptr, alloc, s as sys::CUstream),
+                    "cuMemAllocAsync",
+                );
+            }
+        }
+        let buf = DevBuf {
+            ptr,
+            bytes,
+            pooled: !s.is_null(),
+        };
         buf.poison();
         buf
     }
@@ -325,9 +343,34 @@ impl DevBuf {
 
 impl Drop for DevBuf {
     fn drop(&mut self) {
-        // SAFETY: allocated by cuMemAlloc; the tests synchronize (and meet at
-        // the gate, see the file comment) before buffers go out of scope.
-        unsafe { sys::cuMemFree_v2(self.ptr) };
+        // SAFETY: allocated as `pooled` says; the tests synchronize before
+        // buffers go out of scope. A pool allocation is freed in stream
+        // order, without the wait for the whole device that cuMemFree makes
+        // (which, on a GPU that ranks share, could wait for a peer's kernel
+        // that waits for this rank).
+        unsafe {
+            if self.pooled {
+                sys::cuMemFreeAsync(self.ptr, stream() as sys::CUstream);
+            } else {
+                sys::cuMemFree_v2(self.ptr);
+            }
+        }
+    }
+}
+
+/// Returns the memory that the device's default pool keeps for later
+/// allocations (the rank threads' `DevBuf`s) to the device.
+pub fn trim_pool(ordinal: usize) {
+    use_device(ordinal);
+    let mut pool = null_mut();
+    // SAFETY: plain driver calls on the device's default pool.
+    unsafe {
+        cu(
+            sys::cuDeviceGetDefaultMemPool(&mut pool, ordinal as i32),
+            "cuDeviceGetDefaultMemPool",
+        );
+        cu(sys::cuCtxSynchronize(), "cuCtxSynchronize");
+        cu(sys::cuMemPoolTrimTo(pool, 0), "cuMemPoolTrimTo");
     }
 }
 
@@ -518,5 +561,59 @@ impl Drop for Graph {
             sys::cuGraphDestroy(self.graph);
             sys::cuStreamDestroy_v2(self.stream);
         }
+    }
+}
+
+/// Device memory of the current CUDA context, for the contract walks and
+/// calls of [`super::calls`] (`Mem`): a GPU test runs the same walks as
+/// tests/contract.rs with `DeviceMem` in place of `HostMem`.
+pub struct DeviceMem {
+    /// See `Mem::combine_tolerance`.
+    pub combine_tolerance: f32,
+}
+
+impl super::calls::Buf for DevBuf {
+    fn ptr(&self) -> *mut u8 {
+        self.ptr as *mut u8
+    }
+    fn len(&self) -> usize {
+        self.bytes
+    }
+    fn write(&self, data: &[u8]) {
+        self.upload(data);
+    }
+    fn read(&self) -> Vec<u8> {
+        self.download(self.bytes)
+    }
+    fn poison(&self) {
+        DevBuf::poison(self);
+    }
+}
+
+impl super::calls::Mem for DeviceMem {
+    fn alloc(&self, bytes: usize) -> Box<dyn super::calls::Buf> {
+        Box::new(DevBuf::poisoned(bytes.max(16)))
+    }
+    fn write_at(&self, ptr: *mut u8, data: &[u8]) {
+        // SAFETY: `ptr` is device memory the library gave out, with room;
+        // `data` outlives the sync.
+        cu(
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    ptr as u64,
+                    data.as_ptr() as *const _,
+                    data.len(),
+                    stream() as sys::CUstream,
+                )
+            },
+            "HtoD",
+        );
+        sync();
+    }
+    fn combine_tolerance(&self) -> f32 {
+        self.combine_tolerance
+    }
+    fn stream(&self) -> ep_stream_t {
+        stream()
     }
 }

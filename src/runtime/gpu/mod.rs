@@ -11,16 +11,19 @@
 //! (see [`placement`]): each gets a share of the SMs, and each must pass its
 //! own stream.
 
+mod checks;
 mod low_latency;
 mod normal;
 mod placement;
 mod symmetric;
 
-use super::backend::{Backend, HandleState, Monitor, Stream};
+use super::backend::{Backend, HandleState, Inputs, Monitor, Stream};
 use super::bootstrap::Bootstrap;
 use super::config::{agree_on_config, Config};
+use super::contract::{Field, Memory, PointerCheck};
 use super::cuda::{ContextGuard, Device, DeviceStatus, Kernel, MappedHost, Module, STREAM_LEGACY};
-use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp};
+use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, Received};
+use super::sequence::Call;
 use crate::abi::{
     self, BarrierParams, CombineParams, DispatchParams, LayoutParams, LlParams,
     BARRIER_COUNTER_OFFSET, BARRIER_THREADS,
@@ -29,6 +32,7 @@ use crate::error::{Error, Result};
 use low_latency::LlMode;
 use normal::NormalMode;
 use placement::Placement;
+use std::ffi::c_void;
 use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -38,7 +42,7 @@ use symmetric::SymmetricMemory;
 /// runtime itself, before the modes' areas: the barrier's `[world]` slots at
 /// offset 0 (so the table of peer buffers is also the barrier's table of
 /// peer slot arrays), then this rank's barrier counts (entered, passed) at
-/// `BARRIER_COUNTER_OFFSET`.
+/// `BARRIER_COUNTER_OFFSET` and its call words at `CALL_WORDS_OFFSET`.
 const SIGNAL_BYTES: usize = 64 * 1024;
 
 /// Every kernel of the library, looked up once when a context loads the
@@ -189,26 +193,6 @@ impl Runtime {
         (self.cfg.num_sms as u32).min(self.placement.sm_share())
     }
 
-    /// Checks that this context may enqueue its kernels on `stream`.
-    ///
-    /// Ranks that share a GPU must each use their own stream: on the legacy
-    /// default stream (NULL or `CU_STREAM_LEGACY`) their kernels would run
-    /// one after the other, and a kernel waiting for a peer's would wait
-    /// for its own successor, until the timeout.
-    pub fn check_stream(&self, stream: Stream) -> Result<()> {
-        let legacy = stream.is_null() || stream as usize == STREAM_LEGACY;
-        if legacy && self.placement.shared() {
-            return Err(Error::invalid(format!(
-                "ranks {} share this GPU, so each must pass its own stream: on the legacy \
-                 default stream (NULL) their kernels would run one after the other and wait \
-                 for each other until the timeout (use a stream created with \
-                 CU_STREAM_NON_BLOCKING, or CU_STREAM_PER_THREAD)",
-                describe(&self.placement.sharing)
-            )));
-        }
-        Ok(())
-    }
-
     /// Waits for `stream`, then reports any error a kernel recorded.
     pub fn synchronize(&self, stream: Stream) -> Result<()> {
         // SAFETY: the caller's stream of this device (API rule).
@@ -312,36 +296,14 @@ impl Bound<'_> {
     }
 }
 
-/// The code of each collective operation in the kernels' call words (see
-/// `abi::CALL_NUMBER_BITS`).
-pub mod collective {
-    pub const DISPATCH: i32 = 1;
-    pub const COMBINE: i32 = 2;
-    pub const LL_DISPATCH: i32 = 3;
-    pub const LL_COMBINE: i32 = 4;
-}
-
-/// "rank 3" or "ranks 0, 1, 2".
-fn describe(ranks: &[usize]) -> String {
-    let list: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
-    list.join(", ")
-}
-
 /// A device pointer kernel argument: 0 for "not given".
 pub fn ptr<T>(p: *const T) -> u64 {
     p as u64
 }
 
-/// Checks that a caller's row array is 16-byte aligned: the kernels move
-/// rows as 16-byte vectors.
-pub fn check_aligned<T>(name: &str, p: *const T) -> Result<()> {
-    if !(p as usize).is_multiple_of(16) {
-        return Err(Error::invalid(format!(
-            "{name} = {p:p} is not 16-byte aligned (the GPU backend moves rows as 16-byte vectors)"
-        )));
-    }
-    Ok(())
-}
+/// Alignment of every token-row array: the kernels move rows as 16-byte
+/// vectors.
+const ROW_ALIGNMENT: usize = 16;
 
 struct GpuBackend {
     rt: Runtime,
@@ -349,9 +311,49 @@ struct GpuBackend {
     ll: LlMode,
 }
 
+impl PointerCheck for GpuBackend {
+    fn check_pointer(&self, field: &Field, ptr: *const c_void) -> Result<()> {
+        if field.rows && !(ptr as usize).is_multiple_of(ROW_ALIGNMENT) {
+            return Err(Error::invalid(format!(
+                "`{}` = {ptr:p} is not {ROW_ALIGNMENT}-byte aligned (the GPU backend moves rows as {ROW_ALIGNMENT}-byte vectors)",
+                field.name
+            )));
+        }
+        match field.memory {
+            Memory::Device => checks::device_memory(&self.rt.device, field, ptr),
+            Memory::Host => Ok(()),
+        }
+    }
+}
+
 impl Backend for GpuBackend {
+    fn check_stream(&self, stream: Stream) -> Result<()> {
+        // Ranks that share a GPU must each use their own stream: on the
+        // legacy default stream (NULL or `CU_STREAM_LEGACY`) their kernels
+        // would run one after the other, and a kernel waiting for a peer's
+        // would wait for its own successor, until the timeout.
+        let legacy = stream.is_null() || stream as usize == STREAM_LEGACY;
+        let sharing = &self.rt.placement.sharing;
+        if legacy && sharing.len() > 1 {
+            let ranks: Vec<String> = sharing.iter().map(|r| r.to_string()).collect();
+            return Err(Error::invalid(format!(
+                "ranks {} share this GPU, so each must pass its own stream: on the legacy \
+                 default stream (NULL) their kernels would run one after the other and wait \
+                 for each other until the timeout (use a stream created with \
+                 CU_STREAM_NON_BLOCKING, or CU_STREAM_PER_THREAD)",
+                ranks.join(", ")
+            )));
+        }
+        checks::stream(&self.rt.device, stream)
+    }
+
+    /// The caller's arrays are device memory: their contents are checked by
+    /// the kernels, which report errors through the async status.
+    fn check_inputs(&mut self, _inputs: Inputs<'_>) -> Result<()> {
+        Ok(())
+    }
+
     fn layout(&mut self, op: &LayoutOp, stream: Stream) -> Result<()> {
-        self.rt.check_stream(stream)?;
         self.normal.layout(&self.rt.bind()?, op, stream)
     }
 
@@ -359,29 +361,39 @@ impl Backend for GpuBackend {
         self.normal.new_handle_state(&self.rt)
     }
 
+    // The collective calls pass their operation's code to the kernels,
+    // which number the calls on the device (kernels/include/ep_device.cuh,
+    // "Collective calls"; the numbers agree with `call.number` for calls
+    // made directly, and go on counting in CUDA-graph replays).
+
     fn dispatch(
         &mut self,
+        call: Call,
         op: &DispatchOp,
         handle: &mut HandleState,
         stream: Stream,
+    ) -> Result<Option<Received>> {
+        self.normal
+            .dispatch(&self.rt.bind()?, call, op, handle, stream)
+    }
+
+    fn combine(
+        &mut self,
+        call: Call,
+        op: &CombineOp,
+        handle: &HandleState,
+        stream: Stream,
     ) -> Result<()> {
-        self.rt.check_stream(stream)?;
-        self.normal.dispatch(&self.rt.bind()?, op, handle, stream)
+        self.normal
+            .combine(&self.rt.bind()?, call, op, handle, stream)
     }
 
-    fn combine(&mut self, op: &CombineOp, handle: &HandleState, stream: Stream) -> Result<()> {
-        self.rt.check_stream(stream)?;
-        self.normal.combine(&self.rt.bind()?, op, handle, stream)
+    fn ll_dispatch(&mut self, call: Call, op: &LlDispatchOp, stream: Stream) -> Result<()> {
+        self.ll.dispatch(&self.rt.bind()?, call, op, stream)
     }
 
-    fn ll_dispatch(&mut self, op: &LlDispatchOp, stream: Stream) -> Result<()> {
-        self.rt.check_stream(stream)?;
-        self.ll.dispatch(&self.rt.bind()?, op, stream)
-    }
-
-    fn ll_combine(&mut self, op: &LlCombineOp, stream: Stream) -> Result<()> {
-        self.rt.check_stream(stream)?;
-        self.ll.combine(&self.rt.bind()?, op, stream)
+    fn ll_combine(&mut self, call: Call, op: &LlCombineOp, stream: Stream) -> Result<()> {
+        self.ll.combine(&self.rt.bind()?, call, op, stream)
     }
 
     fn ll_combine_buffer(&mut self) -> Result<(*mut u8, usize)> {
