@@ -255,18 +255,22 @@ impl Holdings {
     }
 }
 
-/// Create, fail, destroy, 100 times: once with an async error (one rank),
-/// once with a timeout (two ranks on GPU 0, one never calls); the device's
-/// free memory, the descriptors and the threads are what they were.
+/// Create, fail, destroy, 100 times (`EP_TEST_LEAK_CYCLES` to change it):
+/// once with an async error (one rank), once with a timeout (two ranks on
+/// GPU 0, one never calls); the device's free memory, the descriptors and
+/// the threads are what they were. Nothing else may use the GPU meanwhile.
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn destroy_after_an_async_error_or_a_timeout_leaks_nothing() {
-    const CYCLES: usize = 100;
+    let cycles: usize = std::env::var("EP_TEST_LEAK_CYCLES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100);
     let on_gpu_0 = |_| 0;
     // The first context loads the driver's own state; measure after it.
     run_gpu_world_on(1, &large_config(10_000), on_gpu_0, |_, _| ());
     let before = Holdings::now();
-    for _ in 0..CYCLES {
+    for _ in 0..cycles {
         run_gpu_world_on(1, &large_config(10_000), on_gpu_0, |_, ctx| {
             fail_and_check_refusals(ctx)
         });
@@ -276,7 +280,7 @@ fn destroy_after_an_async_error_or_a_timeout_leaks_nothing() {
     let before = Holdings::now();
     let timeout = Duration::from_millis(300);
     let cfg = large_config(timeout.as_millis() as u32);
-    for _ in 0..CYCLES {
+    for _ in 0..cycles {
         run_gpu_world_on(2, &cfg, on_gpu_0, |rank, ctx| {
             if rank == 0 {
                 let x = DevBuf::of::<u16>(7168);
