@@ -31,6 +31,18 @@ enum Op {
     LlCombine,
 }
 
+/// The contexts' config: both modes, the long timeout.
+fn config() -> ep_config_t {
+    gpu_config(
+        HIDDEN as i32,
+        TOPK as i32,
+        EXPERTS as i32,
+        MAX_TOKENS as i32,
+        MAX_TOKENS as i32,
+        TIMEOUT.as_millis() as u32,
+    )
+}
+
 /// Every device buffer the four operations need, for `world` ranks.
 struct Bufs {
     x: DevBuf,
@@ -117,14 +129,7 @@ impl Bufs {
 /// every rank's last call ends in `EP_ERR_REMOTE` (returned, or from the
 /// async status), quickly, and the context refuses the next call.
 fn mismatch(world: usize, common: &[Op], last: [Op; 2]) {
-    let cfg = gpu_config(
-        HIDDEN as i32,
-        TOPK as i32,
-        EXPERTS as i32,
-        MAX_TOKENS as i32,
-        MAX_TOKENS as i32,
-        TIMEOUT.as_millis() as u32,
-    );
+    let cfg = config();
     run_gpu_world(world, &cfg, |rank, ctx| {
         let handle = ctx.handle();
         let bufs = Bufs::new(world);
@@ -184,14 +189,7 @@ fn a_combine_against_a_dispatch() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn the_error_names_both_calls() {
-    let cfg = gpu_config(
-        HIDDEN as i32,
-        TOPK as i32,
-        EXPERTS as i32,
-        MAX_TOKENS as i32,
-        MAX_TOKENS as i32,
-        TIMEOUT.as_millis() as u32,
-    );
+    let cfg = config();
     run_gpu_world(2, &cfg, |rank, ctx| {
         let handle = ctx.handle();
         let bufs = Bufs::new(2);

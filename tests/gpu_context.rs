@@ -69,32 +69,39 @@ fn layout_kernel(world: usize) {
     }
 }
 
+/// The layout of one token whose second expert id is out of range, on
+/// this rank's stream, after which the stream is synchronized: the call is
+/// accepted (the ids are device memory), the kernel reports the bad id.
+fn layout_with_a_bad_id(ctx: &Ctx, world: usize, topk: usize, experts: usize) -> ep_status_t {
+    let mut idx = vec![-1i32; topk];
+    idx[..2].copy_from_slice(&[0, 99]);
+    let d_idx = DevBuf::from(&idx);
+    let d_rank = DevBuf::of::<i32>(world);
+    let d_expert = DevBuf::of::<i32>(experts);
+    let d_in = DevBuf::of::<u8>(world);
+    // SAFETY: device buffers of the sizes the layout needs.
+    let status = unsafe {
+        ep_get_dispatch_layout(
+            ctx.0,
+            d_idx.as_const(),
+            1,
+            d_rank.as_mut(),
+            d_expert.as_mut(),
+            d_in.as_mut(),
+            stream(),
+        )
+    };
+    sync();
+    status
+}
+
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn invalid_expert_id_becomes_an_async_error() {
     let world = 2;
     let cfg = gpu_config(128, 2, 8, 4096, 128, 10_000);
     run_gpu_world(world, &cfg, |_, ctx| {
-        let d_idx = DevBuf::from(&[0i32, 99]);
-        let d_rank = DevBuf::of::<i32>(world);
-        let d_expert = DevBuf::of::<i32>(8);
-        let d_in = DevBuf::of::<u8>(world);
-        // SAFETY: device buffers of the sizes the layout needs.
-        ok(
-            unsafe {
-                ep_get_dispatch_layout(
-                    ctx.0,
-                    d_idx.as_const(),
-                    1,
-                    d_rank.as_mut(),
-                    d_expert.as_mut(),
-                    d_in.as_mut(),
-                    stream(),
-                )
-            },
-            "layout",
-        );
-        d_rank.download::<i32>(world);
+        ok(layout_with_a_bad_id(ctx, world, 2, 8), "layout");
         assert_eq!(async_status(ctx), EP_ERR_INVALID_ARGUMENT);
         gate();
     });
@@ -123,29 +130,14 @@ fn large_config(timeout_ms: u32) -> ep_config_t {
 /// until the context is destroyed.
 fn fail_and_check_refusals(ctx: &Ctx) {
     let handle = ctx.handle();
-    // One token of top-8 whose second id is out of range (64 experts).
-    let d_idx = DevBuf::from(&[0i32, 99, -1, -1, -1, -1, -1, -1]);
-    let d_rank = DevBuf::of::<i32>(1);
-    let d_expert = DevBuf::of::<i32>(64);
-    let d_in = DevBuf::of::<u8>(1);
-    let layout = || {
-        // SAFETY: device buffers of the sizes the layout needs.
-        unsafe {
-            ep_get_dispatch_layout(
-                ctx.0,
-                d_idx.as_const(),
-                1,
-                d_rank.as_mut(),
-                d_expert.as_mut(),
-                d_in.as_mut(),
-                stream(),
-            )
-        }
-    };
+    // Top-8 of 64 experts, as `large_config`.
+    let layout = || layout_with_a_bad_id(ctx, 1, 8, 64);
     ok(layout(), "layout");
-    sync();
     let error = async_status(ctx);
     assert_eq!(error, EP_ERR_INVALID_ARGUMENT);
+    let d_in = DevBuf::of::<u8>(16);
+    let d_rank = DevBuf::of::<i32>(64);
+    let d_expert = DevBuf::of::<i32>(2 * 64);
     let refused = |status: ep_status_t, call: &str| {
         assert_eq!(
             status,

@@ -237,21 +237,7 @@ fn a_stream_the_context_cannot_use_is_refused() {
     run_gpu_world(1, &config(&s), |rank, ctx| {
         let tokens = Tokens::new(&s, 62, &SOME[..1], false);
         let mut layout = LayoutOp::new(&DEVICE, &s, &tokens, rank);
-        let a = layout.call.call.args;
-        let layout_on = |stream: ep_stream_t| {
-            // SAFETY: device buffers sized as the API says.
-            unsafe {
-                ep_get_dispatch_layout(
-                    ctx.0,
-                    a.topk_idx,
-                    a.num_tokens,
-                    a.num_tokens_per_rank,
-                    a.num_tokens_per_expert,
-                    a.is_token_in_rank,
-                    stream,
-                )
-            }
-        };
+        let layout_on = |stream: ep_stream_t| layout.call.run_on(ctx, stream);
         // The thread's own streams are fine.
         for fine in [stream(), null_mut(), 2usize as ep_stream_t] {
             common::gpu::ok(layout_on(fine), "layout");

@@ -601,6 +601,27 @@ fn ranks_as_processes_match_the_reference() {
     }
 }
 
+/// The reference combine of rank `rank`'s `n` tokens when every rank
+/// returns its received BF16 rows as they are (`all`: every rank's
+/// dispatch): the sum over ranks of each token's row.
+fn combine_of_received_rows(
+    topo: Topology,
+    all: &[Dispatched],
+    rank: usize,
+    n: usize,
+) -> Vec<bf16> {
+    let rows: Vec<Vec<bf16>> = all.iter().map(|d| bytes_to_bf16(&d.x)).collect();
+    let returned: Vec<Returned> = all
+        .iter()
+        .zip(&rows)
+        .map(|(d, rows)| Returned {
+            rows,
+            src_info: &d.src_info,
+        })
+        .collect();
+    combine(topo, rank, n, &returned)
+}
+
 /// The no-sync dispatch and a combine, captured once in a CUDA graph and
 /// replayed with new routing and tokens, on 2 and 4 ranks.
 #[test]
@@ -663,16 +684,7 @@ fn replay_in_a_cuda_graph(world: usize) {
                 .collect();
             let what = format!("world {world} replay {i} rank {rank}");
             out.check(&topo, Dtype::Bf16, &all[rank], &what);
-            let rows: Vec<Vec<bf16>> = all.iter().map(|d| bytes_to_bf16(&d.x)).collect();
-            let returned: Vec<Returned> = all
-                .iter()
-                .zip(&rows)
-                .map(|(d, rows)| Returned {
-                    rows,
-                    src_info: &d.src_info,
-                })
-                .collect();
-            let want = combine(topo, rank, n, &returned);
+            let want = combine_of_received_rows(topo, &all, rank, n);
             assert_close(&y.download::<bf16>(n * topo.hidden), &want, &what);
             assert_eq!(async_status(ctx), EP_SUCCESS, "{what}");
         }
@@ -798,17 +810,7 @@ fn optional_outputs_may_be_null() {
             let input = DeviceInput::new(&inputs[rank]);
             let out = Outputs::new(ctx, &topo, 4);
             let y = DevBuf::of::<bf16>(n * topo.hidden);
-            // The combine of the received rows: out = sum over ranks of x.
-            let rows: Vec<Vec<bf16>> = all.iter().map(|d| bytes_to_bf16(&d.x)).collect();
-            let returned: Vec<Returned> = all
-                .iter()
-                .zip(&rows)
-                .map(|(d, rows)| Returned {
-                    rows,
-                    src_info: &d.src_info,
-                })
-                .collect();
-            let combined = combine(topo, rank, n, &returned);
+            let combined = combine_of_received_rows(topo, &all, rank, n);
             gate();
             for (i, field) in OPTIONAL.into_iter().enumerate() {
                 let what = format!("world {world} rank {rank}, {field} NULL");

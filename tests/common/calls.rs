@@ -800,6 +800,11 @@ impl<'m> LayoutCall<'m> {
     }
 
     pub fn run(&self, ctx: &Ctx) -> ep_status_t {
+        self.run_on(ctx, self.call.stream())
+    }
+
+    /// [`LayoutCall::run`] on `stream`.
+    pub fn run_on(&self, ctx: &Ctx, stream: ep_stream_t) -> ep_status_t {
         let a = &self.call.args;
         // SAFETY: live context; buffers sized as the API says.
         unsafe {
@@ -810,7 +815,7 @@ impl<'m> LayoutCall<'m> {
                 a.num_tokens_per_rank,
                 a.num_tokens_per_expert,
                 a.is_token_in_rank,
-                self.call.stream(),
+                stream,
             )
         }
     }
