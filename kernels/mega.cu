@@ -216,15 +216,32 @@ __device__ __forceinline__ int ep_mega_expert_of_row(const MegaLayout& l, int ex
     return lo;
 }
 
+// How long a waiting thread sleeps between two looks at a flag: the flags
+// are polled by many threads for long (a combine's rows wait for most of the
+// GEMM), and the polls should leave the memory system to the work they
+// wait for.
+#define EP_MEGA_POLL_SLEEP_NS 256
+
 // A bounded wait of one thread for `*flag` (written by blocks of this GPU)
-// to reach `seq`, skipped once any wait of the block has failed.
+// to reach `seq`, skipped once any wait of the block has failed. The wait
+// has no peer: its "peer call" is `state[0]`, which no one changes while
+// the kernel runs, so ep_wait_until's test for a peer in another call never
+// fires.
 __device__ __forceinline__ void ep_mega_wait(const MegaParams& p, MegaLayout& l, const int* flag,
                                              int seq, int phase) {
     if (*reinterpret_cast<volatile int*>(&l.failed)) {
         return;
     }
-    if (!ep_wait_until_ge<true>(flag, seq, ep_deadline_after(p.timeout_ns), p.abort_flag, p.status,
-                                -1, phase)) {
+    const EpPeerCall no_peer{p.state, seq - 1};
+    const auto look = [flag, seq] {
+        const int value = ep_ld_acquire_gpu(flag);
+        if (!ep_reached(value, seq)) {
+            __nanosleep(EP_MEGA_POLL_SLEEP_NS);
+        }
+        return value;
+    };
+    if (!ep_wait_until(look, seq, ep_deadline_after(p.timeout_ns), p.abort_flag, p.status, -1,
+                       phase, no_peer)) {
         *reinterpret_cast<volatile int*>(&l.failed) = 1;
     }
 }
@@ -737,6 +754,15 @@ __device__ __forceinline__ void run(const MegaParams& p) {
     MegaLayout& l = s.layout;
     static_assert(sizeof(typename T::Shared) + 1024 <= EP_MEGA_MAX_SHARED_BYTES,
                   "the stages do not fit the shared memory of an SM");
+    const bool dispatch = p.mode == EP_MEGA_MODE_DISPATCH;
+    const uint64_t own_base =
+        dispatch ? p.dispatch.peer_bases[p.dispatch.rank] : p.combine.peer_bases[p.combine.rank];
+    // A fused combine is its call's first kernel: it starts the collective
+    // call (ep_device.cuh, "Collective calls"); the barriers after it carry
+    // its word. (A fused dispatch's count kernel did.)
+    if (!dispatch && blockIdx.x == 0 && threadIdx.x == 0) {
+        ep_begin_collective(own_base, p.combine.collective);
+    }
     uint32_t shared_bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(shared_bytes));
     if (shared_bytes < sizeof(typename T::Shared) + 1024) {
@@ -746,7 +772,6 @@ __device__ __forceinline__ void run(const MegaParams& p) {
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int seq = p.state[0] + 1;
-    const bool dispatch = p.mode == EP_MEGA_MODE_DISPATCH;
     const Cluster cluster{kCluster, kCluster > 1 ? static_cast<int>(block_rank_in_cluster()) : 0,
                           static_cast<int>(blockIdx.x) / kCluster,
                           static_cast<int>(gridDim.x) / kCluster};
@@ -758,8 +783,6 @@ __device__ __forceinline__ void run(const MegaParams& p) {
         }
         cutlass::arch::fence_barrier_init();
     }
-    const uint64_t own_base =
-        dispatch ? p.dispatch.peer_bases[p.dispatch.rank] : p.combine.peer_bases[p.combine.rank];
     ep_mega_load_layout(p, l, ep_last_barrier_passed(own_base),
                         dispatch ? EP_PHASE_DISPATCH : EP_PHASE_COMBINE, kCluster);
     if constexpr (kCluster > 1) {

@@ -3,10 +3,13 @@
 # scripts/gpu-package.sh put into .gpu/:
 #   bash .gpu/gpu-check.sh [budget-seconds]     (default budget 540)
 # Order: GPU tests, C demo (all GPUs, then 2 ranks), ep-bench normal, ll and an ll
-# token sweep (all GPUs), normal and ll on 2 ranks, then an SM sweep and a token
-# sweep while the budget allows. Logs go
-# to $OUT (default ./gpu-out); a summary table comes last. Never changes
-# clocks or resets GPUs.
+# token sweep (all GPUs), normal and ll on 2 ranks (sharing the GPU on a one-GPU
+# machine), then an SM sweep and a token sweep while the budget allows. Logs go
+# to $OUT (default ./gpu-out); a summary table comes last, with the number of
+# tests passed and failed and of the parts they skipped (lines "skipped ...":
+# too few GPUs or too little memory). Never changes clocks or resets GPUs.
+# Environment: EP_GPU_TESTS_ONLY=1 stops after the tests; EP_GPU_TEST_ARGS adds
+# arguments to every test binary (e.g. "--skip leaks").
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BUDGET="${1:-540}"
@@ -17,6 +20,9 @@ export LD_LIBRARY_PATH="$G${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 START=$(date +%s)
 SUMMARY=()
 FAILED=0
+TESTS_PASSED=0
+TESTS_FAILED=0
+TESTS_SKIPPED=0
 
 elapsed() { echo $(( $(date +%s) - START )); }
 
@@ -52,11 +58,31 @@ step() {
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 R=$NGPU
 
+# count_tests LOG: adds the libtest results of LOG to the totals, and its
+# "skipped ..." lines (shown by --show-output) to the skipped parts.
+count_tests() {
+  local p f s
+  [ -f "$1" ] || return 0
+  p=$(grep -oE '[0-9]+ passed' "$1" | awk '{n += $1} END {print n + 0}')
+  f=$(grep -oE '[0-9]+ failed' "$1" | awk '{n += $1} END {print n + 0}')
+  s=$(grep -cE '^skipped ' "$1")
+  TESTS_PASSED=$((TESTS_PASSED + p)); TESTS_FAILED=$((TESTS_FAILED + f))
+  TESTS_SKIPPED=$((TESTS_SKIPPED + s))
+}
+
 # 1. Correctness: every GPU test binary, one test at a time.
 for t in "$G"/tests/gpu_*; do
   [ -x "$t" ] || continue
-  step "test $(basename "$t")" 30 300 "$t" --ignored --test-threads=1
+  # shellcheck disable=SC2086 # EP_GPU_TEST_ARGS is a list of arguments
+  step "test $(basename "$t")" 30 300 "$t" --ignored --test-threads=1 --show-output ${EP_GPU_TEST_ARGS:-}
+  count_tests "$OUT/$(echo "test $(basename "$t")" | tr ' /' '__').log"
 done
+echo "=== tests: $TESTS_PASSED passed, $TESTS_FAILED failed, $TESTS_SKIPPED parts skipped"
+if [ -n "${EP_GPU_TESTS_ONLY:-}" ]; then
+  printf '%-34s %-8s %6s\n' step result time
+  for line in "${SUMMARY[@]}"; do echo "$line"; done
+  exit "$FAILED"
+fi
 
 # 2. The C demo over the GPU backend (ranks as processes), all GPUs then 2.
 if [ -x "$G/demo" ]; then
@@ -73,6 +99,11 @@ step "bench ll token sweep ${R} ranks" 60 180 "$B" --ranks "$R" --mode ll \
 if [ "$R" -gt 2 ]; then
   step "bench normal 2 ranks" 60 180 "$B" --ranks 2 --mode normal
   step "bench ll 2 ranks" 40 120 "$B" --ranks 2 --mode ll
+elif [ "$R" -lt 2 ]; then
+  # Two ranks sharing the one GPU: a smoke run (the times are not those of
+  # two GPUs; NCCL needs a GPU per rank and is left out).
+  step "bench normal 2 ranks shared GPU" 60 180 "$B" --ranks 2 --mode normal --iters 10
+  step "bench ll 2 ranks shared GPU" 40 120 "$B" --ranks 2 --mode ll --iters 50
 fi
 
 # 4. Sweeps, only while the budget allows.
@@ -85,6 +116,7 @@ cat "$OUT"/bench_*.log 2>/dev/null | grep -E '^\||^\*\*|UTC, ' > "$OUT/results.m
 
 echo
 echo "=== summary ($(elapsed)s of ${BUDGET}s; logs in $OUT)"
+echo "tests: $TESTS_PASSED passed, $TESTS_FAILED failed, $TESTS_SKIPPED parts skipped"
 printf '%-34s %-8s %6s\n' step result time
 for line in "${SUMMARY[@]}"; do echo "$line"; done
 exit "$FAILED"

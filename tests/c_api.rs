@@ -328,6 +328,9 @@ fn null_pointers_of_context_functions() {
         b.expert_x = o.ex_x.as_mut_ptr() as *mut _;
         expect_null(dispatch(&ctx, &b, &h), "ep_dispatch", "expert_x_scales");
         b.expert_x_scales = o.ex_scales.as_mut_ptr();
+        expect_null(dispatch(&ctx, &b, &h), "ep_dispatch", "expert_offsets");
+        let mut offsets = [0i32; 5];
+        b.expert_offsets = offsets.as_mut_ptr();
         assert_eq!(dispatch(&ctx, &b, &h), EP_SUCCESS, "{}", last_error());
         // Zero tokens need no input pointers.
         let mut b = a;
@@ -498,24 +501,14 @@ fn null_pointers_of_low_latency_functions() {
             "ep_ll_dispatch",
             "low-latency dispatch args",
         );
-        for field in [
-            "x",
-            "topk_idx",
-            "recv_x",
-            "recv_x_scales",
-            "recv_count",
-            "recv_src_info",
-            "recv_layout_range",
-        ] {
+        for field in ["x", "topk_idx", "recv_x", "recv_x_scales", "recv_count"] {
             let mut a = d;
             match field {
                 "x" => a.x = null(),
                 "topk_idx" => a.topk_idx = null(),
                 "recv_x" => a.recv_x = null_mut(),
                 "recv_x_scales" => a.recv_x_scales = null_mut(),
-                "recv_count" => a.recv_count = null_mut(),
-                "recv_src_info" => a.recv_src_info = null_mut(),
-                _ => a.recv_layout_range = null_mut(),
+                _ => a.recv_count = null_mut(),
             }
             expect_null(lld(&a), "ep_ll_dispatch", field);
         }
@@ -535,12 +528,10 @@ fn null_pointers_of_low_latency_functions() {
             "ep_ll_combine",
             "low-latency combine args",
         );
-        for field in ["x", "src_info", "layout_range", "topk_idx", "out"] {
+        for field in ["x", "topk_idx", "out"] {
             let mut a = c;
             match field {
                 "x" => a.x = null(),
-                "src_info" => a.src_info = null(),
-                "layout_range" => a.layout_range = null(),
                 "topk_idx" => a.topk_idx = null(),
                 _ => a.out = null_mut(),
             }
@@ -888,7 +879,9 @@ fn dispatch_arguments_are_checked() {
     let h = ctx.handle();
     let t = tokens(3);
     let mut o = outs(8);
-    let a = args_for(&t, &mut o);
+    let mut offsets = [0i32; 5];
+    let mut a = args_for(&t, &mut o);
+    a.expert_offsets = offsets.as_mut_ptr();
     let bad = |f: &dyn Fn(&mut ep_dispatch_args_t), needles: &[&str]| {
         let mut b = a;
         f(&mut b);
@@ -909,12 +902,13 @@ fn dispatch_arguments_are_checked() {
     bad(&|b| b.topk_idx = idx.as_ptr(), &["topk_idx[2][0] = -2"]);
     bad(&|b| b.dtype = 3, &["dtype = 3", "EP_DTYPE_"]);
     bad(&|b| b.flags = 0x40, &["unknown dispatch flags 0x40"]);
-    bad(
-        &|b| {
-            b.recv_x = null_mut();
-            b.expert_x = null_mut()
-        },
-        &["no output requested"],
+    let mut b = a;
+    b.recv_x = null_mut();
+    expect(
+        dispatch(&ctx, &b, &h),
+        EP_ERR_NULL_POINTER,
+        "ep_dispatch",
+        &["`recv_x` is NULL (required when `expert_x` is NULL)"],
     );
     bad(
         &|b| {
@@ -1239,6 +1233,7 @@ fn low_latency_arguments_are_checked() {
             "ep_ll_dispatch",
             &["device_num_tokens", "not 4-byte aligned"],
         );
+        assert_eq!(lld(&d), EP_SUCCESS, "{}", last_error());
         let mut a = c;
         a.device_num_tokens = (counts.as_ptr() as *const u8).add(2) as *const i32;
         expect(
@@ -1377,12 +1372,7 @@ fn low_latency_arguments_are_checked() {
         assert_eq!(lld(&d), EP_SUCCESS, "{}", last_error());
         let mut a = c;
         a.topk_weights = null();
-        expect(
-            llc(&a),
-            EP_ERR_INVALID_ARGUMENT,
-            "ep_ll_combine",
-            &["topk_weights is NULL"],
-        );
+        expect_null(llc(&a), "ep_ll_combine", "topk_weights");
     }
 }
 
@@ -1474,13 +1464,41 @@ fn megakernel_arguments_are_checked() {
             "ep_mega_gemm_combine",
             &["no layout"],
         );
-        // Each required pointer.
+        // Each required pointer of the dispatch, then of the combine (after a
+        // dispatch whose layout it combines).
         let mut bad = m;
         bad.dispatch = null();
-        expect_null(dg(&bad), "ep_mega_dispatch_gemm", "dispatch args");
+        expect_null(dg(&bad), "ep_mega_dispatch_gemm", "dispatch");
+        let mut bad = m;
+        bad.weights = null();
+        expect_null(dg(&bad), "ep_mega_dispatch_gemm", "weights");
+        let mut bad = m;
+        bad.y = null_mut();
+        expect_null(dg(&bad), "ep_mega_dispatch_gemm", "y");
+        for (name, clear) in [
+            (
+                "expert_x",
+                (|a: &mut ep_dispatch_args_t| a.expert_x = null_mut()) as fn(&mut _),
+            ),
+            ("expert_src_row", |a| a.expert_src_row = null_mut()),
+            ("expert_offsets", |a| a.expert_offsets = null_mut()),
+        ] {
+            let mut half = d;
+            clear(&mut half);
+            let mut bad = m;
+            bad.dispatch = &half;
+            expect_null(dg(&bad), "ep_mega_dispatch_gemm", name);
+        }
+        // The other expert-major outputs stay optional.
+        let mut half = d;
+        half.expert_weights = null_mut();
+        half.expert_counts = null_mut();
+        let mut fine = m;
+        fine.dispatch = &half;
+        assert_eq!(dg(&fine), EP_SUCCESS, "{}", last_error());
         let mut bad = m;
         bad.combine = null();
-        expect_null(gc(&bad), "ep_mega_gemm_combine", "combine args");
+        expect_null(gc(&bad), "ep_mega_gemm_combine", "combine");
         for (name, clear) in [
             (
                 "weights",
@@ -1490,40 +1508,19 @@ fn megakernel_arguments_are_checked() {
         ] {
             let mut bad = m;
             clear(&mut bad);
-            expect_null(dg(&bad), "ep_mega_dispatch_gemm", name);
             expect_null(gc(&bad), "ep_mega_gemm_combine", name);
         }
+        let mut no_x = c;
+        no_x.x = null();
+        let mut bad = m;
+        bad.combine = &no_x;
+        expect_null(gc(&bad), "ep_mega_gemm_combine", "x");
         let mut fp8 = m;
         fp8.weight_dtype = EP_DTYPE_FP8_E4M3;
         fp8.weight_scales = null();
         expect_null(gc(&fp8), "ep_mega_gemm_combine", "weight_scales");
         fp8.weight_scales = b.weight_scales.as_ptr();
         expect_null(gc(&fp8), "ep_mega_gemm_combine", "x_scales");
-        // The dispatch's expert-major outputs.
-        let mut no_expert = d;
-        no_expert.expert_x = null_mut();
-        let mut bad = m;
-        bad.dispatch = &no_expert;
-        expect_null(dg(&bad), "ep_mega_dispatch_gemm", "dispatch->expert_x");
-        for (name, clear) in [
-            (
-                "dispatch->expert_weights",
-                (|a: &mut ep_dispatch_args_t| a.expert_weights = null_mut()) as fn(&mut _),
-            ),
-            ("dispatch->expert_src_row", |a| {
-                a.expert_src_row = null_mut()
-            }),
-            ("dispatch->expert_offsets", |a| {
-                a.expert_offsets = null_mut()
-            }),
-            ("dispatch->expert_counts", |a| a.expert_counts = null_mut()),
-        ] {
-            let mut half = d;
-            clear(&mut half);
-            let mut bad = m;
-            bad.dispatch = &half;
-            expect_null(dg(&bad), "ep_mega_dispatch_gemm", name);
-        }
         // Values.
         let mut bad = m;
         bad.flags = 4;

@@ -8,9 +8,10 @@ use super::types::*;
 use crate::error::{Error, Result};
 use crate::reference::normal::worst_case_rows;
 use crate::runtime::context::Context;
+use crate::runtime::contract;
 use crate::runtime::ops::{
-    CombineOp, DispatchOp, ExpertMajorOut, GemmOp, LayoutOp, LlCombineOp, LlDispatchOp,
-    MegaCombineOp, MegaDispatchOp, Phases, SourceOrderOut,
+    expert_alignment, CombineOp, DispatchOp, ExpertMajorOut, LayoutOp, LlCombineOp, LlDispatchOp,
+    MegaCombineOp, MegaDispatchOp, MegaOp, Phases, SourceOrderOut,
 };
 use std::os::raw::c_void;
 
@@ -26,8 +27,15 @@ fn count(name: &str, value: i32) -> Result<usize> {
 /// topk]`, -1 = no expert): tokens per rank (`[world_size]`), tokens per
 /// expert (`[num_experts]`, counting (token, slot) pairs) and whether each
 /// token goes to each rank (`[num_tokens, world_size]`, 0 or 1). An expert id
-/// out of range is an error (on the GPU, reported by
-/// `ep_ctx_get_async_error` and the next call), never used as an address.
+/// out of range, or listed twice for one token, is an error (on the GPU,
+/// reported by `ep_ctx_get_async_error` and the next call), never used as an
+/// address. Not collective.
+///
+/// Pointers: `ctx` is required. `topk_idx`: required when num_tokens > 0;
+/// may be NULL otherwise (then nothing is read). `num_tokens_per_rank`:
+/// required. `num_tokens_per_expert`: required. `is_token_in_rank`: required
+/// when num_tokens > 0; may be NULL otherwise (then not written). `stream`:
+/// may be NULL (the legacy default stream).
 #[no_mangle]
 pub unsafe extern "C" fn ep_get_dispatch_layout(
     ctx: *mut ep_ctx_t,
@@ -40,17 +48,24 @@ pub unsafe extern "C" fn ep_get_dispatch_layout(
 ) -> ep_status_t {
     run("ep_get_dispatch_layout", || {
         let context = context(ctx)?;
-        let mut op = LayoutOp::new(context.config(), count("num_tokens", num_tokens)?, topk_idx)?;
-        op.tokens_per_rank = num_tokens_per_rank;
-        op.tokens_per_expert = num_tokens_per_expert;
-        op.is_token_in_rank = is_token_in_rank;
+        let op = LayoutOp {
+            num_tokens: count("num_tokens", num_tokens)?,
+            topk_idx,
+            tokens_per_rank: num_tokens_per_rank,
+            tokens_per_expert: num_tokens_per_expert,
+            is_token_in_rank,
+        };
         context.layout(&op, stream as *mut c_void)
     })
 }
 
 /// Worst-case output rows of one normal-mode dispatch on this context: the
 /// source-order rows (`recv_capacity`) and the expert-major rows with the
-/// given alignment (`expert_capacity`). Either output may be NULL.
+/// given alignment (`expert_capacity`). `expert_alignment` takes the values
+/// `ep_dispatch` takes (0 means 1, at most 1024).
+///
+/// Pointers: `ctx` is required. `recv_rows`, `expert_rows`: may be NULL
+/// (then not written).
 #[no_mangle]
 pub unsafe extern "C" fn ep_get_dispatch_capacity(
     ctx: *const ep_ctx_t,
@@ -60,7 +75,7 @@ pub unsafe extern "C" fn ep_get_dispatch_capacity(
 ) -> ep_status_t {
     run("ep_get_dispatch_capacity", || {
         let cfg = context(ctx)?.config();
-        let alignment = count("expert_alignment", expert_alignment)?.max(1);
+        let alignment = crate::runtime::ops::expert_alignment(expert_alignment)?;
         let (recv, expert) = worst_case_rows(cfg.topo, cfg.max_tokens, alignment);
         let fits = |rows: usize| {
             i32::try_from(rows).map_err(|_| Error::invalid("capacity exceeds INT32_MAX rows"))
@@ -75,7 +90,7 @@ pub unsafe extern "C" fn ep_get_dispatch_capacity(
     })
 }
 
-/// Fills `*args` with the defaults (no outputs, BF16) and its header.
+/// Fills `*args` with the defaults (no outputs, BF16) and its header. `args` is required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_dispatch_args_init(args: *mut ep_dispatch_args_t) -> ep_status_t {
     run("ep_dispatch_args_init", || {
@@ -83,7 +98,7 @@ pub unsafe extern "C" fn ep_dispatch_args_init(args: *mut ep_dispatch_args_t) ->
     })
 }
 
-/// Fills `*args` with the defaults (source order) and its header.
+/// Fills `*args` with the defaults (source order) and its header. `args` is required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_combine_args_init(args: *mut ep_combine_args_t) -> ep_status_t {
     run("ep_combine_args_init", || {
@@ -91,7 +106,7 @@ pub unsafe extern "C" fn ep_combine_args_init(args: *mut ep_combine_args_t) -> e
     })
 }
 
-/// Fills `*args` with the defaults (FP8 output, both phases) and its header.
+/// Fills `*args` with the defaults (FP8 output, both phases) and its header. `args` is required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_ll_dispatch_args_init(args: *mut ep_ll_dispatch_args_t) -> ep_status_t {
     run("ep_ll_dispatch_args_init", || {
@@ -99,7 +114,7 @@ pub unsafe extern "C" fn ep_ll_dispatch_args_init(args: *mut ep_ll_dispatch_args
     })
 }
 
-/// Fills `*args` with the defaults (both phases) and its header.
+/// Fills `*args` with the defaults (both phases) and its header. `args` is required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_ll_combine_args_init(args: *mut ep_ll_combine_args_t) -> ep_status_t {
     run("ep_ll_combine_args_init", || {
@@ -108,13 +123,14 @@ pub unsafe extern "C" fn ep_ll_combine_args_init(args: *mut ep_ll_combine_args_t
 }
 
 /// Fills `*args` with the defaults (BF16, no pointers, all SMs) and its
-/// header.
+/// header. `args` is required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_mega_args_init(args: *mut ep_mega_args_t) -> ep_status_t {
     run("ep_mega_args_init", || super::entry::init_versioned(args))
 }
 
 /// Creates a routing handle for `ctx`; free it with `ep_handle_destroy`.
+/// Pointers: `ctx` and `handle` are required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_handle_create(
     ctx: *mut ep_ctx_t,
@@ -131,7 +147,8 @@ pub unsafe extern "C" fn ep_handle_create(
     })
 }
 
-/// Frees a handle (no work using it may still be running). NULL is a no-op.
+/// Frees a handle (no work using it may still be running). `handle` may be
+/// NULL (then nothing happens).
 #[no_mangle]
 pub unsafe extern "C" fn ep_handle_destroy(handle: *mut ep_handle_t) -> ep_status_t {
     run("ep_handle_destroy", || {
@@ -162,11 +179,12 @@ fn dispatch_op(a: &ep_dispatch_args_t) -> Result<DispatchOp> {
             })
         })
         .transpose()?;
+    let alignment = expert_alignment(a.expert_alignment)?;
     let expert = (!a.expert_x.is_null())
         .then(|| -> Result<ExpertMajorOut> {
             Ok(ExpertMajorOut {
                 capacity: count("expert_capacity", a.expert_capacity)?,
-                alignment: count("expert_alignment", a.expert_alignment)?.max(1),
+                alignment,
                 x: a.expert_x as *mut u8,
                 scales: a.expert_x_scales,
                 weights: a.expert_weights,
@@ -197,6 +215,10 @@ fn dispatch_op(a: &ep_dispatch_args_t) -> Result<DispatchOp> {
 /// recording the layout in `handle` for `ep_combine`. Unless
 /// `EP_DISPATCH_NO_HOST_SYNC`, waits for the counts and writes the `host_*`
 /// outputs before returning. Every rank of the context must call it.
+///
+/// Pointers: `ctx`, `args` and `handle` are required; `stream` may be NULL
+/// (the legacy default stream). The pointers in `args` follow their fields'
+/// rules.
 #[no_mangle]
 pub unsafe extern "C" fn ep_dispatch(
     ctx: *mut ep_ctx_t,
@@ -231,7 +253,13 @@ fn combine_op(a: &ep_combine_args_t) -> Result<CombineOp> {
 
 /// Normal-mode combine: returns rows to the ranks their tokens came from and
 /// sums them per token (see `ep_combine_args_t`), using the layout in
-/// `handle`. Every rank of the context must call it.
+/// `handle`, whose dispatch must have produced the rows of `input_layout`
+/// (else `EP_ERR_INVALID_ARGUMENT`). Every rank of the context must call it,
+/// with handles of the same dispatch call.
+///
+/// Pointers: `ctx`, `args` and `handle` are required; `stream` may be NULL
+/// (the legacy default stream). The pointers in `args` follow their fields'
+/// rules.
 #[no_mangle]
 pub unsafe extern "C" fn ep_combine(
     ctx: *mut ep_ctx_t,
@@ -266,6 +294,9 @@ fn check_ll_flags(flags: u32, allowed: u32) -> Result<Phases> {
 /// The context's calls must run on the GPU in the order they are made (one
 /// stream, or streams ordered by events): a call acknowledges to the peers
 /// that the previous one has finished reading their data.
+///
+/// Pointers: `ctx` and `args` are required; `stream` may be NULL (the legacy
+/// default stream). The pointers in `args` follow their fields' rules.
 ///
 /// Calls in flight: dispatch and combine each alternate between two buffer
 /// sets of the context. Any number of calls may be enqueued. A rank's call
@@ -311,7 +342,12 @@ pub unsafe extern "C" fn ep_ll_dispatch(
 /// from and writes the weighted sums (see `ep_ll_combine_args_t`). Same phase
 /// rules as `ep_ll_dispatch`. Every rank of the context must call it. It
 /// combines the context's most recent low-latency dispatch: call the two in
-/// pairs (dispatch, combine, dispatch, combine).
+/// pairs (dispatch, combine, dispatch, combine), with the dispatch's
+/// `num_tokens` and `topk_idx` (else `EP_ERR_INVALID_ARGUMENT`; the host
+/// backend compares `topk_idx`, the GPU backend trusts it).
+///
+/// Pointers: `ctx` and `args` are required; `stream` may be NULL (the legacy
+/// default stream). The pointers in `args` follow their fields' rules.
 #[no_mangle]
 pub unsafe extern "C" fn ep_ll_combine(
     ctx: *mut ep_ctx_t,
@@ -342,6 +378,9 @@ pub unsafe extern "C" fn ep_ll_combine(
 /// hidden]` BF16 (`*bytes` long): expert outputs written there in the masked
 /// layout need no copy when combined with `EP_LL_ZERO_COPY`. Owned by the
 /// context; valid until it is destroyed; written by the next `ep_ll_combine`.
+///
+/// Pointers: `ctx` and `buffer` are required; `bytes` may be NULL (then not
+/// written).
 #[no_mangle]
 pub unsafe extern "C" fn ep_ll_get_combine_buffer(
     ctx: *mut ep_ctx_t,
@@ -362,15 +401,15 @@ pub unsafe extern "C" fn ep_ll_get_combine_buffer(
     })
 }
 
-/// The GEMM half of a fused call's arguments.
-fn gemm_op(a: &ep_mega_args_t) -> Result<GemmOp> {
+/// The GEMM half of a fused call's arguments (its own values and pointers).
+fn mega_op(a: &ep_mega_args_t) -> Result<MegaOp> {
     if a.flags != 0 {
         return Err(Error::invalid(format!(
             "unknown megakernel flags 0x{:x}",
             a.flags
         )));
     }
-    Ok(GemmOp {
+    Ok(MegaOp {
         dtype: dtype("weight_dtype", a.weight_dtype)?,
         n: count("n", a.n)?,
         k: count("k", a.k)?,
@@ -378,6 +417,9 @@ fn gemm_op(a: &ep_mega_args_t) -> Result<GemmOp> {
         weights: a.weights as *const u8,
         weight_scales: a.weight_scales,
         y: a.y as *mut u8,
+        x_scales: a.x_scales,
+        dispatch_args: a.dispatch as *const c_void,
+        combine_args: a.combine as *const c_void,
     })
 }
 
@@ -386,6 +428,11 @@ fn gemm_op(a: &ep_mega_args_t) -> Result<GemmOp> {
 /// combine) and multiplies each expert-major row by its local expert's
 /// weights into `y` as soon as the row has arrived (see `ep_mega_args_t`).
 /// Every rank of the context must call it.
+///
+/// Pointers: `ctx`, `args` and `handle` are required; `stream` may be NULL
+/// (the legacy default stream). The pointers in `args` follow their fields'
+/// rules (the dispatch half as for `ep_dispatch`, with its expert-major
+/// output required).
 #[no_mangle]
 pub unsafe extern "C" fn ep_mega_dispatch_gemm(
     ctx: *mut ep_ctx_t,
@@ -395,7 +442,10 @@ pub unsafe extern "C" fn ep_mega_dispatch_gemm(
 ) -> ep_status_t {
     run("ep_mega_dispatch_gemm", || {
         let context = context(ctx)?;
+        let handle = handle.as_mut().ok_or_else(|| Error::null("handle"))?;
         let a = read_versioned(args)?;
+        let gemm = mega_op(&a)?;
+        contract::check_field(contract::MEGA, "dispatch", &gemm, &gemm.facts(false))?;
         let mut dispatch = dispatch_op(&read_versioned(a.dispatch)?)?;
         if dispatch.reuse_layout {
             return Err(Error::invalid(
@@ -403,11 +453,7 @@ pub unsafe extern "C" fn ep_mega_dispatch_gemm(
             ));
         }
         dispatch.no_host_sync = true;
-        let op = MegaDispatchOp {
-            dispatch,
-            gemm: gemm_op(&a)?,
-        };
-        let handle = handle.as_mut().ok_or_else(|| Error::null("handle"))?;
+        let op = MegaDispatchOp { dispatch, gemm };
         context.mega_dispatch_gemm(&op, &mut handle.inner, stream as *mut c_void)
     })
 }
@@ -418,6 +464,11 @@ pub unsafe extern "C" fn ep_mega_dispatch_gemm(
 /// `EP_COMBINE_EXPERT_MAJOR` into `combine->out`, each token's rows leaving
 /// as soon as the GEMM has made them (see `ep_mega_args_t`). Every rank of
 /// the context must call it.
+///
+/// Pointers: `ctx`, `args` and `handle` are required; `stream` may be NULL
+/// (the legacy default stream). The pointers in `args` follow their fields'
+/// rules (the combine half's `x` is required, its `out` when the handle's
+/// dispatch had tokens).
 #[no_mangle]
 pub unsafe extern "C" fn ep_mega_gemm_combine(
     ctx: *mut ep_ctx_t,
@@ -427,20 +478,12 @@ pub unsafe extern "C" fn ep_mega_gemm_combine(
 ) -> ep_status_t {
     run("ep_mega_gemm_combine", || {
         let context = context(ctx)?;
-        let a = read_versioned(args)?;
-        let combine = combine_op(&read_versioned(a.combine)?)?;
-        if !combine.expert_major {
-            return Err(Error::invalid(
-                "combine->input_layout must be EP_COMBINE_EXPERT_MAJOR (the GEMM's rows are expert-major)",
-            ));
-        }
-        let op = MegaCombineOp {
-            x: combine.x,
-            x_scales: a.x_scales,
-            out: combine.out,
-            gemm: gemm_op(&a)?,
-        };
         let handle = deref(handle, "handle")?;
+        let a = read_versioned(args)?;
+        let gemm = mega_op(&a)?;
+        contract::check_field(contract::MEGA, "combine", &gemm, &gemm.facts(true))?;
+        let combine = combine_op(&read_versioned(a.combine)?)?;
+        let op = MegaCombineOp { combine, gemm };
         context.mega_gemm_combine(&op, &handle.inner, stream as *mut c_void)
     })
 }

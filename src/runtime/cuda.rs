@@ -26,6 +26,7 @@ use cudarc::driver::sys;
 pub use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUresult, CUstream};
 use once_cell::sync::OnceCell;
 
+use super::sequence::Collective;
 use crate::abi::{self, TmaDescriptor};
 use crate::error::{Error, ErrorKind, Result};
 
@@ -38,6 +39,14 @@ pub struct Aligned<T: ?Sized>(pub T);
 // `KERNEL_IMAGES`: (file name, fatbin) of every `kernels/*.cu`, as
 // `build.rs` compiled it: SASS for each target architecture plus PTX.
 include!(concat!(env!("OUT_DIR"), "/ep_kernels.rs"));
+
+/// The handle `CU_STREAM_LEGACY` of cuda.h: the legacy default stream, as
+/// NULL is (not in the driver's bindings, which omit the macro).
+pub const STREAM_LEGACY: usize = 0x1;
+
+/// The handle `CU_STREAM_PER_THREAD` of cuda.h: the calling thread's
+/// default stream.
+pub const STREAM_PER_THREAD: usize = 0x2;
 
 /// The first four bytes of every fatbin, read as a little-endian `u32`.
 pub const FATBIN_MAGIC: u32 = 0xBA55_ED50;
@@ -227,6 +236,11 @@ impl Device {
         self.inner.handle
     }
 
+    /// The device's primary context, where everything here runs.
+    pub fn primary_context(&self) -> sys::CUcontext {
+        self.inner.context
+    }
+
     /// Makes the primary context current on this thread until the guard is
     /// dropped, which restores whatever was current before (or nothing).
     pub fn bind(&self) -> Result<ContextGuard<'_>> {
@@ -257,6 +271,19 @@ impl Device {
     pub fn sm_count(&self) -> Result<u32> {
         let count = self.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         Ok(count as u32)
+    }
+
+    /// The GPU's UUID, the same in every process that sees the GPU (and
+    /// distinct for every GPU and MIG instance).
+    pub fn uuid(&self) -> Result<[u8; 16]> {
+        // SAFETY: an all-zero CUuuid is a valid value to overwrite.
+        let mut uuid: sys::CUuuid = unsafe { std::mem::zeroed() };
+        // SAFETY: writes one CUuuid.
+        check(
+            unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, self.inner.handle) },
+            "cuDeviceGetUuid",
+        )?;
+        Ok(uuid.bytes.map(|b| b as u8))
     }
 
     /// Waits until all work queued on `stream` has finished.
@@ -407,6 +434,104 @@ impl<P> Kernel<P> {
         self.name.to_str().unwrap_or("kernel")
     }
 
+    /// Queues the kernel on `stream` with a one-dimensional grid of `grid`
+    /// blocks of `block` threads, `shared_bytes` of dynamic shared memory,
+    /// and `params` as its parameter (the driver copies it during the call).
+    /// `_bound` is the caller's proof that the kernel's context is current
+    /// on this thread: an API call binds its context once, then launches.
+    ///
+    /// Errors: `InvalidArgument` for an empty grid or block (nothing is
+    /// queued); `Cuda` when the driver refuses the launch. Faults while the
+    /// kernel runs surface at the next synchronization.
+    ///
+    /// # Safety
+    /// The module must still be loaded, and every device pointer in
+    /// `params` must stay valid until the kernel has finished.
+    pub unsafe fn launch(
+        &self,
+        _bound: &ContextGuard<'_>,
+        grid: u32,
+        block: u32,
+        shared_bytes: u32,
+        stream: CUstream,
+        params: &P,
+    ) -> Result<()> {
+        // SAFETY: passed on from the caller.
+        unsafe { self.launch_ex(false, grid, block, shared_bytes, stream, params) }
+    }
+
+    /// Like [`Kernel::launch`], as a cooperative launch: the driver starts
+    /// the grid only with every block resident at once, so blocks may wait
+    /// for each other. Check [`Kernel::max_blocks_per_sm`] first.
+    ///
+    /// Errors: as `launch`, and `Unsupported` when the grid cannot be
+    /// resident at once on this device (too many blocks for its SMs, or
+    /// for the share of them that MPS or a green context leaves).
+    ///
+    /// # Safety
+    /// As for `launch`.
+    pub unsafe fn launch_cooperative(
+        &self,
+        _bound: &ContextGuard<'_>,
+        grid: u32,
+        block: u32,
+        shared_bytes: u32,
+        stream: CUstream,
+        params: &P,
+    ) -> Result<()> {
+        // SAFETY: passed on from the caller.
+        unsafe { self.launch_ex(true, grid, block, shared_bytes, stream, params) }
+    }
+
+    /// Both launches: `cuLaunchKernelEx`, with the cooperative attribute
+    /// when `cooperative`.
+    unsafe fn launch_ex(
+        &self,
+        cooperative: bool,
+        grid: u32,
+        block: u32,
+        shared_bytes: u32,
+        stream: CUstream,
+        params: &P,
+    ) -> Result<()> {
+        if grid == 0 || block == 0 {
+            return Err(Error::invalid(format!(
+                "{}: empty launch ({grid} blocks of {block} threads)",
+                self.name()
+            )));
+        }
+        // SAFETY: an all-zero attribute is valid; the union member written
+        // is the one the attribute id names.
+        let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attribute.id = sys::CUlaunchAttributeID_enum::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+        attribute.value.cooperative = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: shared_bytes,
+            hStream: stream,
+            attrs: &mut attribute,
+            numAttrs: cooperative as u32,
+        };
+        let mut param = params as *const P as *mut c_void;
+        // SAFETY: the caller vouches for the module, the pointers inside
+        // `params` and the stream; the one parameter is a `P`.
+        let res =
+            unsafe { sys::cuLaunchKernelEx(&config, self.handle, &mut param, ptr::null_mut()) };
+        if res == CUresult::CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE {
+            return Err(Error::unsupported(format!(
+                "{}: {grid} blocks of {block} threads cannot all be resident at once on this GPU \
+                 (fewer SMs than expected: MPS or a green context may limit them)",
+                self.name()
+            )));
+        }
+        check(res, &format!("cuLaunchKernelEx({})", self.name()))
+    }
+
     /// Lets launches of this kernel ask for up to `bytes` of dynamic shared
     /// memory (above the default 48 KiB); `_bound` is the proof that the
     /// kernel's context is current.
@@ -460,53 +585,32 @@ impl<P> Kernel<P> {
         Ok(clusters.max(0) as u32)
     }
 
-    /// Queues the kernel on `stream` with a one-dimensional grid of `grid`
-    /// blocks of `block` threads, `shared_bytes` of dynamic shared memory,
-    /// and `params` as its parameter (the driver copies it during the call).
-    /// `_bound` is the caller's proof that the kernel's context is current
-    /// on this thread: an API call binds its context once, then launches.
-    ///
-    /// Errors: `InvalidArgument` for an empty grid or block (nothing is
-    /// queued); `Cuda` when the driver refuses the launch. Faults while the
-    /// kernel runs surface at the next synchronization.
-    ///
-    /// # Safety
-    /// The module must still be loaded, and every device pointer in
-    /// `params` must stay valid until the kernel has finished.
-    pub unsafe fn launch(
+    /// How many blocks of `block` threads with `shared_bytes` of dynamic
+    /// shared memory fit on one SM at once
+    /// (`cuOccupancyMaxActiveBlocksPerMultiprocessor`); 0 when none does.
+    pub fn max_blocks_per_sm(
         &self,
         _bound: &ContextGuard<'_>,
-        grid: u32,
         block: u32,
         shared_bytes: u32,
-        stream: CUstream,
-        params: &P,
-    ) -> Result<()> {
-        if grid == 0 || block == 0 {
-            return Err(Error::invalid(format!(
-                "{}: empty launch ({grid} blocks of {block} threads)",
+    ) -> Result<u32> {
+        let mut blocks = 0;
+        // SAFETY: writes one int; the function's context is current.
+        check(
+            unsafe {
+                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    &mut blocks,
+                    self.handle,
+                    block as i32,
+                    shared_bytes as usize,
+                )
+            },
+            &format!(
+                "cuOccupancyMaxActiveBlocksPerMultiprocessor({})",
                 self.name()
-            )));
-        }
-        let mut param = params as *const P as *mut c_void;
-        // SAFETY: the caller vouches for the module, the pointers inside
-        // `params` and the stream; the one parameter is a `P`.
-        let res = unsafe {
-            sys::cuLaunchKernel(
-                self.handle,
-                grid,
-                1,
-                1,
-                block,
-                1,
-                1,
-                shared_bytes,
-                stream,
-                &mut param,
-                ptr::null_mut(),
-            )
-        };
-        check(res, &format!("cuLaunchKernel({})", self.name()))
+            ),
+        )?;
+        Ok(blocks.max(0) as u32)
     }
 }
 
@@ -836,7 +940,7 @@ pub fn tensor_map(
 
 pub use crate::abi::DeviceStatus;
 
-// SAFETY: four ints, no padding; every bit pattern is a value.
+// SAFETY: five ints, no padding; every bit pattern is a value.
 unsafe impl Plain for DeviceStatus {}
 
 /// The first error a rank's kernels hit (defined in src/abi/defs.rs). It
@@ -887,6 +991,16 @@ impl DeviceStatus {
                 ErrorKind::InvalidArgument,
                 "launched with invalid arguments".to_string(),
             ),
+            abi::STATUS_MISMATCH => (
+                ErrorKind::Remote,
+                format!(
+                    "this rank is in {} but rank {} is in {}: the ranks' collective calls do not \
+                     match (every rank must make the same calls in the same order)",
+                    describe_call(self.call),
+                    self.rank,
+                    describe_call(self.detail)
+                ),
+            ),
             code => (
                 ErrorKind::Internal,
                 format!("unknown device status code {code}"),
@@ -894,6 +1008,16 @@ impl DeviceStatus {
         };
         Err(Error::new(kind, format!("{phase}: {what}")))
     }
+}
+
+/// A call word of the kernels (see `abi::CALL_NUMBER_BITS`) as
+/// "ep_dispatch (collective call 7 on the device)"; the number is counted
+/// modulo 2^CALL_NUMBER_BITS.
+fn describe_call(word: i32) -> String {
+    let number = word & ((1 << abi::CALL_NUMBER_BITS) - 1);
+    let op = Collective::from_code((word >> abi::CALL_NUMBER_BITS) as u32);
+    let name = op.map_or("an unknown operation", Collective::function);
+    format!("{name} (collective call {number} on the device)")
 }
 
 #[cfg(test)]
@@ -970,13 +1094,14 @@ mod tests {
 
     #[test]
     fn device_status_matches_the_c_struct_and_maps_codes() {
-        assert_eq!(size_of::<DeviceStatus>(), 16);
+        assert_eq!(size_of::<DeviceStatus>(), 20);
         assert_eq!(DeviceStatus::default().to_result(), Ok(()));
         let status = |code, rank, phase, detail| DeviceStatus {
             code,
             rank,
             phase,
             detail,
+            call: 0,
         };
         let err = status(abi::STATUS_TIMEOUT, 3, abi::PHASE_BARRIER, 6)
             .to_result()
@@ -1003,5 +1128,19 @@ mod tests {
             ErrorKind::InvalidArgument
         );
         assert_eq!(kind(99), ErrorKind::Internal);
+        let word = |op: i32, n: i32| op << abi::CALL_NUMBER_BITS | n;
+        let mismatch = DeviceStatus {
+            call: word(3, 7),
+            ..status(abi::STATUS_MISMATCH, 1, abi::PHASE_LL_DISPATCH, word(1, 7))
+        };
+        let err = mismatch.to_result().unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Remote);
+        assert_eq!(
+            err.message,
+            "low-latency dispatch kernel: this rank is in ep_ll_dispatch (collective call 7 on \
+             the device) but rank 1 is in ep_dispatch (collective call 7 on the device): the \
+             ranks' collective calls do not match (every rank must make the same calls in the \
+             same order)"
+        );
     }
 }

@@ -13,12 +13,14 @@ use ep::capi::ep_unique_id_t;
 
 const HELP: &str = "\
 ep-bench: time ep's dispatch/combine (normal and low-latency modes) on the GPUs of
-one host, one thread and one ep context per GPU (rank r uses device r), next to an
-NCCL all-to-all of the same payload. Prints Markdown tables for bench/RESULTS.md.
+one host, one thread and one ep context per rank (rank r uses device r mod GPUs:
+more ranks than GPUs share them), next to an NCCL all-to-all of the same payload
+(one rank per GPU only). Prints Markdown tables for bench/RESULTS.md.
 
 USAGE: ep-bench [OPTIONS]
 
-  --ranks N              ranks (default: all visible GPUs; host: 2)
+  --ranks N              ranks (default: all visible GPUs; more ranks than GPUs
+                         share the GPUs, each rank with a share of the SMs; host: 2)
   --mode normal|ll|all   which operations (default all)
   --tokens T             tokens per rank (default 4096 normal, 128 ll)
   --hidden H             elements per token, multiple of 128 (default 7168)
@@ -202,6 +204,9 @@ fn now_utc() -> String {
 /// State shared by the rank threads.
 pub struct Shared {
     pub world: usize,
+    /// GPUs the ranks use: rank r is on device r % devices (1 on the host
+    /// backend).
+    pub devices: usize,
     pub barrier: Barrier,
     pub id: Mutex<Option<ep_unique_id_t>>,
     /// Host address of rank 0's gate word (see `device::Gate`).
@@ -220,7 +225,7 @@ fn main() {
         std::env::set_var("NCCL_NVLS_ENABLE", "0");
     }
 
-    let (world, device_desc) = if opts.gpu {
+    let (world, devices, device_desc) = if opts.gpu {
         if !device::driver_present() {
             fail(
                 "no CUDA driver (libcuda.so.1) on this machine; use --backend host for a smoke run",
@@ -231,16 +236,21 @@ fn main() {
             fail("no CUDA device visible");
         }
         let world = opts.ranks.unwrap_or(count as usize);
-        if world == 0 || world > count as usize {
-            fail(&format!("--ranks {world}: {count} GPUs visible"));
+        if world == 0 {
+            fail("--ranks must be positive");
         }
-        (world, format!("{world} x {}", device::device_name(0)))
+        let devices = world.min(count as usize);
+        let mut desc = format!("{devices} x {}", device::device_name(0));
+        if world > devices {
+            desc.push_str(&format!(" shared by {world} ranks"));
+        }
+        (world, devices, desc)
     } else {
         let world = opts.ranks.unwrap_or(2);
         if world == 0 {
             fail("--ranks must be positive");
         }
-        (world, "host backend (no GPU)".to_string())
+        (world, 1, "host backend (no GPU)".to_string())
     };
     if !opts.experts.is_multiple_of(world) {
         fail(&format!(
@@ -249,10 +259,13 @@ fn main() {
         ));
     }
 
-    // NCCL baseline: one communicator per GPU, made here for all ranks.
+    // NCCL baseline: one communicator per GPU, made here for all ranks
+    // (NCCL takes one rank per GPU).
     let mut nccl_note = "NCCL: not available (host backend)".to_string();
     let mut nccl = None;
-    if opts.gpu {
+    if opts.gpu && world > devices {
+        nccl_note = "NCCL: not run (ranks share GPUs)".to_string();
+    } else if opts.gpu {
         match nccl::Nccl::load().and_then(|n| n.init_all(world as i32).map(|c| (n, c))) {
             Ok((n, comms)) => {
                 let v = n.version;
@@ -290,6 +303,7 @@ fn main() {
 
     let shared = Arc::new(Shared {
         world,
+        devices,
         barrier: Barrier::new(world),
         id: Mutex::new(None),
         gate_word: Mutex::new(None),

@@ -395,7 +395,7 @@ impl Rank {
                     self.world as i32,
                     id,
                     self.r as i32,
-                    self.r as i32,
+                    (self.r % self.sh.devices) as i32,
                     &cfg,
                 ),
                 &format!("ep_ctx_create (rank {})", self.r),
@@ -947,7 +947,7 @@ impl Rank {
 }
 
 pub fn rank_main(r: usize, sh: Arc<Shared>, o: Arc<Opts>, nccl: Option<(Nccl, Comm)>) {
-    let dev = Dev::new(o.gpu, r as i32);
+    let dev = Dev::new(o.gpu, (r % sh.devices) as i32);
     let world = sh.world;
     let mut rank = Rank {
         r,

@@ -11,7 +11,7 @@
 //!   the normal combine's barrier, reduce, barrier.
 
 use super::normal::{Dispatched, GpuHandle, NormalMode};
-use super::{check_aligned, ptr, Bound, Runtime};
+use super::{ptr, Bound, Runtime};
 use crate::abi::{
     MegaParams, MEGA_BF16_BLOCK_K, MEGA_BF16_BLOCK_N, MEGA_BLOCK_M, MEGA_FP8_BLOCK_K,
     MEGA_FP8_BLOCK_N, MEGA_MODE_COMBINE, MEGA_MODE_DISPATCH, MEGA_THREADS,
@@ -22,7 +22,8 @@ use crate::reference::Dtype;
 use crate::runtime::backend::{HandleState, Stream};
 use crate::runtime::config::{Config, MAX_EXPERT_ALIGNMENT};
 use crate::runtime::cuda::{tensor_map, CUdevice_attribute, DeviceBuffer, TensorElement};
-use crate::runtime::ops::{CombineOp, GemmOp, MegaCombineOp, MegaDispatchOp};
+use crate::runtime::ops::{CombineOp, MegaCombineOp, MegaDispatchOp, MegaOp};
+use crate::runtime::sequence::Call;
 
 /// Blocks per cluster of the fused kernels unless `EP_MEGA_CLUSTER` says
 /// otherwise: 1. Clusters of 2 load each weight tile once for both blocks
@@ -132,7 +133,7 @@ impl MegaMode {
         })
     }
 
-    fn check_supported(&self) -> Result<()> {
+    pub fn check_supported(&self) -> Result<()> {
         if !self.hopper {
             return Err(Error::unsupported(
                 "the fused kernels need a Hopper GPU (compute capability 9.0)",
@@ -141,11 +142,12 @@ impl MegaMode {
         Ok(())
     }
 
-    /// `ep_mega_dispatch_gemm`.
+    /// `ep_mega_dispatch_gemm` (call `call`).
     pub fn dispatch_gemm(
         &mut self,
         rt: &Bound,
         normal: &NormalMode,
+        call: Call,
         op: &MegaDispatchOp,
         handle: &mut HandleState,
         stream: Stream,
@@ -158,16 +160,8 @@ impl MegaMode {
         let expert = d
             .expert
             .ok_or_else(|| Error::internal("a fused dispatch without expert-major rows"))?;
-        if d.num_tokens > 0 {
-            check_aligned("dispatch->x", d.x)?;
-        }
-        if let Some(recv) = &d.recv {
-            check_aligned("dispatch->recv_x", recv.x)?;
-        }
-        check_aligned("dispatch->expert_x", expert.x)?;
-        check_gemm_pointers(&op.gemm)?;
         handle.dispatched = None;
-        let mut routing = normal.dispatch_params(rt, d, handle, false);
+        let mut routing = normal.dispatch_params(rt, call, d, handle, false);
         routing.skip_expert_rows = 1;
         let mut params = self.params(rt, &op.gemm, expert.x, expert.scales, expert.capacity)?;
         params.mode = MEGA_MODE_DISPATCH;
@@ -185,11 +179,12 @@ impl MegaMode {
         Ok(())
     }
 
-    /// `ep_mega_gemm_combine`.
+    /// `ep_mega_gemm_combine` (call `call`).
     pub fn gemm_combine(
         &mut self,
         rt: &Bound,
         normal: &NormalMode,
+        call: Call,
         op: &MegaCombineOp,
         handle: &HandleState,
         stream: Stream,
@@ -207,19 +202,13 @@ impl MegaMode {
                 "the handle's dispatch wrote no expert-major rows, which the fused combine multiplies",
             )
         })?;
-        if dispatched.num_tokens > 0 && op.out.is_null() {
-            return Err(Error::null("combine->out"));
-        }
-        check_aligned("combine->x", op.x)?;
-        check_aligned("combine->out", op.out)?;
-        check_gemm_pointers(&op.gemm)?;
+        // The combine reduces the GEMM's output rows.
         let combine = CombineOp {
-            expert_major: true,
             x: op.gemm.y,
-            out: op.out,
+            ..op.combine
         };
-        let reduce = normal.combine_params(rt, &combine, handle, dispatched);
-        let mut params = self.params(rt, &op.gemm, op.x, op.x_scales, capacity)?;
+        let reduce = normal.combine_params(rt, call, &combine, handle, dispatched);
+        let mut params = self.params(rt, &op.gemm, op.combine.x, op.gemm.x_scales, capacity)?;
         params.mode = MEGA_MODE_COMBINE;
         params.combine = reduce;
         params.expert_layout = handle.expert_layout.ptr();
@@ -235,7 +224,7 @@ impl MegaMode {
     fn params(
         &self,
         rt: &Runtime,
-        gemm: &GemmOp,
+        gemm: &MegaOp,
         x: *const u8,
         x_scales: *const f32,
         rows: usize,
@@ -296,14 +285,17 @@ impl MegaMode {
     }
 
     /// Launches the fused kernel of the GEMM's type: one block per SM of
-    /// the call's budget, the most shared memory a block may have.
+    /// the call's budget (at most this rank's share of the GPU), the most
+    /// shared memory a block may have. Its blocks wait for each other, so
+    /// they must all be resident: single blocks are launched cooperatively
+    /// (the driver guarantees it), clusters only as many as fit at once.
     ///
     /// # Safety
     /// Every pointer in `params` must stay valid until the kernel has run.
     unsafe fn launch(
         &self,
         rt: &Bound,
-        gemm: &GemmOp,
+        gemm: &MegaOp,
         params: &MegaParams,
         stream: Stream,
     ) -> Result<()> {
@@ -314,33 +306,19 @@ impl MegaMode {
             (Dtype::Bf16, _) => &k.mega_bf16_pair,
             (Dtype::Fp8E4m3, _) => &k.mega_fp8_pair,
         };
-        // One block per SM of the budget, whole clusters, all resident.
-        let blocks = match gemm.num_sms {
-            0 => self.max_blocks,
-            budget => self.max_blocks.min(budget as u32),
-        };
+        let mut blocks = self.max_blocks.min(rt.placement.sm_share());
+        if gemm.num_sms > 0 {
+            blocks = blocks.min(gemm.num_sms as u32);
+        }
         let grid = (blocks / self.cluster).max(1) * self.cluster;
+        let threads = MEGA_THREADS as u32;
         // SAFETY: the caller vouches for the pointers.
         unsafe {
-            rt.launch(
-                kernel,
-                grid,
-                MEGA_THREADS as u32,
-                self.shared_bytes,
-                stream,
-                params,
-            )
+            if self.cluster == 1 {
+                rt.launch_cooperative(kernel, grid, threads, self.shared_bytes, stream, params)
+            } else {
+                rt.launch(kernel, grid, threads, self.shared_bytes, stream, params)
+            }
         }
     }
-}
-
-/// The GPU backend's rules for a GEMM's arrays: 16-byte aligned (TMA and
-/// the 16-byte row moves).
-fn check_gemm_pointers(gemm: &GemmOp) -> Result<()> {
-    check_aligned("weights", gemm.weights)?;
-    check_aligned("y", gemm.y)?;
-    if gemm.dtype == Dtype::Fp8E4m3 && !gemm.weight_scales.is_aligned() {
-        return Err(Error::invalid("weight_scales is not 4-byte aligned"));
-    }
-    Ok(())
 }

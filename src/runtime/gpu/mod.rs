@@ -6,19 +6,28 @@
 //! current context is left as it was. Kernels report failures (a timed-out
 //! wait, an invalid expert id) in a status word in host-mapped memory, which
 //! [`GpuMonitor`] reads from any thread.
+//!
+//! Several ranks may share one GPU when they are threads of one process
+//! (see [`placement`]): each gets a share of the SMs, and each must pass its
+//! own stream.
 
+mod checks;
 mod low_latency;
 mod mega;
 mod normal;
+mod placement;
 mod symmetric;
 
-use super::backend::{Backend, HandleState, Monitor, Stream};
+use super::backend::{Backend, HandleState, Inputs, Monitor, Stream};
 use super::bootstrap::Bootstrap;
 use super::config::{agree_on_config, Config};
-use super::cuda::{ContextGuard, Device, DeviceStatus, Kernel, MappedHost, Module};
+use super::contract::{Field, Memory, PointerCheck};
+use super::cuda::{ContextGuard, Device, DeviceStatus, Kernel, MappedHost, Module, STREAM_LEGACY};
 use super::ops::{
     CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaCombineOp, MegaDispatchOp,
+    Received,
 };
+use super::sequence::Call;
 use crate::abi::{
     self, BarrierParams, CombineParams, DispatchParams, LayoutParams, LlParams, MegaParams,
     BARRIER_COUNTER_OFFSET, BARRIER_THREADS,
@@ -27,6 +36,8 @@ use crate::error::{Error, Result};
 use low_latency::LlMode;
 use mega::MegaMode;
 use normal::NormalMode;
+use placement::Placement;
+use std::ffi::c_void;
 use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -36,7 +47,7 @@ use symmetric::SymmetricMemory;
 /// runtime itself, before the modes' areas: the barrier's `[world]` slots at
 /// offset 0 (so the table of peer buffers is also the barrier's table of
 /// peer slot arrays), then this rank's barrier counts (entered, passed) at
-/// `BARRIER_COUNTER_OFFSET`.
+/// `BARRIER_COUNTER_OFFSET` and its call words at `CALL_WORDS_OFFSET`.
 const SIGNAL_BYTES: usize = 64 * 1024;
 
 /// Every kernel of the library, looked up once when a context loads the
@@ -90,6 +101,7 @@ pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, 
         aborted.clone(),
     )?;
     agree_on_config(&boot, cfg)?;
+    let placement = Placement::exchange(&device, &boot)?;
     let module = Module::load(&device)?;
     let kernels = Kernels::load(&module)?;
     let memory = SymmetricMemory::new(&device, &boot, buffer_bytes(cfg))?;
@@ -107,10 +119,15 @@ pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, 
         memory,
         monitor: monitor.clone(),
         timeout_ns: cfg.timeout.as_nanos() as u64,
+        placement,
     };
     let normal = NormalMode::new(&rt, SIGNAL_BYTES)?;
     let ll = LlMode::new(&rt, SIGNAL_BYTES + normal::buffer_bytes(cfg))?;
     let mega = MegaMode::new(&rt)?;
+    // No rank returns (and enqueues a collective) before every rank has
+    // made its allocations: on a GPU that ranks share, an allocation could
+    // otherwise wait for a peer's kernel that waits for this rank.
+    rt.boot.barrier()?;
     Ok((
         Box::new(GpuBackend {
             rt,
@@ -167,6 +184,8 @@ pub struct Runtime {
     pub monitor: Arc<GpuMonitor>,
     /// Longest device-side wait, in nanoseconds of `%globaltimer`.
     pub timeout_ns: u64,
+    /// The ranks on this rank's GPU and the share of its SMs this rank gets.
+    pub placement: Placement,
 }
 
 impl Runtime {
@@ -188,6 +207,12 @@ impl Runtime {
             rt: self,
             _guard: self.device.bind()?,
         })
+    }
+
+    /// Blocks of the normal-mode kernels that move rows: the config's SM
+    /// budget, at most this rank's share of the GPU.
+    pub fn normal_grid(&self) -> u32 {
+        (self.cfg.num_sms as u32).min(self.placement.sm_share())
     }
 
     /// Waits for `stream`, then reports any error a kernel recorded.
@@ -232,6 +257,38 @@ impl Bound<'_> {
         unsafe { kernel.launch(&self._guard, grid, block, shared_bytes, stream as _, params) }
     }
 
+    /// Launches `kernel` cooperatively on `stream` (see
+    /// `Kernel::launch_cooperative`): for kernels whose blocks wait for
+    /// each other.
+    ///
+    /// # Safety
+    /// As for `launch`.
+    pub unsafe fn launch_cooperative<P>(
+        &self,
+        kernel: &Kernel<P>,
+        grid: u32,
+        block: u32,
+        shared_bytes: u32,
+        stream: Stream,
+        params: &P,
+    ) -> Result<()> {
+        // SAFETY: as in `launch`.
+        unsafe {
+            kernel.launch_cooperative(&self._guard, grid, block, shared_bytes, stream as _, params)
+        }
+    }
+
+    /// Blocks of `kernel` that fit on one SM at once (see
+    /// `Kernel::max_blocks_per_sm`).
+    pub fn max_blocks_per_sm<P>(
+        &self,
+        kernel: &Kernel<P>,
+        block: u32,
+        shared_bytes: u32,
+    ) -> Result<u32> {
+        kernel.max_blocks_per_sm(&self._guard, block, shared_bytes)
+    }
+
     /// Enqueues a barrier of all ranks on `stream`: work enqueued after it
     /// sees every write any rank enqueued before it (see kernels/barrier.cu).
     ///
@@ -266,16 +323,9 @@ pub fn ptr<T>(p: *const T) -> u64 {
     p as u64
 }
 
-/// Checks that a caller's row array is 16-byte aligned: the kernels move
-/// rows as 16-byte vectors.
-pub fn check_aligned<T>(name: &str, p: *const T) -> Result<()> {
-    if !(p as usize).is_multiple_of(16) {
-        return Err(Error::invalid(format!(
-            "{name} = {p:p} is not 16-byte aligned (the GPU backend moves rows as 16-byte vectors)"
-        )));
-    }
-    Ok(())
-}
+/// Alignment of every token-row array: the kernels move rows as 16-byte
+/// vectors.
+const ROW_ALIGNMENT: usize = 16;
 
 struct GpuBackend {
     rt: Runtime,
@@ -284,7 +334,48 @@ struct GpuBackend {
     mega: MegaMode,
 }
 
+impl PointerCheck for GpuBackend {
+    fn check_pointer(&self, field: &Field, ptr: *const c_void) -> Result<()> {
+        if field.rows && !(ptr as usize).is_multiple_of(ROW_ALIGNMENT) {
+            return Err(Error::invalid(format!(
+                "`{}` = {ptr:p} is not {ROW_ALIGNMENT}-byte aligned (the GPU backend moves rows as {ROW_ALIGNMENT}-byte vectors)",
+                field.name
+            )));
+        }
+        match field.memory {
+            Memory::Device => checks::device_memory(&self.rt.device, field, ptr),
+            Memory::Host => Ok(()),
+        }
+    }
+}
+
 impl Backend for GpuBackend {
+    fn check_stream(&self, stream: Stream) -> Result<()> {
+        // Ranks that share a GPU must each use their own stream: on the
+        // legacy default stream (NULL or `CU_STREAM_LEGACY`) their kernels
+        // would run one after the other, and a kernel waiting for a peer's
+        // would wait for its own successor, until the timeout.
+        let legacy = stream.is_null() || stream as usize == STREAM_LEGACY;
+        let sharing = &self.rt.placement.sharing;
+        if legacy && sharing.len() > 1 {
+            let ranks: Vec<String> = sharing.iter().map(|r| r.to_string()).collect();
+            return Err(Error::invalid(format!(
+                "ranks {} share this GPU, so each must pass its own stream: on the legacy \
+                 default stream (NULL) their kernels would run one after the other and wait \
+                 for each other until the timeout (use a stream created with \
+                 CU_STREAM_NON_BLOCKING, or CU_STREAM_PER_THREAD)",
+                ranks.join(", ")
+            )));
+        }
+        checks::stream(&self.rt.device, stream)
+    }
+
+    /// The caller's arrays are device memory: their contents are checked by
+    /// the kernels, which report errors through the async status.
+    fn check_inputs(&mut self, _inputs: Inputs<'_>) -> Result<()> {
+        Ok(())
+    }
+
     fn layout(&mut self, op: &LayoutOp, stream: Stream) -> Result<()> {
         self.normal.layout(&self.rt.bind()?, op, stream)
     }
@@ -293,45 +384,65 @@ impl Backend for GpuBackend {
         self.normal.new_handle_state(&self.rt)
     }
 
+    // The collective calls pass their operation's code to the kernels,
+    // which number the calls on the device (kernels/include/ep_device.cuh,
+    // "Collective calls"; the numbers agree with `call.number` for calls
+    // made directly, and go on counting in CUDA-graph replays).
+
     fn dispatch(
         &mut self,
+        call: Call,
         op: &DispatchOp,
         handle: &mut HandleState,
         stream: Stream,
-    ) -> Result<()> {
-        self.normal.dispatch(&self.rt.bind()?, op, handle, stream)
+    ) -> Result<Option<Received>> {
+        self.normal
+            .dispatch(&self.rt.bind()?, call, op, handle, stream)
     }
 
-    fn combine(&mut self, op: &CombineOp, handle: &HandleState, stream: Stream) -> Result<()> {
-        self.normal.combine(&self.rt.bind()?, op, handle, stream)
+    fn combine(
+        &mut self,
+        call: Call,
+        op: &CombineOp,
+        handle: &HandleState,
+        stream: Stream,
+    ) -> Result<()> {
+        self.normal
+            .combine(&self.rt.bind()?, call, op, handle, stream)
+    }
+
+    fn check_fused(&self) -> Result<()> {
+        self.mega.check_supported()
     }
 
     fn mega_dispatch_gemm(
         &mut self,
+        call: Call,
         op: &MegaDispatchOp,
         handle: &mut HandleState,
         stream: Stream,
     ) -> Result<()> {
         self.mega
-            .dispatch_gemm(&self.rt.bind()?, &self.normal, op, handle, stream)
+            .dispatch_gemm(&self.rt.bind()?, &self.normal, call, op, handle, stream)
     }
 
     fn mega_gemm_combine(
         &mut self,
+        call: Call,
         op: &MegaCombineOp,
         handle: &HandleState,
         stream: Stream,
     ) -> Result<()> {
         self.mega
-            .gemm_combine(&self.rt.bind()?, &self.normal, op, handle, stream)
+            .gemm_combine(&self.rt.bind()?, &self.normal, call, op, handle, stream)
     }
 
-    fn ll_dispatch(&mut self, op: &LlDispatchOp, stream: Stream) -> Result<()> {
-        self.ll.dispatch(&self.rt.bind()?, op, stream)
+    fn ll_dispatch(&mut self, call: Call, op: &LlDispatchOp, stream: Stream) -> Result<()> {
+        self.ll.dispatch(&self.rt.bind()?, call, op, stream)
     }
 
-    fn ll_combine(&mut self, op: &LlCombineOp, stream: Stream) -> Result<()> {
-        self.ll.combine(&self.rt.bind()?, op, stream)
+    fn ll_combine(&mut self, call: Call, op: &LlCombineOp, stream: Stream) -> Result<()> {
+        self.ll.combine(&self.rt.bind()?, call, op, stream)
     }
 
     fn ll_combine_buffer(&mut self) -> Result<(*mut u8, usize)> {

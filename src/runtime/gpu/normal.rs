@@ -6,7 +6,7 @@
 //! dispatch/combine pair needs no host synchronisation and can be captured
 //! in a CUDA graph), and enqueues the launches.
 
-use super::{check_aligned, ptr, Bound, Runtime};
+use super::{ptr, Bound, Runtime};
 use crate::abi::{
     CombineParams, DispatchParams, LayoutParams, CHUNK_TOKENS, LAYOUT_THREADS, MOVE_THREADS,
 };
@@ -15,7 +15,8 @@ use crate::reference::{normal::worst_case_rows, Dtype};
 use crate::runtime::backend::{HandleState, Stream};
 use crate::runtime::config::Config;
 use crate::runtime::cuda::{DeviceBuffer, MappedHost};
-use crate::runtime::ops::{CombineOp, DispatchOp, LayoutOp};
+use crate::runtime::ops::{CombineOp, DispatchOp, LayoutOp, Received};
+use crate::runtime::sequence::Call;
 
 /// Warps per block of the count kernel (`EP_CHUNK_WARPS`).
 const CHUNK_WARPS: usize = CHUNK_TOKENS / 32;
@@ -192,22 +193,14 @@ impl NormalMode {
     pub fn dispatch(
         &mut self,
         rt: &Bound,
+        call: Call,
         op: &DispatchOp,
         handle: &mut HandleState,
         stream: Stream,
-    ) -> Result<()> {
+    ) -> Result<Option<Received>> {
         let handle = handle
             .downcast_mut::<GpuHandle>()
             .ok_or_else(|| Error::internal("not a GPU handle"))?;
-        if op.num_tokens > 0 {
-            check_aligned("x", op.x)?;
-        }
-        if let Some(recv) = &op.recv {
-            check_aligned("recv_x", recv.x)?;
-        }
-        if let Some(expert) = &op.expert {
-            check_aligned("expert_x", expert.x)?;
-        }
         // A reused layout needs no host synchronisation: the host counts
         // are those of the handle's earlier dispatch of the same routing.
         let cached = match (&handle.dispatched, op.reuse_layout) {
@@ -221,7 +214,7 @@ impl NormalMode {
         };
         let host_sync = !op.no_host_sync && cached.is_none();
         handle.dispatched = None;
-        let params = self.dispatch_params(rt, op, handle, host_sync);
+        let params = self.dispatch_params(rt, call, op, handle, host_sync);
         // SAFETY: the parameters describe the caller's arrays, which stay
         // valid until the stream has run the kernels (API rule), and the
         // handle's and the context's, valid until they are destroyed.
@@ -255,19 +248,24 @@ impl NormalMode {
                 }
             }
         }
+        let received = host_counts.as_ref().map(|counts| Received {
+            source_rows: counts[0] as usize,
+            expert_rows: padded_rows(&counts[1..], op.alignment()),
+        });
         handle.dispatched = Some(Dispatched {
             num_tokens: op.num_tokens,
             host_counts,
             expert_capacity: op.expert.map(|e| e.capacity),
         });
-        Ok(())
+        Ok(received)
     }
 
-    /// The dispatch kernels' parameters for `op`, recording into `handle`;
-    /// `host_sync` asks the pull for the host-mapped counts.
+    /// The dispatch kernels' parameters for `op` (call `call`), recording
+    /// into `handle`; `host_sync` asks the pull for the host-mapped counts.
     pub(super) fn dispatch_params(
         &self,
         rt: &Runtime,
+        call: Call,
         op: &DispatchOp,
         handle: &GpuHandle,
         host_sync: bool,
@@ -329,13 +327,15 @@ impl NormalMode {
             scale_cols: op.dtype.scales_per_row(topo.hidden) as i32,
             max_tokens: cfg.max_tokens as i32,
             alignment: expert.map_or(1, |e| e.alignment as i32),
+            collective: call.op.code() as i32,
             skip_expert_rows: 0,
         }
     }
 
-    /// Enqueues the dispatch up to its rows: count, stage, barrier, pull
-    /// (which moves the expert-major rows too unless
-    /// `params.skip_expert_rows`). The caller enqueues the closing barrier.
+    /// Enqueues the dispatch up to its rows: count (which starts the
+    /// collective call), stage, barrier, pull (which moves the expert-major
+    /// rows too unless `params.skip_expert_rows`). The caller enqueues the
+    /// closing barrier.
     ///
     /// # Safety
     /// `params` must come from [`Self::dispatch_params`], with every array
@@ -350,7 +350,7 @@ impl NormalMode {
         let topo = rt.cfg.topo;
         let chunks = num_tokens.div_ceil(CHUNK_TOKENS).max(1) as u32;
         let columns = topo.world + topo.num_experts;
-        let sms = rt.cfg.num_sms as u32;
+        let sms = rt.normal_grid();
         let k = &rt.kernels;
         // SAFETY: the caller vouches for the arrays.
         unsafe {
@@ -385,6 +385,7 @@ impl NormalMode {
     pub fn combine(
         &mut self,
         rt: &Bound,
+        call: Call,
         op: &CombineOp,
         handle: &HandleState,
         stream: Stream,
@@ -396,19 +397,12 @@ impl NormalMode {
             .dispatched
             .as_ref()
             .ok_or_else(|| Error::invalid("the handle holds no successful dispatch"))?;
-        // A NULL `x` is fine when no rows arrived; the send kernel reports it
-        // otherwise (the row count is only known on the device).
-        if dispatched.num_tokens > 0 && op.out.is_null() {
-            return Err(Error::null("out"));
-        }
-        check_aligned("x", op.x)?;
-        check_aligned("out", op.out)?;
-        let params = self.combine_params(rt, op, handle, dispatched);
+        let params = self.combine_params(rt, call, op, handle, dispatched);
         // SAFETY: buffers stay valid as for the dispatch.
         unsafe {
             rt.launch(
                 &rt.kernels.combine_send,
-                rt.cfg.num_sms as u32,
+                rt.normal_grid(),
                 MOVE_THREADS as u32,
                 0,
                 stream,
@@ -418,10 +412,12 @@ impl NormalMode {
         }
     }
 
-    /// The combine kernels' parameters for `op` over the layout in `handle`.
+    /// The combine kernels' parameters for `op` (call `call`) over the
+    /// layout in `handle`.
     pub(super) fn combine_params(
         &self,
         rt: &Runtime,
+        call: Call,
         op: &CombineOp,
         handle: &GpuHandle,
         dispatched: &Dispatched,
@@ -446,6 +442,7 @@ impl NormalMode {
             topk: cfg.topo.topk as i32,
             hidden: cfg.topo.hidden as i32,
             max_tokens: cfg.max_tokens as i32,
+            collective: call.op.code() as i32,
         }
     }
 
@@ -465,7 +462,7 @@ impl NormalMode {
             rt.barrier(stream)?;
             rt.launch(
                 &rt.kernels.combine_reduce,
-                rt.cfg.num_sms as u32,
+                rt.normal_grid(),
                 MOVE_THREADS as u32,
                 0,
                 stream,
@@ -489,10 +486,7 @@ fn check_capacity(op: &DispatchOp, counts: &[i32]) -> Result<()> {
         }
     }
     if let Some(expert) = &op.expert {
-        let padded: usize = counts[1..]
-            .iter()
-            .map(|&c| (c as usize).div_ceil(expert.alignment) * expert.alignment)
-            .sum();
+        let padded = padded_rows(&counts[1..], expert.alignment);
         if padded > expert.capacity {
             return Err(Error::invalid(format!(
                 "expert_capacity = {} but {padded} expert-major rows are needed; no rows were written",
@@ -501,4 +495,13 @@ fn check_capacity(op: &DispatchOp, counts: &[i32]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Expert-major rows of experts with `counts` rows, each segment padded to
+/// `alignment`.
+fn padded_rows(counts: &[i32], alignment: usize) -> usize {
+    counts
+        .iter()
+        .map(|&c| (c as usize).div_ceil(alignment) * alignment)
+        .sum()
 }

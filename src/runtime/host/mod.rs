@@ -1,26 +1,40 @@
 //! The host backend: the whole API on host memory, computed by the reference
 //! code. Ranks are threads or processes of one host.
 //!
-//! Each rank owns one shared region (a memfd that every rank maps). An
-//! operation runs in two steps separated by bootstrap barriers:
-//! 1. publish: each rank copies its inputs into its own region, then barrier;
+//! Each rank owns one shared region (a memfd that every rank maps). A
+//! collective call runs in two steps, each ending in an all-gather of the
+//! call's tag (`Call::tag`: operation, call number, step):
+//! 1. publish: each rank copies its inputs into its own region, then step 0;
 //! 2. gather: each rank reads every rank's published inputs, computes its own
-//!    outputs with the reference code, then barrier (so no rank overwrites its
+//!    outputs with the reference code, then step 1 (so no rank overwrites its
 //!    region while another still reads it).
 //!
-//! The low-latency send/receive split maps onto these steps: `EP_LL_SEND_ONLY`
-//! publishes, `EP_LL_RECV_ONLY` gathers. Errors found after the first barrier
-//! are returned only after the second, so no rank is left waiting.
+//! Every rank sees every rank's tag at each step, so ranks in different calls
+//! all stop at the same step with `EP_ERR_REMOTE` and read nothing. Errors
+//! found between the steps are returned only after step 1, so no rank is
+//! left waiting. The caller's arrays are checked before the call is made
+//! ([`Backend::check_inputs`]); after that the reference code only sees data
+//! that it accepts, so it cannot panic on a caller's mistake.
+//!
+//! The low-latency send/receive split maps onto the steps: `EP_LL_SEND_ONLY`
+//! publishes, `EP_LL_RECV_ONLY` gathers. A low-latency combine returns rows
+//! by the layout that this backend kept from its last dispatch, never by
+//! arrays the caller passes back.
+//!
+//! A failed step (a peer gone or silent, an abort) breaks the context for
+//! good: [`HostMonitor`] then reports it and the context refuses every call.
 
 mod shm;
 
-use super::backend::{Backend, HandleState, Monitor, Stream};
+use super::backend::{Backend, HandleState, Inputs, Monitor, Stream};
 use super::bootstrap::Bootstrap;
 use super::config::{agree_on_config, Config};
+use super::contract::{Field, PointerCheck};
 use super::ops::{
-    CombineOp, DispatchOp, GemmOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaCombineOp,
-    MegaDispatchOp,
+    CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaCombineOp, MegaDispatchOp,
+    MegaOp, Received,
 };
+use super::sequence::Call;
 use crate::error::{Error, ErrorKind, Result};
 use crate::reference::layout::{dispatch_layout, validate_experts, InvalidExpert};
 use crate::reference::low_latency::{ll_combine, ll_dispatch, LlExpertOutputs, LlRankTokens};
@@ -33,8 +47,13 @@ use half::bf16;
 use shm::Mapping;
 use std::borrow::Cow;
 use std::os::fd::AsFd;
+use std::os::raw::c_void;
 use std::sync::atomic::{fence, AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+/// The steps of a collective call.
+const PUBLISH: u32 = 0;
+const GATHER: u32 = 1;
 
 pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, Arc<dyn Monitor>)> {
     let aborted = Arc::new(AtomicBool::new(false));
@@ -63,19 +82,23 @@ pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, 
             None => Err(Error::internal("a rank on this host sent no shared buffer")),
         })
         .collect::<Result<Vec<_>>>()?;
+    let broken = Arc::new(Mutex::new(None));
     let backend = HostBackend {
         cfg: *cfg,
         boot,
         regions,
         areas,
-        pending: None,
-        ll_recv_weights: None,
+        broken: broken.clone(),
+        ll_sent: None,
+        ll_received: None,
     };
-    Ok((Box::new(backend), Arc::new(HostMonitor { aborted })))
+    Ok((Box::new(backend), Arc::new(HostMonitor { aborted, broken })))
 }
 
 struct HostMonitor {
     aborted: Arc<AtomicBool>,
+    /// The failure of a step, once one failed.
+    broken: Arc<Mutex<Option<Error>>>,
 }
 
 impl Monitor for HostMonitor {
@@ -83,7 +106,17 @@ impl Monitor for HostMonitor {
         if self.aborted.load(Ordering::Acquire) {
             return Err(Error::new(ErrorKind::Aborted, "the context was aborted"));
         }
-        Ok(())
+        let broken = self.broken.lock().unwrap_or_else(|p| p.into_inner());
+        match broken.as_ref() {
+            None => Ok(()),
+            Some(e) => Err(Error::new(
+                e.kind,
+                format!(
+                    "the context is unusable since a collective call failed (destroy it): {}",
+                    e.message
+                ),
+            )),
+        }
     }
 
     fn abort(&self) {
@@ -101,6 +134,8 @@ struct Header {
     ll_tokens: u64,
     ll_has_weights: u64,
     ll_combine_has_weights: u64,
+    /// The rank holds the layout of its low-latency dispatch for a combine.
+    ll_combine_ready: u64,
 }
 
 /// Byte offsets of the published arrays inside every rank's region. Normal
@@ -183,22 +218,27 @@ impl Areas {
     }
 }
 
-/// A low-latency call whose send phase ran and whose receive phase is due.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Pending {
-    LlDispatchRecv,
-    LlCombineRecv,
-}
-
 /// What a dispatch leaves in its handle for the combine.
 #[derive(Default)]
 struct HostHandle {
     num_tokens: usize,
-    /// Whether the dispatch wrote expert-major rows (a fused combine needs
-    /// them).
-    expert_major: bool,
     topk_idx: Vec<i32>,
     dispatched: Option<Dispatched>,
+}
+
+/// The tokens this rank sent in its last low-latency dispatch.
+struct LlSent {
+    num_tokens: usize,
+    topk_idx: Vec<i32>,
+}
+
+/// What this rank received in its last low-latency dispatch: the layout its
+/// combine returns rows by.
+struct LlReceived {
+    src_info: Vec<i32>,
+    layout_range: Vec<i32>,
+    /// Per-row routing weights, when every source gave weights.
+    weights: Option<Vec<f32>>,
 }
 
 struct HostBackend {
@@ -207,10 +247,10 @@ struct HostBackend {
     /// Every rank's region, index = rank (this rank's too).
     regions: Vec<Mapping>,
     areas: Areas,
-    pending: Option<Pending>,
-    /// Per-row routing weights of the last low-latency dispatch, when its
-    /// caller gave weights (for the expert-side reduction of the combine).
-    ll_recv_weights: Option<Vec<f32>>,
+    /// Shared with the monitor: the failure of a step, once one failed.
+    broken: Arc<Mutex<Option<Error>>>,
+    ll_sent: Option<LlSent>,
+    ll_received: Option<LlReceived>,
 }
 
 fn invalid_expert(bad: InvalidExpert) -> Error {
@@ -248,6 +288,24 @@ unsafe fn give<T: Copy>(dst: *mut T, src: &[T]) {
     }
 }
 
+/// Why the tags of a step differ: names this rank's call and the first
+/// other rank's.
+fn mismatch(me: usize, mine: &Call, step: u32, peer: usize, theirs: &[u8]) -> Error {
+    let theirs = match Call::from_tag(theirs) {
+        Some((Ok(call), their_step)) if their_step != step => {
+            format!("{call} (step {their_step}, this rank step {step})")
+        }
+        Some((Ok(call), _)) => call.to_string(),
+        Some((Err(code), _)) => format!("an unknown operation (code {code})"),
+        None => "a malformed step".to_string(),
+    };
+    Error::remote(format!(
+        "rank {peer} is in {theirs} while rank {me} (this rank) is in {mine}: \
+         every rank must make the same collective calls in the same order \
+         (a call that fails its argument checks is not made on its rank)"
+    ))
+}
+
 impl HostBackend {
     fn rank(&self) -> usize {
         self.cfg.rank
@@ -258,7 +316,7 @@ impl HostBackend {
         let region = &self.regions[rank];
         assert!(offset + len * std::mem::size_of::<T>() <= region.len());
         // SAFETY: in bounds (checked above), 64-byte aligned, and only read
-        // between the barriers that order it after the owner's writes.
+        // between the steps that order it after the owner's writes.
         unsafe { std::slice::from_raw_parts(region.base().add(offset) as *const T, len) }
     }
 
@@ -268,7 +326,7 @@ impl HostBackend {
         let bytes = std::mem::size_of_val(src);
         assert!(offset + bytes <= region.len());
         // SAFETY: in bounds (checked above); no other rank reads this area
-        // until the barrier that follows publishing.
+        // until the step that follows publishing.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 src.as_ptr() as *const u8,
@@ -288,32 +346,92 @@ impl HostBackend {
         self.publish(0, std::slice::from_ref(&header));
     }
 
-    /// A barrier that also orders this rank's plain memory accesses to the
-    /// shared regions against the other ranks'.
-    fn barrier(&self) -> Result<()> {
+    /// One step of `call`: every rank's tag is gathered (which also orders
+    /// this rank's plain accesses to the shared regions against the other
+    /// ranks'), and any rank in another call or step stops every rank.
+    fn step(&self, call: &Call, step: u32) -> Result<()> {
+        let mine = call.tag(step);
         fence(Ordering::SeqCst);
-        self.boot.barrier()?;
+        let tags = self.boot.all_gather(&mine).inspect_err(|e| {
+            let mut broken = self.broken.lock().unwrap_or_else(|p| p.into_inner());
+            broken.get_or_insert_with(|| e.clone());
+        })?;
         fence(Ordering::SeqCst);
-        Ok(())
-    }
-
-    fn expect_pending(&self, want: Option<Pending>) -> Result<()> {
-        if self.pending == want {
-            return Ok(());
+        match tags.iter().position(|t| t[..] != mine[..]) {
+            None => Ok(()),
+            Some(peer) => Err(mismatch(self.rank(), call, step, peer, &tags[peer])),
         }
-        Err(Error::invalid(match (self.pending, want) {
-            (Some(Pending::LlDispatchRecv), _) => {
-                "a low-latency dispatch ran its send phase only: call it again with EP_LL_RECV_ONLY first"
-            }
-            (Some(Pending::LlCombineRecv), _) => {
-                "a low-latency combine ran its send phase only: call it again with EP_LL_RECV_ONLY first"
-            }
-            (None, _) => "EP_LL_RECV_ONLY without a matching EP_LL_SEND_ONLY call",
-        }))
+    }
+}
+
+impl PointerCheck for HostBackend {
+    /// Host memory is all the host backend uses: any pointer will do.
+    fn check_pointer(&self, _field: &Field, _ptr: *const c_void) -> Result<()> {
+        Ok(())
     }
 }
 
 impl Backend for HostBackend {
+    fn check_stream(&self, _stream: Stream) -> Result<()> {
+        Ok(())
+    }
+
+    fn check_inputs(&mut self, inputs: Inputs<'_>) -> Result<()> {
+        let topo = self.cfg.topo;
+        match inputs {
+            Inputs::Dispatch(op, handle) => {
+                // SAFETY: the context checked the pointer for `n` tokens.
+                let topk_idx = unsafe { caller(op.topk_idx, op.num_tokens * topo.topk) };
+                validate_experts(topo, topk_idx, op.num_tokens).map_err(invalid_expert)?;
+                let state = host_handle(handle)?;
+                if op.reuse_layout
+                    && (state.num_tokens != op.num_tokens || state.topk_idx != topk_idx)
+                {
+                    return Err(Error::invalid(
+                        "EP_DISPATCH_REUSE_LAYOUT with routing that differs from the handle's dispatch",
+                    ));
+                }
+            }
+            Inputs::LlDispatch(op) if op.phases.send => {
+                // SAFETY: the context checked the pointers; the count is
+                // NULL or the caller's aligned `int32_t`.
+                let n = unsafe { ll_count(op.num_tokens, op.device_num_tokens) }.unwrap_or(0);
+                let topk_idx = unsafe { caller(op.topk_idx, n * topo.topk) };
+                validate_experts(topo, topk_idx, n).map_err(invalid_expert)?;
+            }
+            Inputs::LlCombine(op) if op.phases.recv => {
+                // A count out of range is reported when the call runs.
+                // SAFETY: as for the dispatch.
+                let Ok(n) = (unsafe { ll_count(op.num_tokens, op.device_num_tokens) }) else {
+                    return Ok(());
+                };
+                let sent = self.ll_sent.as_ref().ok_or_else(|| {
+                    Error::internal("low-latency combine without a dispatch on the host backend")
+                })?;
+                if n != sent.num_tokens {
+                    return Err(Error::invalid(format!(
+                        "the combine has {n} tokens but the low-latency dispatch it combines had {}",
+                        sent.num_tokens
+                    )));
+                }
+                // SAFETY: the context checked the pointer for `n` tokens.
+                let topk_idx = unsafe { caller(op.topk_idx, n * topo.topk) };
+                validate_experts(topo, topk_idx, n).map_err(invalid_expert)?;
+                if let Some(i) = (0..topk_idx.len()).find(|&i| topk_idx[i] != sent.topk_idx[i]) {
+                    return Err(Error::invalid(format!(
+                        "topk_idx[{}][{}] = {} but the low-latency dispatch it combines had {}: pass the dispatch's topk_idx",
+                        i / topo.topk,
+                        i % topo.topk,
+                        topk_idx[i],
+                        sent.topk_idx[i]
+                    )));
+                }
+            }
+            Inputs::LlDispatch(_) | Inputs::LlCombine(_) => {}
+        }
+        Ok(())
+    }
+
     fn layout(&mut self, op: &LayoutOp, _stream: Stream) -> Result<()> {
         let topo = self.cfg.topo;
         // SAFETY: the context checked the pointers; sizes follow the config.
@@ -333,11 +451,11 @@ impl Backend for HostBackend {
 
     fn dispatch(
         &mut self,
+        call: Call,
         op: &DispatchOp,
         handle: &mut HandleState,
         _stream: Stream,
-    ) -> Result<()> {
-        self.expect_pending(None)?;
+    ) -> Result<Option<Received>> {
         let topo = self.cfg.topo;
         let (n, fp8) = (op.num_tokens, op.dtype == Dtype::Fp8E4m3);
         let row_bytes = topo.hidden * op.dtype.elem_bytes();
@@ -355,16 +473,6 @@ impl Backend for HostBackend {
                 caller(op.topk_weights, n * topo.topk),
             )
         };
-        validate_experts(topo, topk_idx, n).map_err(invalid_expert)?;
-        let state = handle
-            .downcast_mut::<HostHandle>()
-            .ok_or_else(|| Error::internal("not a host handle"))?;
-        if op.reuse_layout && (state.num_tokens != n || state.topk_idx != topk_idx) {
-            return Err(Error::invalid(
-                "EP_DISPATCH_REUSE_LAYOUT with routing that differs from the handle's dispatch",
-            ));
-        }
-
         let a = &self.areas;
         let offsets = (
             a.dispatch_x,
@@ -380,7 +488,7 @@ impl Backend for HostBackend {
             h.dispatch_tokens = n as u64;
             h.dispatch_dtype = fp8 as u64;
         });
-        self.barrier()?;
+        self.step(&call, PUBLISH)?;
 
         let gathered = (0..topo.world)
             .map(|r| {
@@ -404,29 +512,34 @@ impl Backend for HostBackend {
                 })
             })
             .collect::<Result<Vec<_>>>()
-            .map(|sources| {
-                let alignment = op.expert.map_or(1, |e| e.alignment);
-                dispatch(topo, op.dtype, &sources, self.rank(), alignment)
-            });
-        self.barrier()?;
+            .map(|sources| dispatch(topo, op.dtype, &sources, self.rank(), op.alignment()));
+        self.step(&call, GATHER)?;
         let d = gathered?;
 
-        // SAFETY: the context checked every output pointer and capacity.
-        let result = unsafe { write_dispatch_outputs(op, &d, &topo) };
+        // SAFETY: the context checked every output pointer; capacities are
+        // checked against the rows before any row is written.
+        unsafe { write_dispatch_outputs(op, &d, &topo) }?;
+        let received = (!op.no_host_sync).then_some(Received {
+            source_rows: d.num_rows,
+            expert_rows: d.expert_rows,
+        });
+        let state = host_handle_mut(handle)?;
         state.num_tokens = n;
-        state.expert_major = op.expert.is_some();
         state.topk_idx = topk_idx.to_vec();
         state.dispatched = Some(d);
-        result
+        Ok(received)
     }
 
-    fn combine(&mut self, op: &CombineOp, handle: &HandleState, _stream: Stream) -> Result<()> {
-        self.expect_pending(None)?;
+    fn combine(
+        &mut self,
+        call: Call,
+        op: &CombineOp,
+        handle: &HandleState,
+        _stream: Stream,
+    ) -> Result<()> {
         let topo = self.cfg.topo;
         let hidden = topo.hidden;
-        let state = handle
-            .downcast_ref::<HostHandle>()
-            .ok_or_else(|| Error::internal("not a host handle"))?;
+        let state = host_handle(handle)?;
         let d = state
             .dispatched
             .as_ref()
@@ -436,13 +549,8 @@ impl Backend for HostBackend {
         } else {
             d.num_rows
         };
-        if input_rows > 0 && op.x.is_null() {
-            return Err(Error::null("x"));
-        }
-        if state.num_tokens > 0 && op.out.is_null() {
-            return Err(Error::null("out"));
-        }
-        // SAFETY: `x` holds the rows of the handle's dispatch.
+        // SAFETY: `x` holds the rows of the handle's dispatch (the context
+        // checked that it is given where there are rows).
         let x = unsafe { caller(op.x as *const bf16, input_rows * hidden) };
         let rows: Cow<[bf16]> = if op.expert_major {
             Cow::Owned(expert_partials(topo, d, x))
@@ -453,7 +561,10 @@ impl Backend for HostBackend {
         self.publish(rows_at, &rows);
         self.publish(src_at, &d.src_info);
         self.set_header(|h| h.combine_rows = d.num_rows as u64);
-        self.barrier()?;
+        self.step(&call, PUBLISH)?;
+        // Every rank combines the same dispatch (the step compared the
+        // dispatch call numbers), so every row addressed here names one of
+        // this rank's tokens of it.
         let returned: Vec<Returned> = (0..topo.world)
             .map(|r| {
                 let m = self.header(r).combine_rows as usize;
@@ -464,106 +575,85 @@ impl Backend for HostBackend {
             })
             .collect();
         let out = combine(topo, self.rank(), state.num_tokens, &returned);
-        self.barrier()?;
-        // SAFETY: `out` has room for the dispatch's tokens (checked above).
+        self.step(&call, GATHER)?;
+        // SAFETY: `out` has room for the dispatch's tokens (checked by the
+        // context where there are any).
         unsafe { give(op.out as *mut bf16, &out) };
         Ok(())
     }
 
     fn mega_dispatch_gemm(
         &mut self,
+        call: Call,
         op: &MegaDispatchOp,
         handle: &mut HandleState,
         stream: Stream,
     ) -> Result<()> {
-        self.dispatch(&op.dispatch, handle, stream)?;
+        self.dispatch(call, &op.dispatch, handle, stream)?;
         let d = dispatched(handle)?;
-        // SAFETY: the context checked the pointers; sizes follow the config.
-        let y = unsafe {
-            self.gemm(
-                &op.gemm,
-                GemmRows {
-                    data: &d.expert_x,
-                    scales: &d.expert_scales,
-                },
-                d,
-            )
+        let rows = GemmRows {
+            data: &d.expert_x,
+            scales: &d.expert_scales,
         };
-        // SAFETY: `y` has room for the expert capacity, at least the rows
-        // of a dispatch that succeeded.
-        unsafe { give(op.gemm.y as *mut bf16, &y) };
+        // SAFETY: the context checked the weights for the configured shape;
+        // `y` has room for the expert capacity, at least the rows of a
+        // dispatch that succeeded.
+        unsafe {
+            let y = self.gemm(&op.gemm, rows, d);
+            give(op.gemm.y as *mut bf16, &y);
+        }
         Ok(())
     }
 
     fn mega_gemm_combine(
         &mut self,
+        call: Call,
         op: &MegaCombineOp,
         handle: &HandleState,
         stream: Stream,
     ) -> Result<()> {
-        let state = handle
-            .downcast_ref::<HostHandle>()
-            .ok_or_else(|| Error::internal("not a host handle"))?;
-        if !state.expert_major {
-            return Err(Error::invalid(
-                "the handle's dispatch wrote no expert-major rows, which the fused combine multiplies",
-            ));
-        }
-        if state.num_tokens > 0 && op.out.is_null() {
-            return Err(Error::null("combine->out"));
-        }
         let d = dispatched(handle)?;
-        let dtype = op.gemm.dtype;
+        let g = &op.gemm;
         let rows = d.expert_rows;
         // SAFETY: the API gives `x` and its scales the dispatch's expert
-        // capacity, at least `rows`.
-        let (x, x_scales) = unsafe {
-            (
-                caller(op.x, rows * dtype.row_bytes(op.gemm.k)),
-                if dtype == Dtype::Fp8E4m3 {
-                    caller(op.x_scales, rows * dtype.scales_per_row(op.gemm.k))
-                } else {
-                    &[]
-                },
-            )
-        };
-        // SAFETY: as above.
+        // capacity, at least its rows.
         let y = unsafe {
-            self.gemm(
-                &op.gemm,
-                GemmRows {
-                    data: x,
-                    scales: x_scales,
-                },
-                d,
-            )
+            let x = caller(op.combine.x, rows * g.dtype.row_bytes(g.k));
+            let scales = match g.dtype {
+                Dtype::Fp8E4m3 => caller(g.x_scales, rows * g.dtype.scales_per_row(g.k)),
+                Dtype::Bf16 => &[],
+            };
+            self.gemm(g, GemmRows { data: x, scales }, d)
         };
         // Rows of real pairs go to the caller; padding rows stay as they were.
-        let n = op.gemm.n;
         for (e, &count) in d.expert_counts.iter().enumerate() {
-            let start = d.expert_offsets[e] as usize * n;
-            let real = &y[start..start + count as usize * n];
+            let start = d.expert_offsets[e] as usize * g.n;
             // SAFETY: `y` has room for every expert-major row.
-            unsafe { give((op.gemm.y as *mut bf16).add(start), real) };
+            unsafe {
+                give(
+                    (g.y as *mut bf16).add(start),
+                    &y[start..start + count as usize * g.n],
+                )
+            };
         }
         let combine = CombineOp {
-            expert_major: true,
             x: y.as_ptr() as *const u8,
-            out: op.out,
+            ..op.combine
         };
-        self.combine(&combine, handle, stream)
+        self.combine(call, &combine, handle, stream)
     }
 
-    fn ll_dispatch(&mut self, op: &LlDispatchOp, _stream: Stream) -> Result<()> {
+    fn ll_dispatch(&mut self, call: Call, op: &LlDispatchOp, _stream: Stream) -> Result<()> {
         let topo = self.cfg.topo;
         let (m, hidden, topk) = (self.cfg.ll_max_tokens, topo.hidden, topo.topk);
         let a = (self.areas.ll_x, self.areas.ll_topk, self.areas.ll_weights);
         let mut count_check = Ok(());
         if op.phases.send {
-            self.expect_pending(None)?;
-            // SAFETY: the context checked the pointer's alignment; it is NULL
-            // or the caller's count.
-            let n = unsafe { ll_tokens(op.num_tokens, op.device_num_tokens, &mut count_check) };
+            // SAFETY: the context checked the count pointer's alignment.
+            let n = unsafe { ll_count(op.num_tokens, op.device_num_tokens) }.unwrap_or_else(|e| {
+                count_check = Err(e);
+                0
+            });
             // SAFETY: the context checked the pointers for `n` tokens.
             let (x, topk_idx, weights) = unsafe {
                 (
@@ -572,7 +662,6 @@ impl Backend for HostBackend {
                     (!op.topk_weights.is_null()).then(|| caller(op.topk_weights, n * topk)),
                 )
             };
-            validate_experts(topo, topk_idx, n).map_err(invalid_expert)?;
             self.publish(a.0, x);
             self.publish(a.1, topk_idx);
             self.publish(a.2, weights.unwrap_or(&[]));
@@ -580,11 +669,14 @@ impl Backend for HostBackend {
                 h.ll_tokens = n as u64;
                 h.ll_has_weights = weights.is_some() as u64;
             });
-            self.barrier()?;
-            self.pending = Some(Pending::LlDispatchRecv);
+            self.ll_sent = Some(LlSent {
+                num_tokens: n,
+                topk_idx: topk_idx.to_vec(),
+            });
+            self.ll_received = None;
+            self.step(&call, PUBLISH)?;
         }
         if op.phases.recv {
-            self.expect_pending(Some(Pending::LlDispatchRecv))?;
             let sources: Vec<LlRankTokens> = (0..topo.world)
                 .map(|r| {
                     let h = self.header(r);
@@ -598,8 +690,7 @@ impl Backend for HostBackend {
                 })
                 .collect();
             let d = ll_dispatch(topo, m, &sources, self.rank(), op.out_dtype, op.ue8m0);
-            self.barrier()?;
-            self.pending = None;
+            self.step(&call, GATHER)?;
             // SAFETY: the context checked the output pointers; sizes follow
             // the masked layout of the config.
             unsafe {
@@ -611,15 +702,20 @@ impl Backend for HostBackend {
                 give(op.recv_src_info, &d.recv_src_info);
                 give(op.recv_layout_range, &d.recv_layout_range);
             }
-            self.ll_recv_weights = d.recv_weights;
+            self.ll_received = Some(LlReceived {
+                src_info: d.recv_src_info,
+                layout_range: d.recv_layout_range,
+                weights: d.recv_weights,
+            });
         }
         count_check
     }
 
-    fn ll_combine(&mut self, op: &LlCombineOp, _stream: Stream) -> Result<()> {
+    fn ll_combine(&mut self, call: Call, op: &LlCombineOp, _stream: Stream) -> Result<()> {
         let topo = self.cfg.topo;
         let (m, hidden, topk) = (self.cfg.ll_max_tokens, topo.hidden, topo.topk);
         let slots = self.cfg.local_experts() * topo.world * m;
+        let ranges = slots / m * 2;
         let a = &self.areas;
         let (y_at, src_at, range_at, w_at) = (
             a.ll_combine_y,
@@ -628,58 +724,80 @@ impl Backend for HostBackend {
             a.ll_combine_weights,
         );
         if op.phases.send {
-            self.expect_pending(None)?;
-            // SAFETY: the context checked the pointers; sizes follow the
-            // masked layout of the config.
-            unsafe {
-                if !op.zero_copy {
-                    self.publish(y_at, caller(op.x as *const bf16, slots * hidden));
-                }
-                self.publish(src_at, caller(op.src_info, slots));
-                self.publish(range_at, caller(op.layout_range, slots / m * 2));
+            if !op.zero_copy {
+                // SAFETY: the context checked the pointer; its size is the
+                // masked layout of the config.
+                let y = unsafe { caller(op.x as *const bf16, slots * hidden) };
+                self.publish(y_at, y);
             }
-            let weights = self.ll_recv_weights.take();
-            self.publish(w_at, weights.as_deref().unwrap_or(&[]));
-            self.set_header(|h| h.ll_combine_has_weights = weights.is_some() as u64);
-            self.ll_recv_weights = weights;
-            self.barrier()?;
-            self.pending = Some(Pending::LlCombineRecv);
+            // The layout kept from this rank's dispatch (none if that
+            // dispatch did not complete: every rank then learns it below).
+            let received = self.ll_received.take();
+            let (src_info, range, weights) = match &received {
+                Some(r) => (&r.src_info[..], &r.layout_range[..], r.weights.as_deref()),
+                None => (&[][..], &[][..], None),
+            };
+            self.publish(src_at, src_info);
+            self.publish(range_at, range);
+            self.publish(w_at, weights.unwrap_or(&[]));
+            self.set_header(|h| {
+                h.ll_combine_has_weights = weights.is_some() as u64;
+                h.ll_combine_ready = received.is_some() as u64;
+            });
+            self.ll_received = received;
+            self.step(&call, PUBLISH)?;
         }
         let mut count_check = Ok(());
         if op.phases.recv {
-            self.expect_pending(Some(Pending::LlCombineRecv))?;
-            // SAFETY: as in `ll_dispatch`.
-            let n = unsafe { ll_tokens(op.num_tokens, op.device_num_tokens, &mut count_check) };
+            // SAFETY: the context checked the count pointer's alignment.
+            let n = unsafe { ll_count(op.num_tokens, op.device_num_tokens) }.unwrap_or_else(|e| {
+                count_check = Err(e);
+                0
+            });
+            let unready = (0..topo.world).find(|&r| self.header(r).ll_combine_ready == 0);
             let experts: Vec<LlExpertOutputs> = (0..topo.world)
                 .map(|r| LlExpertOutputs {
                     y: self.view(r, y_at, slots * hidden),
                     src_info: self.view(r, src_at, slots),
-                    layout_range: self.view(r, range_at, slots / m * 2),
+                    layout_range: self.view(r, range_at, ranges),
                     weights: (self.header(r).ll_combine_has_weights != 0)
                         .then(|| self.view(r, w_at, slots)),
                 })
                 .collect();
             let weights_missing =
                 op.topk_weights.is_null() && experts.iter().any(|e| e.weights.is_none());
-            let out = (!weights_missing).then(|| {
-                // SAFETY: the context checked the pointers for `n` tokens.
-                let (topk_idx, weights) = unsafe {
-                    (
-                        caller(op.topk_idx, n * topk),
-                        (!op.topk_weights.is_null()).then(|| caller(op.topk_weights, n * topk)),
-                    )
-                };
-                ll_combine(topo, m, self.rank(), n, topk_idx, weights, &experts)
-            });
-            self.barrier()?;
-            self.pending = None;
-            let out = out.ok_or_else(|| {
-                Error::invalid(
+            let out = match unready {
+                Some(r) => Err(Error::invalid(format!(
+                    "rank {r} has no layout of the low-latency dispatch this combine pairs with (call #{}): that dispatch failed",
+                    call.pairs_with
+                ))),
+                None if weights_missing => Err(Error::invalid(
                     "topk_weights is NULL but not every rank's dispatch was given weights",
-                )
-            })?;
+                )),
+                None => {
+                    // SAFETY: the context checked the pointers for `n` tokens,
+                    // and `check_inputs` that they are the dispatch's routing.
+                    let (topk_idx, weights) = unsafe {
+                        (
+                            caller(op.topk_idx, n * topk),
+                            (!op.topk_weights.is_null())
+                                .then(|| caller(op.topk_weights, n * topk)),
+                        )
+                    };
+                    Ok(ll_combine(
+                        topo,
+                        m,
+                        self.rank(),
+                        n,
+                        topk_idx,
+                        weights,
+                        &experts,
+                    ))
+                }
+            };
+            self.step(&call, GATHER)?;
             // SAFETY: `out` has room for `n` tokens (checked by the context).
-            unsafe { give(op.out as *mut bf16, &out) };
+            unsafe { give(op.out as *mut bf16, &out?) };
         }
         count_check
     }
@@ -692,11 +810,42 @@ impl Backend for HostBackend {
     }
 }
 
-/// The reference layout a dispatch left in a handle.
-fn dispatched(handle: &HandleState) -> Result<&Dispatched> {
+fn host_handle(handle: &HandleState) -> Result<&HostHandle> {
     handle
         .downcast_ref::<HostHandle>()
-        .and_then(|state| state.dispatched.as_ref())
+        .ok_or_else(|| Error::internal("not a host handle"))
+}
+
+fn host_handle_mut(handle: &mut HandleState) -> Result<&mut HostHandle> {
+    handle
+        .downcast_mut::<HostHandle>()
+        .ok_or_else(|| Error::internal("not a host handle"))
+}
+
+/// The tokens of a low-latency call: `*device_num_tokens` when given, else
+/// `bound`. As on the GPU, a count outside `[0, bound]` is an error that the
+/// call reports when it ends, having run with no tokens.
+///
+/// # Safety
+/// `device_num_tokens` is NULL or points to an aligned `i32`.
+unsafe fn ll_count(bound: usize, device_num_tokens: *const i32) -> Result<usize> {
+    if device_num_tokens.is_null() {
+        return Ok(bound);
+    }
+    let n = *device_num_tokens;
+    match usize::try_from(n) {
+        Ok(n) if n <= bound => Ok(n),
+        _ => Err(Error::invalid(format!(
+            "*device_num_tokens = {n} is outside [0, num_tokens = {bound}]; the call ran with no tokens"
+        ))),
+    }
+}
+
+/// The reference layout a dispatch left in a handle.
+fn dispatched(handle: &HandleState) -> Result<&Dispatched> {
+    host_handle(handle)?
+        .dispatched
+        .as_ref()
         .ok_or_else(|| Error::internal("a host handle without a layout"))
 }
 
@@ -707,7 +856,7 @@ impl HostBackend {
     /// # Safety
     /// The weight pointers must hold `[local_experts, n, k]` elements (and
     /// FP8 scales), as the API says.
-    unsafe fn gemm(&self, op: &GemmOp, rows: GemmRows, d: &Dispatched) -> Vec<bf16> {
+    unsafe fn gemm(&self, op: &MegaOp, rows: GemmRows, d: &Dispatched) -> Vec<bf16> {
         let (n, k, dtype) = (op.n, op.k, op.dtype);
         let experts = self.cfg.local_experts();
         let blocks = (n / 128) * (k / 128);
@@ -716,36 +865,12 @@ impl HostBackend {
             n,
             k,
             data: caller(op.weights, experts * n * k * dtype.elem_bytes()),
-            scales: if dtype == Dtype::Fp8E4m3 {
-                caller(op.weight_scales, experts * blocks)
-            } else {
-                &[]
+            scales: match dtype {
+                Dtype::Fp8E4m3 => caller(op.weight_scales, experts * blocks),
+                Dtype::Bf16 => &[],
             },
         };
         grouped_gemm(&weights, rows, &d.expert_offsets, &d.expert_counts)
-    }
-}
-
-/// The tokens of a low-latency call: `*device_num_tokens` when given, else
-/// `bound`. As on the GPU, a count outside `[0, bound]` lets the call go on
-/// with no tokens and leaves the error in `check`, to be returned when the
-/// call ends.
-///
-/// # Safety
-/// `device_num_tokens` is NULL or points to an `i32`.
-unsafe fn ll_tokens(bound: usize, device_num_tokens: *const i32, check: &mut Result<()>) -> usize {
-    if device_num_tokens.is_null() {
-        return bound;
-    }
-    let n = *device_num_tokens;
-    match usize::try_from(n) {
-        Ok(n) if n <= bound => n,
-        _ => {
-            *check = Err(Error::invalid(format!(
-                "*device_num_tokens = {n} is outside [0, num_tokens = {bound}]; the call ran with no tokens"
-            )));
-            0
-        }
     }
 }
 
