@@ -110,3 +110,19 @@ fn header_exports_only_ep_names() {
         }
     }
 }
+
+/// python/ep/_abi.py is what scripts/gen-python-abi.py makes of the header
+/// (scripts/gen-header.sh regenerates both).
+#[test]
+fn python_abi_is_up_to_date() {
+    let output = Command::new("python3")
+        .arg(root().join("scripts/gen-python-abi.py"))
+        .arg("--check")
+        .output()
+        .expect("run python3 scripts/gen-python-abi.py");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}

@@ -39,7 +39,9 @@ fn bench(env: &[(&str, &Path)], level: &str) -> (Output, u32) {
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let child = cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+    let child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
     let child = child.spawn().expect("ep-bench starts");
     let pid = child.id();
     let out = child.wait_with_output().unwrap();
@@ -83,7 +85,10 @@ fn info_writes_each_ranks_summary_to_the_named_file() {
         }
     }
     assert!(log.lines().all(|l| l.starts_with(&prefix)), "{log}");
-    assert!(!log.contains(" EP DEBUG "), "no debug lines at info:\n{log}");
+    assert!(
+        !log.contains(" EP DEBUG "),
+        "no debug lines at info:\n{log}"
+    );
 }
 
 #[test]
@@ -114,7 +119,9 @@ fn an_unknown_level_is_named_and_warn_is_used() {
     let (out, _) = bench(&[], "loud");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("EP WARN EP_LOG_LEVEL=\"loud\" is not off, warn, info, debug or trace; using warn"),
+        err.contains(
+            "EP WARN EP_LOG_LEVEL=\"loud\" is not off, warn, info, debug or trace; using warn"
+        ),
         "{err}"
     );
     assert!(!err.contains(" EP INFO "), "{err}");
@@ -146,7 +153,8 @@ fn a_failed_call_is_logged_with_its_last_error_at_the_default_level() {
     assert_eq!(status, EP_ERR_INVALID_ARGUMENT);
     let file = dir.join(format!("ep.{}.log", std::process::id()));
     let log = std::fs::read_to_string(&file).expect("the log file");
-    let want = format!("[rank - dev -] EP WARN ep_ctx_create failed: invalid argument (1): {message}");
+    let want =
+        format!("[rank - dev -] EP WARN ep_ctx_create failed: invalid argument (1): {message}");
     assert!(
         log.lines().any(|l| l.ends_with(&want)),
         "no line ending in {want:?} in\n{log}"

@@ -63,7 +63,7 @@ impl Level {
 }
 
 /// The level when `EP_LOG_LEVEL` is unset.
-pub const DEFAULT_LEVEL: Level = Level::Warn;
+const DEFAULT_LEVEL: Level = Level::Warn;
 
 /// `EP_LOG_FILE`'s pattern with `%h` replaced by `host`, `%p` by `pid` and
 /// `%%` by `%`; any other `%` stays as it is.
