@@ -2,7 +2,8 @@
 # Runs on the GPU machine (no Rust there), from the repository root, on what
 # scripts/gpu-package.sh put into .gpu/:
 #   bash .gpu/gpu-check.sh [budget-seconds]     (default budget 540)
-# Order: GPU tests, C demo (all GPUs, then 2 ranks), ep-bench normal, ll and an ll
+# Order: GPU tests, the Python package's torch tests, C demo (all GPUs, then 2
+# ranks), ep-bench normal, ll and an ll
 # token sweep (all GPUs), normal and ll on 2 ranks, then an SM sweep and a token
 # sweep while the budget allows. Logs go
 # to $OUT (default ./gpu-out); a summary table comes last. Never changes
@@ -57,6 +58,13 @@ for t in "$G"/tests/gpu_*; do
   [ -x "$t" ] || continue
   step "test $(basename "$t")" 30 300 "$t" --ignored --test-threads=1
 done
+
+# 1b. The Python package with torch on the GPUs (python3, torch and pytest are
+# on the machine; the package loads this directory's libep.so).
+if [ -d "$G/python/tests" ]; then
+  step "python torch tests" 60 300 env EP_LIBRARY="$G/libep.so" PYTHONPATH="$G/python" \
+    EP_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider "$G/python/tests/test_gpu_torch.py"
+fi
 
 # 2. The C demo over the GPU backend (ranks as processes), all GPUs then 2.
 if [ -x "$G/demo" ]; then
