@@ -5,8 +5,9 @@
 # Order: GPU tests, the Python package's torch tests, C demo (all GPUs, then 2
 # ranks), ep-bench normal, ll and an ll
 # token sweep (all GPUs), normal and ll on 2 ranks, then an SM sweep and a token
-# sweep while the budget allows. Logs go
-# to $OUT (default ./gpu-out); a summary table comes last. Never changes
+# sweep while the budget allows. Logs, and each benchmark's results as JSON
+# (bench_*.json, for bench/data and bench/plot.py), go to $OUT (default
+# ./gpu-out); a summary table comes last. Never changes
 # clocks or resets GPUs.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -73,19 +74,25 @@ if [ -x "$G/demo" ]; then
 fi
 
 # 3. Benchmarks: W1 normal and W2 low-latency (and its token sweep), all ranks then 2.
+# bench NAME MIN_SECONDS TIMEOUT ARGS...: an ep-bench step that also writes its
+# results as JSON ($OUT/bench_<name>.json, for bench/data and bench/plot.py).
 B="$G/ep-bench"
-step "bench normal ${R} ranks" 60 180 "$B" --ranks "$R" --mode normal
-step "bench ll ${R} ranks" 40 120 "$B" --ranks "$R" --mode ll
-step "bench ll token sweep ${R} ranks" 60 180 "$B" --ranks "$R" --mode ll \
+bench() {
+  local name="$1" need="$2" limit="$3"; shift 3
+  step "$name" "$need" "$limit" "$B" "$@" --json "$OUT/$(echo "$name" | tr ' /' '__').json"
+}
+bench "bench normal ${R} ranks" 60 180 --ranks "$R" --mode normal
+bench "bench ll ${R} ranks" 40 120 --ranks "$R" --mode ll
+bench "bench ll token sweep ${R} ranks" 60 180 --ranks "$R" --mode ll \
   --sweep-tokens 1,8,32,64,128,256 --iters 200
 if [ "$R" -gt 2 ]; then
-  step "bench normal 2 ranks" 60 180 "$B" --ranks 2 --mode normal
-  step "bench ll 2 ranks" 40 120 "$B" --ranks 2 --mode ll
+  bench "bench normal 2 ranks" 60 180 --ranks 2 --mode normal
+  bench "bench ll 2 ranks" 40 120 --ranks 2 --mode ll
 fi
 
 # 4. Sweeps, only while the budget allows.
-step "bench SM sweep ${R} ranks" 90 180 "$B" --ranks "$R" --mode normal --sms-sweep 16,24,32,48,64 --iters 30
-step "bench token sweep ${R} ranks" 90 240 "$B" --ranks "$R" --mode normal \
+bench "bench SM sweep ${R} ranks" 90 180 --ranks "$R" --mode normal --sms-sweep 16,24,32,48,64 --iters 30
+bench "bench token sweep ${R} ranks" 90 240 --ranks "$R" --mode normal \
   --sweep-tokens 256,512,1024,2048,4096,8192,16384 --iters 30
 
 # The benchmark tables, in one file ready for bench/RESULTS.md.

@@ -7,30 +7,12 @@
 //! tests run on the host backend. Needs python3 with venv and pip access to
 //! PyPI.
 
+mod common;
+
+use common::tools::{root, run};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 use std::sync::Mutex;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn show(output: &Output) -> String {
-    format!(
-        "status: {}\n--- stdout ---\n{}\n--- stderr ---\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
-}
-
-fn run(cmd: &mut Command, what: &str) -> String {
-    let output = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {what}: {e}"));
-    assert!(output.status.success(), "{what} failed:\n{}", show(&output));
-    String::from_utf8_lossy(&output.stdout).into_owned()
-}
 
 /// The test environment's python, made once (and again when the
 /// requirements change).
@@ -118,4 +100,127 @@ fn python_package_installs_and_passes_its_host_tests() {
         summary.contains(" passed") && !summary.contains("failed"),
         "unexpected pytest summary: {summary}"
     );
+}
+
+/// Whether `dir` holds a PNG file called `name`.
+fn is_png(dir: &Path, name: &str) -> bool {
+    std::fs::read(dir.join(name))
+        .map(|b| b.starts_with(b"\x89PNG\r\n\x1a\n") && b.len() > 1000)
+        .unwrap_or(false)
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = root().join("target/plot-test").join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+const PLOTS: [&str; 5] = [
+    "normal-tokens.png",
+    "normal-sms.png",
+    "ll-tokens.png",
+    "vs-nccl.png",
+    "vs-deepep.png",
+];
+
+/// bench/data is what bench/results_to_json.py makes of bench/RESULTS.md,
+/// and bench/plot.py renders every plot of it (and, without matplotlib,
+/// still processes the data and says that it skipped rendering).
+#[test]
+fn plot_script_renders_the_recorded_runs() {
+    let python = python();
+    let converted = scratch("converted");
+    run(
+        Command::new(&python)
+            .arg(root().join("bench/results_to_json.py"))
+            .arg("--out")
+            .arg(&converted),
+        "bench/results_to_json.py",
+    );
+    for entry in std::fs::read_dir(&converted).unwrap() {
+        let name = entry.unwrap().file_name();
+        let recorded = root().join("bench/data").join(&name);
+        assert_eq!(
+            std::fs::read_to_string(converted.join(&name)).unwrap(),
+            std::fs::read_to_string(&recorded).unwrap_or_default(),
+            "bench/data/{} differs from what bench/results_to_json.py makes of bench/RESULTS.md",
+            name.to_string_lossy()
+        );
+    }
+
+    let out_dir = scratch("plots");
+    let out = run(
+        Command::new(&python)
+            .arg(root().join("bench/plot.py"))
+            .arg("--out")
+            .arg(&out_dir),
+        "bench/plot.py",
+    );
+    println!("{out}");
+    assert!(out.contains("5 runs, 1 reference files, 5 plots"), "{out}");
+    assert!(
+        out.contains("vs-deepep: 5 pairs of bars") && out.contains("normal-sms: 2 panels"),
+        "{out}"
+    );
+    for png in PLOTS {
+        assert!(is_png(&out_dir, png), "{png} was not rendered:\n{out}");
+    }
+
+    // Without matplotlib: the data part runs, rendering is skipped, loudly.
+    let no_mpl = scratch("no-matplotlib");
+    let out = run(
+        Command::new(&python)
+            .args([
+                "-c",
+                "import runpy, sys; sys.modules['matplotlib'] = None; \
+                 script, out = sys.argv[1:3]; sys.argv = [script, '--out', out]; \
+                 runpy.run_path(script, run_name='__main__')",
+            ])
+            .arg(root().join("bench/plot.py"))
+            .arg(&no_mpl),
+        "bench/plot.py without matplotlib",
+    );
+    assert!(out.contains("5 plots"), "{out}");
+    assert!(
+        out.contains("matplotlib is not installed: rendering skipped"),
+        "{out}"
+    );
+    assert!(!is_png(&no_mpl, "normal-tokens.png"));
+}
+
+/// ep-bench's own --json output (host backend) goes through the plot script.
+#[test]
+fn plot_script_takes_a_fresh_ep_bench_json() {
+    let python = python();
+    let dir = scratch("fresh");
+    let json = dir.join("run.json");
+    run(
+        Command::new(env!("CARGO_BIN_EXE_ep-bench"))
+            .args(["--backend", "host", "--ranks", "2", "--hidden", "256"])
+            .args([
+                "--experts",
+                "8",
+                "--topk",
+                "2",
+                "--iters",
+                "2",
+                "--warmup",
+                "1",
+            ])
+            .args(["--mode", "all", "--sweep-tokens", "2,4,8", "--json"])
+            .arg(&json),
+        "ep-bench --json",
+    );
+    let out = run(
+        Command::new(&python)
+            .arg(root().join("bench/plot.py"))
+            .arg(&json)
+            .arg("--out")
+            .arg(&dir),
+        "bench/plot.py on a fresh run",
+    );
+    println!("{out}");
+    assert!(out.contains("1 runs, 0 reference files, 2 plots"), "{out}");
+    assert!(is_png(&dir, "normal-tokens.png") && is_png(&dir, "ll-tokens.png"));
 }

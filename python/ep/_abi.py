@@ -3,9 +3,7 @@
 Every pointer is a c_void_p; structs are ctypes Structures with the
 header's field names; FUNCTIONS maps each function to (result, [params]).
 """
-# flake8: noqa
-from ctypes import (Structure, c_char, c_char_p, c_double, c_float, c_int, c_int32, c_int64,
-                    c_size_t, c_uint8, c_uint32, c_uint64, c_void_p)
+from ctypes import Structure, c_char_p, c_int32, c_uint32, c_uint8, c_void_p
 
 EP_API_VERSION = 100
 EP_UNIQUE_ID_BYTES = 128
