@@ -63,8 +63,12 @@ done
 # 1b. The Python package with torch on the GPUs (python3, torch and pytest are
 # on the machine; the package loads this directory's libep.so).
 if [ -d "$G/python/tests" ]; then
-  step "python torch tests" 60 300 env EP_LIBRARY="$G/libep.so" PYTHONPATH="$G/python" \
-    EP_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider "$G/python/tests/test_gpu_torch.py"
+  PY=(env EP_LIBRARY="$G/libep.so" PYTHONPATH="$G/python" python3)
+  step "python torch tests" 60 300 env EP_REQUIRE_GPU=1 "${PY[@]}" -m pytest -q \
+    -p no:cacheprovider "$G/python/tests/test_gpu_torch.py"
+  step "python example host 2 ranks" 20 120 "${PY[@]}" "$G/python/examples/torch_two_ranks.py"
+  step "python example gpu" 20 120 "${PY[@]}" "$G/python/examples/torch_two_ranks.py" --gpu \
+    --ranks "$(( R < 2 ? R : 2 ))"
 fi
 
 # 2. The C demo over the GPU backend (ranks as processes), all GPUs then 2.

@@ -54,7 +54,7 @@ fi
 # The Python package is pure Python: its sources and tests, without caches
 # (gpu-check.sh points EP_LIBRARY at .gpu/libep.so).
 mkdir -p .gpu/python
-for d in ep tests; do
+for d in ep tests examples; do
   cp -r "python/$d" ".gpu/python/$d"
 done
 find .gpu/python \( -name __pycache__ -o -name 'libep.so' \) -prune -exec rm -rf {} +
