@@ -43,6 +43,28 @@ fn run_demo(exe: &Path, args: &[&str], want: &str, env: &[(&str, &Path)]) {
     );
 }
 
+/// Configures and builds examples-c/CMakeLists.txt against the ep installed
+/// under `prefix`, in `build` (`build_args`: more `cmake --build` arguments).
+fn cmake_examples(prefix: &Path, build: &Path, build_args: &[&str]) {
+    run(
+        Command::new("cmake")
+            .arg("-S")
+            .arg(root().join("examples-c"))
+            .arg("-B")
+            .arg(build)
+            .arg(format!("-DCMAKE_PREFIX_PATH={}", prefix.display())),
+        &format!("cmake configure examples-c against {}", prefix.display()),
+    );
+    run(
+        Command::new("cmake")
+            .arg("--build")
+            .arg(build)
+            .arg("-j2")
+            .args(build_args),
+        "cmake --build examples-c",
+    );
+}
+
 fn pkg_config(pc_dir: &Path, args: &[&str]) -> Vec<String> {
     let out = run(
         Command::new("pkg-config")
@@ -110,19 +132,7 @@ fn installed_library_builds_with_pkg_config_and_cmake() {
 
     // The CMake project of examples-c through find_package(ep).
     let build = dir.join("cmake-build");
-    run(
-        Command::new("cmake")
-            .arg("-S")
-            .arg(root().join("examples-c"))
-            .arg("-B")
-            .arg(&build)
-            .arg(format!("-DCMAKE_PREFIX_PATH={}", prefix.display())),
-        "cmake configure examples-c",
-    );
-    run(
-        Command::new("cmake").arg("--build").arg(&build).arg("-j2"),
-        "cmake --build examples-c",
-    );
+    cmake_examples(&prefix, &build, &[]);
     run_demo(&build.join("demo"), &["2"], "demo: all 2 ranks passed", &[]);
     run_demo(
         &build.join("demo_static"),
@@ -158,22 +168,7 @@ fn installed_library_builds_with_pkg_config_and_cmake() {
         moved.join("include").canonicalize().unwrap()
     );
     let build2 = dir.join("cmake-build-moved");
-    run(
-        Command::new("cmake")
-            .arg("-S")
-            .arg(root().join("examples-c"))
-            .arg("-B")
-            .arg(&build2)
-            .arg(format!("-DCMAKE_PREFIX_PATH={}", moved.display())),
-        "cmake configure against the moved tree",
-    );
-    run(
-        Command::new("cmake")
-            .arg("--build")
-            .arg(&build2)
-            .args(["--target", "demo"]),
-        "cmake --build against the moved tree",
-    );
+    cmake_examples(&moved, &build2, &["--target", "demo"]);
     run_demo(
         &build2.join("demo"),
         &["2"],

@@ -10,6 +10,7 @@
 mod common;
 
 use common::tools::{root, run};
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
@@ -33,27 +34,15 @@ fn python() -> PathBuf {
             Command::new("python3").args(["-m", "venv"]).arg(&dir),
             "python3 -m venv (on Debian: apt-get install python3-venv)",
         );
-        run(
-            Command::new(&python)
-                .args([
-                    "-m",
-                    "pip",
-                    "install",
-                    "--quiet",
-                    "--disable-pip-version-check",
-                    "-r",
-                ])
-                .arg(&requirements),
-            "pip install -r python/requirements-test.txt",
-        );
+        pip_install(&python, &["-r".as_ref(), requirements.as_os_str()]);
         std::fs::write(&marker, &wanted).unwrap();
     }
     *venv = Some(python.clone());
     python
 }
 
-/// Installs the package from this checkout into the test environment.
-fn install_package(python: &Path) {
+/// `python -m pip install --quiet ARGS`.
+fn pip_install(python: &Path, args: &[&OsStr]) {
     run(
         Command::new(python)
             .args([
@@ -63,9 +52,21 @@ fn install_package(python: &Path) {
                 "--quiet",
                 "--disable-pip-version-check",
             ])
-            .args(["--force-reinstall", "--no-deps"])
-            .arg(root()),
-        "pip install <checkout>",
+            .args(args),
+        &format!("pip install {args:?}"),
+    );
+}
+
+/// Installs the package from this checkout into the test environment.
+fn install_package(python: &Path) {
+    let checkout = root();
+    pip_install(
+        python,
+        &[
+            "--force-reinstall".as_ref(),
+            "--no-deps".as_ref(),
+            checkout.as_os_str(),
+        ],
     );
 }
 

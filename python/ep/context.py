@@ -34,6 +34,17 @@ Stream = Any
 
 _SCALE_BLOCK = _abi.EP_HIDDEN_ALIGNMENT
 
+#: The dispatch's output arrays (keys of ``_DispatchBuffers.source`` and
+#: ``.expert``) and the ``ep_dispatch_args_t`` fields they go to.
+_OUTPUT_FIELDS = {
+    "recv": {"x": "recv_x", "x_scales": "recv_x_scales", "topk_idx": "recv_topk_idx",
+             "topk_weights": "recv_topk_weights", "src_info": "recv_src_info",
+             "num_tokens": "recv_num_tokens"},
+    "expert": {"x": "expert_x", "x_scales": "expert_x_scales", "weights": "expert_weights",
+               "src_row": "expert_src_row", "offsets": "expert_offsets",
+               "counts": "expert_counts"},
+}
+
 
 def _unique_id_struct(unique_id: Union[bytes, bytearray, "Any"]) -> _abi.ep_unique_id_t:
     raw = bytes(unique_id)
@@ -567,24 +578,15 @@ class Context:
             a.topk_idx = _arrays.ptr_of(idx)
             a.topk_weights = _arrays.ptr_of(topk_weights)
             a.expert_alignment = alignment
-            src, exp = buffers.source if source_order else None, \
-                buffers.expert if expert_major else None
-            if src is not None:
-                a.recv_capacity = src["capacity"]
-                a.recv_x = _arrays.ptr_of(src["x"])
-                a.recv_x_scales = _arrays.ptr_of(src["x_scales"]) if fp8 else None
-                a.recv_topk_idx = _arrays.ptr_of(src["topk_idx"])
-                a.recv_topk_weights = _arrays.ptr_of(src["topk_weights"])
-                a.recv_src_info = _arrays.ptr_of(src["src_info"])
-                a.recv_num_tokens = _arrays.ptr_of(src["num_tokens"])
-            if exp is not None:
-                a.expert_capacity = exp["capacity"]
-                a.expert_x = _arrays.ptr_of(exp["x"])
-                a.expert_x_scales = _arrays.ptr_of(exp["x_scales"]) if fp8 else None
-                a.expert_weights = _arrays.ptr_of(exp["weights"])
-                a.expert_src_row = _arrays.ptr_of(exp["src_row"])
-                a.expert_offsets = _arrays.ptr_of(exp["offsets"])
-                a.expert_counts = _arrays.ptr_of(exp["counts"])
+            src = buffers.source if source_order else None
+            exp = buffers.expert if expert_major else None
+            for prefix, outputs in (("recv", src), ("expert", exp)):
+                if outputs is None:
+                    continue
+                setattr(a, f"{prefix}_capacity", outputs["capacity"])
+                for key, field in _OUTPUT_FIELDS[prefix].items():
+                    array = outputs[key]
+                    setattr(a, field, None if array is None else _arrays.ptr_of(array))
             host_rows = ctypes.c_int32(-1)
             host_counts = (ctypes.c_int32 * max(self.num_local_experts, 1))()
             a.host_recv_num_tokens = ctypes.addressof(host_rows)
