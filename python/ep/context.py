@@ -18,7 +18,6 @@ no_host_sync=True)`` with its ``combine`` can be captured in a CUDA graph
 import contextlib
 import ctypes
 import sys
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -68,33 +67,34 @@ class Handle:
     """The routing of a normal-mode dispatch (an ``ep_handle_t``), read by
     ``combine``. Reusable for any number of dispatches of its context; its
     storage has a fixed address, so a dispatch/combine pair using it can be
-    captured in a CUDA graph. Freed with its context, or by ``close()``."""
+    captured in a CUDA graph.
+
+    A handle no longer referenced (or ``close()``d) goes back to its
+    context, which hands it to the next new handle, and frees it only when
+    the context closes: work already enqueued may still read it, and the
+    calls of a context run in order, so only later work can reuse it."""
 
     def __init__(self, ctx: "Context"):
-        ptr = ctypes.c_void_p()
-        _lib.call("ep_handle_create", ctx._ptr_checked("Handle"), ctypes.byref(ptr))
-        self._ptr: Optional[int] = ptr.value
+        ptr = ctx._take_handle()
+        self._ptr: Optional[int] = ptr
         self.context = ctx
         #: Facts of the latest dispatch into this handle (for combine's checks).
         self._last: Optional["_DispatchFacts"] = None
-        ctx._handles.add(self)
 
     def close(self) -> None:
-        """Frees the handle (no work using it may still be running)."""
+        """Gives the handle back to its context for reuse."""
         if self._ptr is not None:
             ptr, self._ptr = self._ptr, None
-            _lib.call("ep_handle_destroy", ptr)
-            self.context._handles.discard(self)
+            self.context._spare_handles.append(ptr)
 
     def _ptr_checked(self, function: str) -> int:
-        if self._ptr is None:
+        if self._ptr is None or self.context._ptr is None:
             raise InvalidArgumentError("the handle is closed", function=function)
         return self._ptr
 
     def __del__(self) -> None:
         try:
-            if self._ptr is not None and self.context._ptr is not None:
-                self.close()
+            self.close()
         except Exception:
             pass
 
@@ -242,7 +242,10 @@ class Context:
     def __init__(self, world_size: int, rank: int, unique_id: Any,
                  config: Optional[Config] = None, *, device: Optional[int] = None):
         self._ptr: Optional[int] = None
-        self._handles: "weakref.WeakSet[Handle]" = weakref.WeakSet()
+        #: ep_handle_t pointers of released handles, reused before new ones
+        #: are made and freed only by close() (see ``Handle``).
+        self._spare_handles: List[int] = []
+        self._all_handles: List[int] = []
         self._pending: Optional[Pending] = None
         self._capacity_cache: dict = {}
         c = (config or Config()).to_c()
@@ -268,16 +271,19 @@ class Context:
 
     def close(self) -> None:
         """Frees the context, its handles and buffers. On the GPU it first
-        waits for the device (no work of the context may still run)."""
+        waits for the device (no work of the context may still run). Arrays
+        the context owns (``ll_combine_buffer()``) keep it from being
+        collected, but not from an explicit ``close()``."""
         if self._ptr is None:
             return
         if self.device is not None:
             torch = sys.modules.get("torch")
             if torch is not None:
                 torch.cuda.synchronize(self.device)
-        for handle in list(self._handles):
-            handle.close()
         ptr, self._ptr = self._ptr, None
+        handles, self._all_handles, self._spare_handles = self._all_handles, [], []
+        for handle in handles:
+            _lib.call("ep_handle_destroy", handle)
         _lib.call("ep_ctx_destroy", ptr)
 
     def __enter__(self) -> "Context":
@@ -309,6 +315,15 @@ class Context:
             from .errors import error_for
             raise error_for(status.value, _lib.last_error(), function="ep_ctx_get_async_error",
                             status_name=_lib.status_name(status.value))
+
+    def _take_handle(self) -> int:
+        """A spare ep_handle_t of this context, or a new one."""
+        if self._spare_handles:
+            return self._spare_handles.pop()
+        ptr = ctypes.c_void_p()
+        _lib.call("ep_handle_create", self._ptr_checked("Handle"), ctypes.byref(ptr))
+        self._all_handles.append(ptr.value)
+        return ptr.value
 
     def new_handle(self) -> Handle:
         """A new routing handle for ``dispatch(..., handle=)``."""
@@ -559,6 +574,9 @@ class Context:
             handle = Handle(self)
         elif handle.context is not self:
             raise InvalidArgumentError("the handle belongs to another context", function=fn)
+        elif reuse_layout and handle._last is None:
+            raise InvalidArgumentError("reuse_layout=True with a handle that holds no dispatch",
+                                       function=fn)
 
         with self._stream(stream) as s:
             idx = self._topk_idx(fn, topk_idx, kind, n)

@@ -326,6 +326,26 @@ def _has_gpu():
     return os.path.exists("/dev/nvidiactl")
 
 
+def test_released_handles_are_reused_and_a_fresh_handle_cannot_reuse_a_layout():
+    with single() as ctx:
+        x = np.zeros((2, TOPO.hidden), np.uint16)
+        idx = np.array([[0, 1, 2], [3, -1, 4]], np.int32)
+        w = np.ones((2, TOPO.topk), np.float32)
+        d = ctx.dispatch(x, idx, w)
+        ptr = d.handle._ptr
+        del d  # the handle goes back to the context ...
+        h = ctx.new_handle()
+        assert h._ptr == ptr  # ... which hands it out again
+        with pytest.raises(ep.InvalidArgumentError, match="holds no dispatch"):
+            ctx.dispatch(x, idx, w, handle=h, reuse_layout=True)
+        with pytest.raises(ep.InvalidArgumentError, match="holds no layout"):
+            ctx.combine(x, h)
+        d = ctx.dispatch(x, idx, w, handle=h)
+        assert d.handle is h
+        d2 = ctx.dispatch(x, idx, w, handle=h, reuse_layout=True)
+        assert d2.num_recv_tokens == d.num_recv_tokens == 2
+
+
 def test_closed_contexts_and_handles_refuse_calls():
     ctx = single()
     handle = ctx.new_handle()
