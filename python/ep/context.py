@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Uni
 
 from . import _abi, _arrays, _lib
 from .config import Config, backend_name
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, error_for
 
 #: An array this package takes: a torch tensor or a numpy array.
 Array = Any
@@ -312,7 +312,6 @@ class Context:
         _lib.call("ep_ctx_get_async_error", self._ptr_checked("check_async_error"),
                   ctypes.byref(status))
         if status.value != _abi.EP_SUCCESS:
-            from .errors import error_for
             raise error_for(status.value, _lib.last_error(), function="ep_ctx_get_async_error",
                             status_name=_lib.status_name(status.value))
 
