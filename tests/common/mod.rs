@@ -7,6 +7,7 @@
 
 pub mod calls;
 pub mod gpu;
+pub mod tools;
 pub mod walk;
 
 use ep::capi::*;
