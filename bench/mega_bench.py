@@ -26,80 +26,45 @@ import os
 import statistics
 import sys
 import time
-from ctypes import POINTER, Structure, byref, c_char_p, c_float, c_int32, c_uint8, c_uint32, c_void_p
+import importlib.util
+from ctypes import byref, c_int32, c_void_p
 
 import torch
 
-EP_SUCCESS = 0
-EP_BACKEND_GPU = 1
-EP_DTYPE_BF16 = 1
-EP_DTYPE_FP8_E4M3 = 2
-EP_DISPATCH_NO_HOST_SYNC = 1
-EP_COMBINE_EXPERT_MAJOR = 1
+
+def load_abi():
+    """The header's constants, structs and signatures: python/ep/_abi.py,
+    generated from include/ep.h (beside this file in the GPU bundle, at the
+    repository's python/ otherwise)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in [os.path.join(here, "python", "ep", "_abi.py"),
+                 os.path.join(here, "..", "python", "ep", "_abi.py")]:
+        if os.path.exists(path):
+            spec = importlib.util.spec_from_file_location("ep_abi", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+    raise RuntimeError("python/ep/_abi.py not found")
 
 
-class ep_config_t(Structure):
-    _fields_ = [(n, t) for n, t in [
-        ("struct_size", c_uint32), ("magic", c_uint32), ("version", c_uint32),
-        ("max_tokens_per_rank", c_int32), ("hidden", c_int32), ("topk", c_int32),
-        ("num_experts", c_int32), ("token_dtype", c_int32), ("backend", c_int32),
-        ("num_sms", c_int32), ("timeout_ms", c_uint32), ("ll_max_tokens_per_rank", c_int32)]]
-
-
-class ep_unique_id_t(Structure):
-    _fields_ = [("internal", c_uint8 * 128)]
-
-
+abi = load_abi()
+EP_SUCCESS = abi.EP_SUCCESS
+EP_BACKEND_GPU = abi.EP_BACKEND_GPU
+EP_DTYPE_BF16 = abi.EP_DTYPE_BF16
+EP_DTYPE_FP8_E4M3 = abi.EP_DTYPE_FP8_E4M3
+EP_DISPATCH_NO_HOST_SYNC = abi.EP_DISPATCH_NO_HOST_SYNC
+EP_COMBINE_EXPERT_MAJOR = abi.EP_COMBINE_EXPERT_MAJOR
+ep_config_t = abi.ep_config_t
+ep_unique_id_t = abi.ep_unique_id_t
+ep_dispatch_args_t = abi.ep_dispatch_args_t
+ep_combine_args_t = abi.ep_combine_args_t
+ep_mega_args_t = abi.ep_mega_args_t
 P = c_void_p
-
-
-class ep_dispatch_args_t(Structure):
-    _fields_ = [
-        ("struct_size", c_uint32), ("magic", c_uint32), ("version", c_uint32), ("flags", c_uint32),
-        ("num_tokens", c_int32), ("dtype", c_int32), ("x", P), ("x_scales", P), ("topk_idx", P),
-        ("topk_weights", P), ("recv_capacity", c_int32), ("expert_alignment", c_int32),
-        ("recv_x", P), ("recv_x_scales", P), ("recv_topk_idx", P), ("recv_topk_weights", P),
-        ("recv_src_info", P), ("recv_num_tokens", P), ("expert_capacity", c_int32),
-        ("expert_x", P), ("expert_x_scales", P), ("expert_weights", P), ("expert_src_row", P),
-        ("expert_offsets", P), ("expert_counts", P), ("host_recv_num_tokens", P),
-        ("host_expert_counts", P)]
-
-
-class ep_combine_args_t(Structure):
-    _fields_ = [("struct_size", c_uint32), ("magic", c_uint32), ("version", c_uint32),
-                ("input_layout", c_int32), ("x", P), ("out", P)]
-
-
-class ep_mega_args_t(Structure):
-    _fields_ = [
-        ("struct_size", c_uint32), ("magic", c_uint32), ("version", c_uint32), ("flags", c_uint32),
-        ("dispatch", POINTER(ep_dispatch_args_t)), ("combine", POINTER(ep_combine_args_t)),
-        ("weight_dtype", c_int32), ("n", c_int32), ("k", c_int32), ("num_sms", c_int32),
-        ("weights", P), ("weight_scales", P), ("y", P), ("x_scales", P)]
 
 
 def load(path):
     lib = ctypes.CDLL(path)
-    sigs = {
-        "ep_get_last_error": ([], c_char_p),
-        "ep_config_init": ([POINTER(ep_config_t)], c_int32),
-        "ep_get_unique_id": ([POINTER(ep_unique_id_t)], c_int32),
-        "ep_ctx_create": ([POINTER(P), c_int32, ep_unique_id_t, c_int32, c_int32,
-                           POINTER(ep_config_t)], c_int32),
-        "ep_ctx_destroy": ([P], c_int32),
-        "ep_ctx_get_async_error": ([P, POINTER(c_int32)], c_int32),
-        "ep_get_dispatch_capacity": ([P, c_int32, POINTER(c_int32), POINTER(c_int32)], c_int32),
-        "ep_dispatch_args_init": ([POINTER(ep_dispatch_args_t)], c_int32),
-        "ep_combine_args_init": ([POINTER(ep_combine_args_t)], c_int32),
-        "ep_mega_args_init": ([POINTER(ep_mega_args_t)], c_int32),
-        "ep_handle_create": ([P, POINTER(P)], c_int32),
-        "ep_handle_destroy": ([P], c_int32),
-        "ep_dispatch": ([P, POINTER(ep_dispatch_args_t), P, P], c_int32),
-        "ep_combine": ([P, POINTER(ep_combine_args_t), P, P], c_int32),
-        "ep_mega_dispatch_gemm": ([P, POINTER(ep_mega_args_t), P, P], c_int32),
-        "ep_mega_gemm_combine": ([P, POINTER(ep_mega_args_t), P, P], c_int32),
-    }
-    for name, (args, res) in sigs.items():
+    for name, (res, args, _names) in abi.FUNCTIONS.items():
         fn = getattr(lib, name)
         fn.argtypes = args
         fn.restype = res
@@ -221,7 +186,7 @@ class Ep:
 
     def mega_dispatch_gemm(self, a, dtype, w, w_scales, y, n):
         m = init(self.lib, ep_mega_args_t, "ep_mega_args_init")
-        m.dispatch = ctypes.pointer(a)
+        m.dispatch = ctypes.addressof(a)
         m.weight_dtype, m.n, m.k = dtype, n, self.hidden
         m.weights, m.weight_scales, m.y = ptr(w), ptr(w_scales), ptr(y)
         check(self.lib, self.lib.ep_mega_dispatch_gemm(self.ctx, byref(m), self.handle,
@@ -232,7 +197,7 @@ class Ep:
         c.input_layout = EP_COMBINE_EXPERT_MAJOR
         c.x, c.out = ptr(x2), ptr(out)
         m = init(self.lib, ep_mega_args_t, "ep_mega_args_init")
-        m.combine = ctypes.pointer(c)
+        m.combine = ctypes.addressof(c)
         m.weight_dtype, m.n, m.k = dtype, self.hidden, x2.shape[1]
         m.weights, m.weight_scales, m.y, m.x_scales = ptr(w), ptr(w_scales), ptr(y), ptr(x2_scales)
         check(self.lib, self.lib.ep_mega_gemm_combine(self.ctx, byref(m), self.handle,

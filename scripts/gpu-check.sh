@@ -2,12 +2,14 @@
 # Runs on the GPU machine (no Rust there), from the repository root, on what
 # scripts/gpu-package.sh put into .gpu/:
 #   bash .gpu/gpu-check.sh [budget-seconds]     (default budget 540)
-# Order: GPU tests, C demo (all GPUs, then 2 ranks), ep-bench normal, ll and an ll
-# token sweep (all GPUs), normal and ll on 2 ranks (sharing the GPU on a one-GPU
-# machine), then an SM sweep and a token sweep while the budget allows. Logs go
-# to $OUT (default ./gpu-out); a summary table comes last, with the number of
-# tests passed and failed and of the parts they skipped (lines "skipped ...":
-# too few GPUs or too little memory). Never changes clocks or resets GPUs.
+# Order: GPU tests, the Python package's torch tests, C demo (all GPUs, then 2
+# ranks), ep-bench normal, ll and an ll token sweep (all GPUs), normal and ll
+# on 2 ranks (sharing the GPU on a one-GPU machine), then an SM sweep and a
+# token sweep while the budget allows. Logs, and each benchmark's results as
+# JSON (bench_*.json, for bench/data and bench/plot.py), go to $OUT (default
+# ./gpu-out); a summary table comes last, with the number of tests passed and
+# failed and of the parts they skipped (lines "skipped ...": too few GPUs or
+# too little memory). Never changes clocks or resets GPUs.
 # Environment: EP_GPU_TESTS_ONLY=1 stops after the tests; EP_GPU_TEST_ARGS adds
 # arguments to every test binary (e.g. "--skip leaks").
 set -u
@@ -84,6 +86,17 @@ if [ -n "${EP_GPU_TESTS_ONLY:-}" ]; then
   exit "$FAILED"
 fi
 
+# 1b. The Python package with torch on the GPUs (python3, torch and pytest are
+# on the machine; the package loads this directory's libep.so).
+if [ -d "$G/python/tests" ]; then
+  PY=(env EP_LIBRARY="$G/libep.so" PYTHONPATH="$G/python" python3)
+  step "python torch tests" 60 300 env EP_REQUIRE_GPU=1 "${PY[@]}" -m pytest -q \
+    -p no:cacheprovider "$G/python/tests/test_gpu_torch.py"
+  step "python example host 2 ranks" 20 120 "${PY[@]}" "$G/python/examples/torch_two_ranks.py"
+  step "python example gpu" 20 120 "${PY[@]}" "$G/python/examples/torch_two_ranks.py" --gpu \
+    --ranks "$(( R < 2 ? R : 2 ))"
+fi
+
 # 2. The C demo over the GPU backend (ranks as processes), all GPUs then 2.
 if [ -x "$G/demo" ]; then
   step "demo gpu ${R} ranks" 20 60 env EP_BACKEND=gpu "$G/demo" "$R"
@@ -91,24 +104,30 @@ if [ -x "$G/demo" ]; then
 fi
 
 # 3. Benchmarks: W1 normal and W2 low-latency (and its token sweep), all ranks then 2.
+# bench NAME MIN_SECONDS TIMEOUT ARGS...: an ep-bench step that also writes its
+# results as JSON ($OUT/bench_<name>.json, for bench/data and bench/plot.py).
 B="$G/ep-bench"
-step "bench normal ${R} ranks" 60 180 "$B" --ranks "$R" --mode normal
-step "bench ll ${R} ranks" 40 120 "$B" --ranks "$R" --mode ll
-step "bench ll token sweep ${R} ranks" 60 180 "$B" --ranks "$R" --mode ll \
+bench() {
+  local name="$1" need="$2" limit="$3"; shift 3
+  step "$name" "$need" "$limit" "$B" "$@" --json "$OUT/$(echo "$name" | tr ' /' '__').json"
+}
+bench "bench normal ${R} ranks" 60 180 --ranks "$R" --mode normal
+bench "bench ll ${R} ranks" 40 120 --ranks "$R" --mode ll
+bench "bench ll token sweep ${R} ranks" 60 180 --ranks "$R" --mode ll \
   --sweep-tokens 1,8,32,64,128,256 --iters 200
 if [ "$R" -gt 2 ]; then
-  step "bench normal 2 ranks" 60 180 "$B" --ranks 2 --mode normal
-  step "bench ll 2 ranks" 40 120 "$B" --ranks 2 --mode ll
+  bench "bench normal 2 ranks" 60 180 --ranks 2 --mode normal
+  bench "bench ll 2 ranks" 40 120 --ranks 2 --mode ll
 elif [ "$R" -lt 2 ]; then
   # Two ranks sharing the one GPU: a smoke run (the times are not those of
   # two GPUs; NCCL needs a GPU per rank and is left out).
-  step "bench normal 2 ranks shared GPU" 60 180 "$B" --ranks 2 --mode normal --iters 10
-  step "bench ll 2 ranks shared GPU" 40 120 "$B" --ranks 2 --mode ll --iters 50
+  bench "bench normal 2 ranks shared GPU" 60 180 --ranks 2 --mode normal --iters 10
+  bench "bench ll 2 ranks shared GPU" 40 120 --ranks 2 --mode ll --iters 50
 fi
 
 # 4. Sweeps, only while the budget allows.
-step "bench SM sweep ${R} ranks" 90 180 "$B" --ranks "$R" --mode normal --sms-sweep 16,24,32,48,64 --iters 30
-step "bench token sweep ${R} ranks" 90 240 "$B" --ranks "$R" --mode normal \
+bench "bench SM sweep ${R} ranks" 90 180 --ranks "$R" --mode normal --sms-sweep 16,24,32,48,64 --iters 30
+bench "bench token sweep ${R} ranks" 90 240 --ranks "$R" --mode normal \
   --sweep-tokens 256,512,1024,2048,4096,8192,16384 --iters 30
 
 # The benchmark tables, in one file ready for bench/RESULTS.md.

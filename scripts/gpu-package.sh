@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds everything the GPU machine runs (it has no Rust) and copies it into
 # the git-ignored folder .gpu/: libep.so, the GPU test binaries
-# (tests/gpu_*.rs), ep-bench, the C demo, scripts/gpu-check.sh, and the
+# (tests/gpu_*.rs), ep-bench, the C demo, the Python package with its tests
+# (python/, loaded there through EP_LIBRARY), scripts/gpu-check.sh, and the
 # fused kernels' runner (scripts/gpu-mega.sh) and benchmark
 # (bench/mega_bench.py).
 # Debug info is stripped from the copies to stay well under 60 MiB.
@@ -51,6 +52,14 @@ if [ -f examples-c/demo.c ]; then
      -Ltarget/release -lep -ldl -lm -Wl,-rpath,'$ORIGIN' || true
   [ -f .gpu/demo ] || echo "warning: examples-c/demo.c did not compile" >&2
 fi
+
+# The Python package is pure Python: its sources and tests, without caches
+# (gpu-check.sh points EP_LIBRARY at .gpu/libep.so).
+mkdir -p .gpu/python
+for d in ep tests examples; do
+  cp -r "python/$d" ".gpu/python/$d"
+done
+find .gpu/python \( -name __pycache__ -o -name 'libep.so' \) -prune -exec rm -rf {} +
 
 cp scripts/gpu-check.sh scripts/gpu-mega.sh bench/mega_bench.py .gpu/
 chmod +x .gpu/gpu-check.sh .gpu/gpu-mega.sh

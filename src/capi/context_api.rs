@@ -7,8 +7,9 @@ use crate::reference::Dtype;
 use crate::runtime::bootstrap;
 use crate::runtime::config::{BackendKind, Config, ConfigRequest};
 use crate::runtime::context::Context;
-use crate::runtime::{gpu, host};
+use crate::runtime::{gpu, host, log};
 use std::ffi::c_char;
+use std::mem::offset_of;
 
 /// Writes `EP_API_VERSION` of the loaded library to `*version`. `version`
 /// is required.
@@ -111,6 +112,10 @@ unsafe fn config_of(
     device: i32,
 ) -> Result<Config> {
     let c = read_versioned(config)?;
+    request_of(&c, world, rank, device)
+}
+
+fn request_of(c: &ep_config_t, world: i32, rank: i32, device: i32) -> Result<Config> {
     Config::new(&ConfigRequest {
         world,
         rank,
@@ -162,12 +167,22 @@ pub unsafe extern "C" fn ep_ctx_create(
     config: *const ep_config_t,
 ) -> ep_status_t {
     run("ep_ctx_create", || {
+        let start = std::time::Instant::now();
         let created = deref(ctx as *const *mut ep_ctx_t, "ctx")
-            .and_then(|_| config_of(config, world_size, rank, device))
-            .and_then(|cfg| Context::create(cfg, &id.internal));
+            .and_then(|_| read_versioned(config))
+            .and_then(|requested| {
+                let cfg = request_of(&requested, world_size, rank, device)?;
+                log::enter(&cfg);
+                log_config(&requested, &cfg);
+                Context::create(cfg, &id.internal)
+            });
         match created {
             Ok(inner) => {
                 *ctx = Box::into_raw(Box::new(ep_ctx_t { inner }));
+                log::info!(
+                    "context ready in {:.1} ms",
+                    start.elapsed().as_secs_f64() * 1e3
+                );
                 Ok(())
             }
             Err(err) => {
@@ -192,7 +207,9 @@ pub unsafe extern "C" fn ep_ctx_create(
 pub unsafe extern "C" fn ep_ctx_destroy(ctx: *mut ep_ctx_t) -> ep_status_t {
     run("ep_ctx_destroy", || {
         if !ctx.is_null() {
+            log::enter((*ctx).inner.config());
             drop(Box::from_raw(ctx));
+            log::debug!("context destroyed");
         }
         Ok(())
     })
@@ -204,7 +221,10 @@ pub unsafe extern "C" fn ep_ctx_destroy(ctx: *mut ep_ctx_t) -> ep_status_t {
 #[no_mangle]
 pub unsafe extern "C" fn ep_ctx_abort(ctx: *mut ep_ctx_t) -> ep_status_t {
     run("ep_ctx_abort", || {
-        deref(ctx, "ctx")?.inner.abort();
+        let context = &deref(ctx, "ctx")?.inner;
+        log::enter(context.config());
+        log::warning!("ep_ctx_abort: the context's waits and kernels give up");
+        context.abort();
         Ok(())
     })
 }
@@ -234,6 +254,7 @@ pub unsafe extern "C" fn ep_ctx_get_async_error(
 ) -> ep_status_t {
     run("ep_ctx_get_async_error", || {
         let context = &deref(ctx, "ctx")?.inner;
+        log::enter(context.config());
         let result = context.async_error();
         let code = run("ep_ctx_get_async_error", || result);
         write_out(status, "status", code)
@@ -292,4 +313,76 @@ pub unsafe extern "C" fn ep_get_buffer_size_hint(
         };
         write_out(bytes, "bytes", size)
     })
+}
+
+/// The INFO lines of a new context's configuration: the library's version,
+/// the backend and why, and every field with where its value came from
+/// (set by the caller, the default, or the default because the caller's
+/// struct is from an older release and lacks the field).
+fn log_config(requested: &ep_config_t, cfg: &Config) {
+    if !log::enabled(log::Level::Info) {
+        return;
+    }
+    let backend_source = match (requested.backend, std::env::var("EP_BACKEND")) {
+        (EP_BACKEND_AUTO, Ok(v)) if !v.is_empty() => format!("EP_BACKEND={v}"),
+        (EP_BACKEND_AUTO, _) => "default".to_string(),
+        _ => "config".to_string(),
+    };
+    let (backend, device) = match cfg.backend {
+        BackendKind::Gpu => ("gpu", format!(", device {}", cfg.device)),
+        BackendKind::Host => ("host", String::new()),
+    };
+    log::info!(
+        "ep {} (API {EP_API_VERSION}), backend {backend} ({backend_source}), rank {} of {}{device}",
+        env!("CARGO_PKG_VERSION"),
+        cfg.rank,
+        cfg.world(),
+    );
+    let (c, d) = (
+        requested,
+        <ep_config_t as super::entry::Versioned>::defaults(),
+    );
+    let dtype_name = |v: i32| match v {
+        EP_DTYPE_FP8_E4M3 => "FP8".to_string(),
+        EP_DTYPE_BF16 => "BF16".to_string(),
+        other => other.to_string(),
+    };
+    // (name, offset, value, default) of each field.
+    macro_rules! field {
+        ($name:ident, $show:expr) => {
+            (
+                stringify!($name),
+                offset_of!(ep_config_t, $name),
+                $show(c.$name),
+                $show(d.$name),
+            )
+        };
+        ($name:ident) => {
+            field!($name, |v: _| format!("{v}"))
+        };
+    }
+    let fields = [
+        field!(max_tokens_per_rank),
+        field!(hidden),
+        field!(topk),
+        field!(num_experts),
+        field!(token_dtype, dtype_name),
+        field!(num_sms),
+        field!(timeout_ms),
+        field!(ll_max_tokens_per_rank),
+    ];
+    let described: Vec<String> = fields
+        .iter()
+        .map(|(name, offset, value, default)| {
+            let source = if *offset >= c.struct_size as usize {
+                "default: older struct"
+            } else if value == default {
+                "default"
+            } else {
+                "set"
+            };
+            format!("{name} {value} ({source})")
+        })
+        .collect();
+    log::info!("config: {}", described.join(", "));
 }

@@ -9,14 +9,18 @@ use crate::error::{Error, Result};
 use crate::reference::normal::worst_case_rows;
 use crate::runtime::context::Context;
 use crate::runtime::contract;
+use crate::runtime::log;
 use crate::runtime::ops::{
     expert_alignment, CombineOp, DispatchOp, ExpertMajorOut, LayoutOp, LlCombineOp, LlDispatchOp,
     MegaCombineOp, MegaDispatchOp, MegaOp, Phases, SourceOrderOut,
 };
 use std::os::raw::c_void;
 
+/// The caller's context; the log's lines of this call name its rank.
 unsafe fn context<'a>(ctx: *const ep_ctx_t) -> Result<&'a Context> {
-    Ok(&deref(ctx, "ctx")?.inner)
+    let context = &deref(ctx, "ctx")?.inner;
+    log::enter(context.config());
+    Ok(context)
 }
 
 fn count(name: &str, value: i32) -> Result<usize> {
@@ -55,6 +59,7 @@ pub unsafe extern "C" fn ep_get_dispatch_layout(
             tokens_per_expert: num_tokens_per_expert,
             is_token_in_rank,
         };
+        log::debug!("ep_get_dispatch_layout: {}", op.describe());
         context.layout(&op, stream as *mut c_void)
     })
 }
@@ -230,6 +235,7 @@ pub unsafe extern "C" fn ep_dispatch(
         let context = context(ctx)?;
         let op = dispatch_op(&read_versioned(args)?)?;
         let handle = handle.as_mut().ok_or_else(|| Error::null("handle"))?;
+        log::debug!("ep_dispatch: {}", op.describe());
         context.dispatch(&op, &mut handle.inner, stream as *mut c_void)
     })
 }
@@ -271,6 +277,7 @@ pub unsafe extern "C" fn ep_combine(
         let context = context(ctx)?;
         let op = combine_op(&read_versioned(args)?)?;
         let handle = deref(handle, "handle")?;
+        log::debug!("ep_combine: {}", op.describe());
         context.combine(&op, &handle.inner, stream as *mut c_void)
     })
 }
@@ -334,6 +341,7 @@ pub unsafe extern "C" fn ep_ll_dispatch(
             recv_layout_range: a.recv_layout_range,
             device_num_tokens: a.device_num_tokens,
         };
+        log::debug!("ep_ll_dispatch: {}", op.describe());
         context.ll_dispatch(&op, stream as *mut c_void)
     })
 }
@@ -370,6 +378,7 @@ pub unsafe extern "C" fn ep_ll_combine(
             out: a.out as *mut u8,
             device_num_tokens: a.device_num_tokens,
         };
+        log::debug!("ep_ll_combine: {}", op.describe());
         context.ll_combine(&op, stream as *mut c_void)
     })
 }
@@ -454,6 +463,7 @@ pub unsafe extern "C" fn ep_mega_dispatch_gemm(
         }
         dispatch.no_host_sync = true;
         let op = MegaDispatchOp { dispatch, gemm };
+        log::debug!("ep_mega_dispatch_gemm: {}", op.describe());
         context.mega_dispatch_gemm(&op, &mut handle.inner, stream as *mut c_void)
     })
 }
@@ -484,6 +494,7 @@ pub unsafe extern "C" fn ep_mega_gemm_combine(
         contract::check_field(contract::MEGA, "combine", &gemm, &gemm.facts(true))?;
         let combine = combine_op(&read_versioned(a.combine)?)?;
         let op = MegaCombineOp { combine, gemm };
+        log::debug!("ep_mega_gemm_combine: {}", op.describe());
         context.mega_gemm_combine(&op, &handle.inner, stream as *mut c_void)
     })
 }

@@ -286,6 +286,28 @@ impl Device {
         Ok(uuid.bytes.map(|b| b as u8))
     }
 
+    /// The device's name, e.g. "NVIDIA H200".
+    pub fn name(&self) -> Result<String> {
+        let mut buf = [0 as libc::c_char; 256];
+        // SAFETY: writes at most `buf.len()` bytes, NUL-terminated.
+        check(
+            unsafe { sys::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, self.inner.handle) },
+            "cuDeviceGetName",
+        )?;
+        // SAFETY: NUL-terminated within `buf` (the driver truncates).
+        Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }
+            .to_string_lossy()
+            .into_owned())
+    }
+
+    /// The compute capability, e.g. (9, 0).
+    pub fn compute_capability(&self) -> Result<(i32, i32)> {
+        Ok((
+            self.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            self.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ))
+    }
+
     /// Waits until all work queued on `stream` has finished.
     ///
     /// # Safety
@@ -357,6 +379,41 @@ impl Module {
             module.handles.push(handle);
         }
         Ok(module)
+    }
+
+    /// The names of the loaded kernels, sorted (for the log).
+    pub fn kernel_names(&self) -> Result<Vec<String>> {
+        let _context = self.device.bind()?;
+        let mut names = Vec::new();
+        for &module in &self.handles {
+            let mut count = 0u32;
+            // SAFETY: writes one count.
+            check(
+                unsafe { sys::cuModuleGetFunctionCount(&mut count, module) },
+                "cuModuleGetFunctionCount",
+            )?;
+            let mut functions = vec![ptr::null_mut(); count as usize];
+            // SAFETY: `functions` has room for `count` handles.
+            check(
+                unsafe { sys::cuModuleEnumerateFunctions(functions.as_mut_ptr(), count, module) },
+                "cuModuleEnumerateFunctions",
+            )?;
+            for f in functions {
+                let mut name: *const libc::c_char = ptr::null();
+                // SAFETY: writes a pointer to the function's static name.
+                check(unsafe { sys::cuFuncGetName(&mut name, f) }, "cuFuncGetName")?;
+                if !name.is_null() {
+                    // SAFETY: a NUL-terminated string owned by the module.
+                    names.push(
+                        unsafe { CStr::from_ptr(name) }
+                            .to_string_lossy()
+                            .into_owned(),
+                    );
+                }
+            }
+        }
+        names.sort();
+        Ok(names)
     }
 
     /// The kernel called `name` (its `extern "C"` name), which takes one

@@ -4,12 +4,14 @@
 
 mod device;
 mod nccl;
+mod report;
 mod run;
 
 use std::sync::{Arc, Barrier, Mutex};
 
 use device::fail;
 use ep::capi::ep_unique_id_t;
+use report::{Report, Value};
 
 const HELP: &str = "\
 ep-bench: time ep's dispatch/combine (normal and low-latency modes) on the GPUs of
@@ -40,6 +42,7 @@ USAGE: ep-bench [OPTIONS]
                          wait forever for a gated stream
   --backend gpu|host     ep backend (default gpu); host is a smoke test: host
                          memory, wall-clock timing, no NCCL, no CUDA graph
+  --json FILE            also write the results as JSON (bench/plot.py reads it)
   -h, --help             this text
 
 Every timed iteration starts with all ranks at a barrier; an op's time per
@@ -69,6 +72,7 @@ pub struct Opts {
     pub timeout_ms: u32,
     pub gpu: bool,
     pub ungated: bool,
+    pub json: Option<String>,
 }
 
 fn parse_list<T: std::str::FromStr>(flag: &str, v: &str) -> Vec<T> {
@@ -104,6 +108,7 @@ fn parse(args: &[String]) -> Opts {
         timeout_ms: 60000,
         gpu: true,
         ungated: false,
+        json: None,
     };
     let mut sms_sweep = None;
     let mut i = 0;
@@ -150,6 +155,7 @@ fn parse(args: &[String]) -> Opts {
             "--graph-pairs" => o.graph_pairs = num(value()).max(1),
             "--timeout-ms" => o.timeout_ms = num(value()) as u32,
             "--ungated" => o.ungated = true,
+            "--json" => o.json = Some(value()),
             "--backend" => match value().as_str() {
                 "gpu" => o.gpu = true,
                 "host" => o.gpu = false,
@@ -214,6 +220,8 @@ pub struct Shared {
     pub slots: Mutex<Vec<Vec<f64>>>,
     /// The line printed above every table.
     pub header: String,
+    /// What `--json` writes; rank 0 fills it.
+    pub report: Mutex<Report>,
 }
 
 fn main() {
@@ -295,11 +303,26 @@ fn main() {
             }
         })
         .collect();
+    let date = now_utc();
     let header = format!(
-        "{}, {device_desc}, {world} ranks, timing: {timing}, {nccl_note}, command: `{}`",
-        now_utc(),
+        "{date}, {device_desc}, {world} ranks, timing: {timing}, {nccl_note}, command: `{}`",
         cmd.join(" ")
     );
+    let report = Report {
+        header: vec![
+            ("date", Value::Str(date)),
+            ("device", Value::Str(device_desc.clone())),
+            ("ranks", Value::Num(world as f64)),
+            (
+                "backend",
+                Value::Str(if opts.gpu { "gpu" } else { "host" }.into()),
+            ),
+            ("timing", Value::Str(timing.into())),
+            ("nccl", Value::Str(nccl_note.clone())),
+            ("command", Value::Str(cmd.join(" "))),
+        ],
+        tables: Vec::new(),
+    };
 
     let shared = Arc::new(Shared {
         world,
@@ -309,6 +332,7 @@ fn main() {
         gate_word: Mutex::new(None),
         slots: Mutex::new(vec![Vec::new(); world]),
         header,
+        report: Mutex::new(report),
     });
     let opts = Arc::new(opts);
     let mut threads = Vec::new();
@@ -336,5 +360,11 @@ fn main() {
     }
     if !ok {
         fail("a rank thread panicked");
+    }
+    if let Some(path) = &opts.json {
+        let json = shared.report.lock().unwrap().to_json();
+        if let Err(e) = std::fs::write(path, json) {
+            fail(&format!("--json {path}: {e}"));
+        }
     }
 }

@@ -22,7 +22,10 @@ use super::backend::{Backend, HandleState, Inputs, Monitor, Stream};
 use super::bootstrap::Bootstrap;
 use super::config::{agree_on_config, Config};
 use super::contract::{Field, Memory, PointerCheck};
-use super::cuda::{ContextGuard, Device, DeviceStatus, Kernel, MappedHost, Module, STREAM_LEGACY};
+use super::cuda::{
+    ContextGuard, Device, DeviceStatus, Kernel, MappedHost, Module, KERNEL_IMAGES, STREAM_LEGACY,
+};
+use super::log;
 use super::ops::{
     CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaCombineOp, MegaDispatchOp,
     Received,
@@ -104,6 +107,7 @@ pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, 
     let placement = Placement::exchange(&device, &boot)?;
     let module = Module::load(&device)?;
     let kernels = Kernels::load(&module)?;
+    log_summary(cfg, &device, &module);
     let memory = SymmetricMemory::new(&device, &boot, buffer_bytes(cfg))?;
     let monitor = Arc::new(GpuMonitor {
         status: MappedHost::new(&device, 1)?,
@@ -137,6 +141,49 @@ pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, 
         }),
         monitor,
     ))
+}
+
+/// The INFO lines of a new GPU context: the device, the kernels loaded and
+/// what the buffers are made of.
+fn log_summary(cfg: &Config, device: &Device, module: &Module) {
+    if !log::enabled(log::Level::Info) {
+        return;
+    }
+    let unknown = |e: Error| format!("unknown ({})", e.message);
+    let name = device.name().unwrap_or_else(unknown);
+    let sms = device.sm_count().map_or_else(unknown, |n| n.to_string());
+    let arch = device
+        .compute_capability()
+        .map_or_else(unknown, |(major, minor)| format!("sm_{major}{minor}"));
+    log::info!(
+        "GPU backend: device {} = {name}, {arch}, {sms} SMs; normal-mode kernels use {} SMs",
+        cfg.device,
+        cfg.num_sms
+    );
+    match module.kernel_names() {
+        Ok(names) => log::info!(
+            "kernels: {} loaded from {} embedded fatbins ({}): {}",
+            names.len(),
+            KERNEL_IMAGES.len(),
+            log::human_bytes(KERNEL_IMAGES.iter().map(|(_, image)| image.0.len()).sum()),
+            names.join(", ")
+        ),
+        Err(e) => log::info!("kernels: loaded (cannot list them: {})", e.message),
+    }
+    log::info!(
+        "buffer: {} per rank = signals {} + normal mode {} (max_tokens_per_rank {}, hidden {}, topk {}, token_dtype {}, world {}) + low-latency mode {} (ll_max_tokens_per_rank {}, {} local experts)",
+        log::human_bytes(buffer_bytes(cfg)),
+        log::human_bytes(SIGNAL_BYTES),
+        log::human_bytes(normal::buffer_bytes(cfg)),
+        cfg.max_tokens,
+        cfg.topo.hidden,
+        cfg.topo.topk,
+        super::describe::dtype(cfg.token_dtype),
+        cfg.world(),
+        log::human_bytes(low_latency::buffer_bytes(cfg)),
+        cfg.ll_max_tokens,
+        cfg.local_experts()
+    );
 }
 
 /// Bytes of communication buffer one rank allocates for `cfg`.
