@@ -329,7 +329,7 @@ def main():
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--shapes", default="w3,decode", help="comma list of w3, decode")
-    p.add_argument("--clusters", default="1,2",
+    p.add_argument("--clusters", default="1",
                    help="cluster sizes of the fused kernels to time (EP_MEGA_CLUSTER)")
     args = p.parse_args()
     print("date: %s, device: %s, torch %s" % (time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

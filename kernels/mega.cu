@@ -67,9 +67,9 @@
 // fresh number each time; no flag is ever cleared. A row or tile flag from
 // an earlier call holds a smaller number, so it never passes for ready.
 //
-// Waits: every wait on another block (rows, tiles) is a local
-// ep_wait_until_ge (GPU-scope acquire, a short sleep between looks) with the
-// context timeout and abort flag. A wait that fails records the error
+// Waits: every wait on another block (rows, tiles) is an ep_mega_wait
+// (ep_wait_until with GPU-scope acquires, a short sleep between looks)
+// with the context timeout and abort flag. A wait that fails records the error
 // and the block goes on without waiting any more (computing garbage, the
 // call having failed), so no block, and no consumer waiting on a stage,
 // hangs. The waits on stages are local to a block and always complete.

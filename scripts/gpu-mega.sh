@@ -65,7 +65,9 @@ if [[ "$STEPS" == *,sanitizer,* ]]; then
   step "memcheck small cases" 30 180 compute-sanitizer --tool memcheck --error-exitcode 1 \
     "$T" --ignored --exact small_and_uneven_cases_match_the_reference --test-threads=1
 fi
-CLUSTERS=1,2
+# Single blocks (the default kernels) only, unless MEGA_CLUSTERS says
+# otherwise (1,2 adds the experimental clusters of 2; bench/RESULTS.md).
+CLUSTERS=${MEGA_CLUSTERS:-1}
 if [[ "$STEPS" == *,bench,* ]]; then
   [ "$HUNG" -eq 1 ] && CLUSTERS=1
   step "bench fused vs unfused vs torch" 30 240 env PYTHONUNBUFFERED=1 \
