@@ -20,12 +20,13 @@
 
 mod common;
 
+use common::calls::combine_reference;
 use common::gpu::*;
 use common::mega::*;
 use common::{bits, last_error, Ctx, Handle, Rng, POISON};
 use ep::capi::*;
 use ep::reference::mega::RowResult;
-use ep::reference::normal::{combine, expert_partials, worst_case_rows, Dispatched, Returned};
+use ep::reference::normal::{worst_case_rows, Dispatched};
 use ep::reference::Dtype;
 use half::bf16;
 use std::ptr::null_mut;
@@ -377,22 +378,9 @@ fn check_rank(
 /// Checks every rank's combined tokens against the reference combine of
 /// the second GEMM's rows the GPU produced.
 fn check_combines(case: &MegaCase, refs: &[Dispatched], results: &[Results], what: &str) {
-    let topo = case.topo();
-    let partials: Vec<Vec<bf16>> = refs
-        .iter()
-        .zip(results)
-        .map(|(d, r)| expert_partials(topo, d, &r.y2))
-        .collect();
-    let returned: Vec<Returned> = refs
-        .iter()
-        .zip(&partials)
-        .map(|(d, rows)| Returned {
-            rows,
-            src_info: &d.src_info,
-        })
-        .collect();
+    let rows: Vec<Vec<bf16>> = results.iter().map(|r| r.y2.clone()).collect();
     for (rank, r) in results.iter().enumerate() {
-        let want = combine(topo, rank, case.tokens[rank], &returned);
+        let want = combine_reference(&case.shape(), rank, case.tokens[rank], refs, &rows, true);
         let same = r
             .out
             .iter()

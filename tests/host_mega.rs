@@ -8,11 +8,12 @@
 
 mod common;
 
+use common::calls::combine_reference;
 use common::mega::*;
 use common::*;
 use ep::capi::*;
 use ep::reference::mega::{grouped_gemm, GemmRows};
-use ep::reference::normal::{combine, expert_partials, Dispatched, Returned};
+use ep::reference::normal::Dispatched;
 use ep::reference::Dtype;
 use half::bf16;
 use std::ptr::{null, null_mut};
@@ -181,16 +182,7 @@ fn run_case(case: &MegaCase) {
                 assert!(is_poisoned(row), "{what}: padding row {j} of y was written");
             }
         }
-        let partials: Vec<Vec<bf16>> = (0..case.world)
-            .map(|r| expert_partials(case.topo(), &refs[r], &want_y2[r]))
-            .collect();
-        let returned: Vec<Returned> = (0..case.world)
-            .map(|r| Returned {
-                rows: &partials[r],
-                src_info: &refs[r].src_info,
-            })
-            .collect();
-        let want = combine(case.topo(), rank, me.num_tokens, &returned);
+        let want = combine_reference(&case.shape(), rank, me.num_tokens, &refs, &want_y2, true);
         assert!(
             bf16_to_bytes(&out) == bf16_to_bytes(&want),
             "{what}: combined tokens"

@@ -159,6 +159,22 @@ pub fn quantize_row(row: &[bf16], ue8m0: bool, out: &mut [u8], scales: &mut [f32
     }
 }
 
+/// [`quantize_row`] (no UE8M0) of each row of `cols` channels of `values`:
+/// (e4m3 bytes, `[rows, cols / 128]` scales).
+pub fn quantize_rows(values: &[bf16], cols: usize) -> (Vec<u8>, Vec<f32>) {
+    let blocks = cols / SCALE_BLOCK;
+    let mut out = vec![0u8; values.len()];
+    let mut scales = vec![0f32; values.len() / SCALE_BLOCK];
+    let rows = values
+        .chunks_exact(cols)
+        .zip(out.chunks_exact_mut(cols))
+        .zip(scales.chunks_exact_mut(blocks));
+    for ((row, out_row), row_scales) in rows {
+        quantize_row(row, false, out_row, row_scales);
+    }
+    (out, scales)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

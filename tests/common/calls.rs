@@ -8,7 +8,7 @@
 
 use super::{bits, random_bf16, routing, weights, Ctx, Rng, POISON};
 use ep::capi::*;
-use ep::reference::fp8::quantize_row;
+use ep::reference::fp8::quantize_rows;
 use ep::reference::layout::dispatch_layout;
 use ep::reference::low_latency::{
     ll_combine, ll_dispatch, LlDispatched, LlExpertOutputs, LlRankTokens,
@@ -508,7 +508,7 @@ impl Tokens {
             idx: vec![],
             w: vec![],
         };
-        let (h, cols) = (shape.hidden, shape.hidden / 128);
+        let h = shape.hidden;
         for (rank, &count) in n.iter().enumerate() {
             let mut rng = Rng::new(seed.wrapping_mul(1_000_003).wrapping_add(rank as u64));
             let (idx, w) = routed(&mut rng, shape, count, seed.is_multiple_of(3).then_some(0));
@@ -516,16 +516,7 @@ impl Tokens {
             t.w.push(w);
             let values = random_bf16(&mut rng, count * h);
             if fp8 {
-                let mut x = vec![0u8; count * h];
-                let mut s = vec![0f32; count * cols];
-                for i in 0..count {
-                    quantize_row(
-                        &values[i * h..][..h],
-                        false,
-                        &mut x[i * h..][..h],
-                        &mut s[i * cols..][..cols],
-                    );
-                }
+                let (x, s) = quantize_rows(&values, h);
                 t.x.push(x);
                 t.scales.push(s);
             } else {

@@ -6,7 +6,7 @@
 
 use super::{bf16_to_bytes, random_bf16, routing, weights as routing_weights, Rng};
 use ep::capi::*;
-use ep::reference::fp8::quantize_row;
+use ep::reference::fp8::quantize_rows;
 use ep::reference::mega::{tolerance, DecodedExpert, ExpertWeights, RowResult};
 use ep::reference::normal::{self, Dispatched, RankTokens};
 use ep::reference::{Dtype, Topology};
@@ -55,6 +55,18 @@ impl MegaCase {
         self.experts / self.world
     }
 
+    /// The group's shape as the other tests' helpers take it.
+    pub fn shape(&self) -> super::calls::Shape {
+        super::calls::Shape {
+            world: self.world,
+            hidden: self.hidden,
+            topk: self.topk,
+            experts: self.experts,
+            max_tokens: self.tokens.iter().copied().max().unwrap_or(0),
+            ll_max: 0,
+        }
+    }
+
     pub fn dtype_code(&self) -> i32 {
         match self.dtype {
             Dtype::Bf16 => EP_DTYPE_BF16,
@@ -99,20 +111,7 @@ pub fn random_rows(rng: &mut Rng, dtype: Dtype, rows: usize, cols: usize) -> (Ve
     let values = random_bf16(rng, rows * cols);
     match dtype {
         Dtype::Bf16 => (bf16_to_bytes(&values), Vec::new()),
-        Dtype::Fp8E4m3 => {
-            let blocks = cols / 128;
-            let mut x = vec![0u8; rows * cols];
-            let mut scales = vec![0f32; rows * blocks];
-            for r in 0..rows {
-                quantize_row(
-                    &values[r * cols..][..cols],
-                    false,
-                    &mut x[r * cols..][..cols],
-                    &mut scales[r * blocks..][..blocks],
-                );
-            }
-            (x, scales)
-        }
+        Dtype::Fp8E4m3 => quantize_rows(&values, cols),
     }
 }
 

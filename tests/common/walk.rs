@@ -601,9 +601,31 @@ pub struct MegaOp<'m> {
     success: ep_status_t,
 }
 
-/// BF16 bytes of the zero weights `[local, n, k]`.
-fn zero_weights(shape: &Shape, n: usize, k: usize) -> Vec<u16> {
-    vec![0; shape.local() * n * k]
+/// Args of a BF16 GEMM of `n` x `k` with its half set (the combine's when
+/// `combine`, else the dispatch's).
+fn gemm_args(combine: bool, n: usize, k: usize) -> MegaArgs {
+    let mut args = super::mega_args();
+    args.weight_dtype = EP_DTYPE_BF16;
+    args.n = n as i32;
+    args.k = k as i32;
+    if combine {
+        args.combine = MegaArgs::marker();
+    } else {
+        args.dispatch = MegaArgs::marker();
+    }
+    MegaArgs {
+        args,
+        dispatch: super::dispatch_args(),
+        combine: super::combine_args(),
+        is_combine: combine,
+    }
+}
+
+/// The GEMM's zero weights and its output `y` of `capacity` rows.
+fn gemm_buffers(call: &mut Call<'_, MegaArgs>, shape: &Shape, capacity: usize) {
+    let (n, k) = (call.args.args.n as usize, call.args.args.k as usize);
+    call.input("weights", &vec![0u16; shape.local() * n * k]);
+    call.output("y", capacity * n * 2);
 }
 
 /// Byte ranges of the real rows of `d`'s expert-major order, `row` bytes each.
@@ -636,32 +658,15 @@ impl<'m> MegaOp<'m> {
         let dispatch = DispatchCall::new(mem, shape, tokens, rank, case);
         let capacity = dispatch.call.args.expert_capacity as usize;
         let n = 128;
-        let mut args = super::mega_args();
-        args.dispatch = MegaArgs::marker();
-        args.weight_dtype = EP_DTYPE_BF16;
-        args.n = n as i32;
-        args.k = shape.hidden as i32;
-        let (want, half) = (dispatch.want.clone(), dispatch.call.args);
+        let want = dispatch.want.clone();
+        // Padding rows between experts get zeros too.
         let y_rows = vec![(0, want.expert_rows * n * 2)];
-        let mut call = dispatch.call.into_args(MegaArgs {
-            args,
-            dispatch: half,
-            combine: super::combine_args(),
-            is_combine: false,
-        });
-        call.input("weights", &zero_weights(shape, n, shape.hidden));
-        call.output("y", capacity * n * 2);
-        call.save();
-        MegaOp {
-            call,
-            handle: ctx.handle(),
-            before: None,
-            want: Some(want),
-            // Padding rows between experts get zeros too.
-            y_rows,
-            facts: dispatch_facts(&case, tokens.n[rank], false),
-            success: mem.fused_status(),
-        }
+        let mut args = gemm_args(false, n, shape.hidden);
+        args.dispatch = dispatch.call.args;
+        let mut call = dispatch.call.into_args(args);
+        gemm_buffers(&mut call, shape, capacity);
+        let facts = dispatch_facts(&case, tokens.n[rank], false);
+        MegaOp::new(mem, ctx, call, None, Some(want), y_rows, facts)
     }
 
     /// The combine half, expert-major, of a BF16 dispatch of `tokens`: a
@@ -676,41 +681,40 @@ impl<'m> MegaOp<'m> {
         let before = DispatchCall::new(mem, shape, tokens, rank, both(4));
         let capacity = before.call.args.expert_capacity as usize;
         let (n, k) = (shape.hidden, 128);
-        let mut args = super::mega_args();
-        args.combine = MegaArgs::marker();
-        args.weight_dtype = EP_DTYPE_BF16;
-        args.n = n as i32;
-        args.k = k as i32;
-        let mut combine = super::combine_args();
-        combine.input_layout = EP_COMBINE_EXPERT_MAJOR;
-        let mut call = Call::new(
-            mem,
-            MegaArgs {
-                args,
-                dispatch: super::dispatch_args(),
-                combine,
-                is_combine: true,
-            },
-        );
+        let mut args = gemm_args(true, n, k);
+        args.combine.input_layout = EP_COMBINE_EXPERT_MAJOR;
+        let mut call = Call::new(mem, args);
         let mut rng = super::Rng::new(0x3e6a ^ rank as u64);
         call.input("x", &super::random_bf16(&mut rng, capacity * k));
         call.output("out", tokens.n[rank] * shape.hidden * 2);
-        call.input("weights", &zero_weights(shape, n, k));
-        call.output("y", capacity * n * 2);
-        call.save();
+        gemm_buffers(&mut call, shape, capacity);
         let y_rows = real_rows(&before.want, n * 2);
+        let facts = Facts {
+            tokens: tokens.n[rank] > 0,
+            rows: true,
+            fused_combine: true,
+            ..Facts::default()
+        };
+        MegaOp::new(mem, ctx, call, Some(before), None, y_rows, facts)
+    }
+
+    fn new(
+        mem: &'m dyn Mem,
+        ctx: &Ctx,
+        mut call: Call<'m, MegaArgs>,
+        before: Option<DispatchCall<'m>>,
+        want: Option<normal::Dispatched>,
+        y_rows: Vec<(usize, usize)>,
+        facts: Facts,
+    ) -> Self {
+        call.save();
         MegaOp {
             call,
             handle: ctx.handle(),
-            before: Some(before),
-            want: None,
+            before,
+            want,
             y_rows,
-            facts: Facts {
-                tokens: tokens.n[rank] > 0,
-                rows: true,
-                fused_combine: true,
-                ..Facts::default()
-            },
+            facts,
             success: mem.fused_status(),
         }
     }

@@ -10,7 +10,7 @@
 //! - GEMM + combine: the fused kernel (GEMM and the combine's send), then
 //!   the normal combine's barrier, reduce, barrier.
 
-use super::normal::{Dispatched, GpuHandle, NormalMode};
+use super::normal::{combined, Dispatched, GpuHandle, NormalMode};
 use super::{ptr, Bound, Runtime};
 use crate::abi::{
     MegaParams, MEGA_BF16_BLOCK_K, MEGA_BF16_BLOCK_N, MEGA_BLOCK_M, MEGA_FP8_BLOCK_K,
@@ -190,13 +190,7 @@ impl MegaMode {
         stream: Stream,
     ) -> Result<()> {
         self.check_supported()?;
-        let handle = handle
-            .downcast_ref::<GpuHandle>()
-            .ok_or_else(|| Error::internal("not a GPU handle"))?;
-        let dispatched = handle
-            .dispatched
-            .as_ref()
-            .ok_or_else(|| Error::invalid("the handle holds no successful dispatch"))?;
+        let (handle, dispatched) = combined(handle)?;
         let capacity = dispatched.expert_capacity.ok_or_else(|| {
             Error::invalid(
                 "the handle's dispatch wrote no expert-major rows, which the fused combine multiplies",

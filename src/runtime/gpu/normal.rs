@@ -390,13 +390,7 @@ impl NormalMode {
         handle: &HandleState,
         stream: Stream,
     ) -> Result<()> {
-        let handle = handle
-            .downcast_ref::<GpuHandle>()
-            .ok_or_else(|| Error::internal("not a GPU handle"))?;
-        let dispatched = handle
-            .dispatched
-            .as_ref()
-            .ok_or_else(|| Error::invalid("the handle holds no successful dispatch"))?;
+        let (handle, dispatched) = combined(handle)?;
         let params = self.combine_params(rt, call, op, handle, dispatched);
         // SAFETY: buffers stay valid as for the dispatch.
         unsafe {
@@ -471,6 +465,18 @@ impl NormalMode {
             rt.barrier(stream)
         }
     }
+}
+
+/// The GPU handle a combine reads and the dispatch it holds.
+pub(super) fn combined(handle: &HandleState) -> Result<(&GpuHandle, &Dispatched)> {
+    let handle = handle
+        .downcast_ref::<GpuHandle>()
+        .ok_or_else(|| Error::internal("not a GPU handle"))?;
+    let dispatched = handle
+        .dispatched
+        .as_ref()
+        .ok_or_else(|| Error::invalid("the handle holds no successful dispatch"))?;
+    Ok((handle, dispatched))
 }
 
 /// After a host-synchronised dispatch: an error when the rows that arrived
