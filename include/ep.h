@@ -160,6 +160,19 @@ typedef struct ep_config_t {
   // Low-latency mode: most tokens one rank passes to one LL call, at most
   // `EP_LL_MAX_TOKENS` (default 128); 0 disables the mode and its buffers.
   int32_t ll_max_tokens_per_rank;
+  // Ranks per node: ranks `[n * R, (n + 1) * R)` form node `n`, and the
+  // ranks of one position in their nodes form a rail. 0 (default): the
+  // hosts decide (every host one node; its ranks must be consecutive and
+  // every host must hold as many); `ep_get_buffer_size_hint` then counts
+  // one node. Otherwise a divisor of the world size. With one node the
+  // single-node modes run. With several, `ep_dispatch` sends each token
+  // across the network once per destination node (to the rank of the
+  // source's rail there), which forwards it inside its node, and
+  // `ep_combine` sums inside each node first (see `ep_combine_args_t`).
+  // A value below a host's rank count splits the host into virtual nodes
+  // joined by an emulated network leg, to run the multi-node path on one
+  // host. Every rank passes the same value.
+  int32_t ranks_per_node;
 } ep_config_t;
 
 // 128 opaque bytes made by `ep_get_unique_id` on one rank and sent by the
@@ -249,6 +262,16 @@ typedef struct ep_dispatch_args_t {
 // Arguments of `ep_combine` (normal mode): sums the rows that came back for
 // each of this rank's tokens, in fp32, into BF16 `out`. On the GPU backend
 // `x` and `out` must be 16-byte aligned.
+//
+// Summation order (the same on every backend, so results are
+// deterministic): each expert rank first makes one BF16 row per received
+// token (the caller's row, or with `EP_COMBINE_EXPERT_MAJOR` the fp32 sum
+// of weight * row over its local experts ascending). With one node, `out`
+// is the fp32 sum of those rows, ranks ascending, rounded to BF16 once.
+// With several nodes (`ranks_per_node`), each node's rows are first summed
+// in fp32, ranks ascending, and rounded to BF16 (one node partial per token
+// and node); `out` is the fp32 sum of the node partials, nodes ascending,
+// rounded to BF16.
 typedef struct ep_combine_args_t {
   uint32_t struct_size;
   // `EP_COMBINE_ARGS_MAGIC`.
@@ -468,6 +491,13 @@ ep_status_t ep_ctx_get_info(const struct ep_ctx_t *ctx,
                             int32_t *world_size,
                             int32_t *num_local_experts,
                             int32_t *backend);
+
+// Writes this context's node shape: ranks per node (as configured, or as
+// the hosts decided when the config said 0) and the number of nodes; any
+// output may be NULL. More than one node means the hierarchical modes run.
+ep_status_t ep_ctx_get_node_info(const struct ep_ctx_t *ctx,
+                                 int32_t *ranks_per_node,
+                                 int32_t *num_nodes);
 
 // Bytes of communication buffer one rank allocates for `config` with
 // `world_size` ranks, on the backend the config selects.

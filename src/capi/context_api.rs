@@ -117,6 +117,7 @@ unsafe fn config_of(
         num_sms: c.num_sms,
         timeout_ms: c.timeout_ms,
         ll_max_tokens_per_rank: c.ll_max_tokens_per_rank,
+        ranks_per_node: c.ranks_per_node,
     })
 }
 
@@ -213,6 +214,27 @@ pub unsafe extern "C" fn ep_ctx_get_info(
             if !ptr.is_null() {
                 *ptr = value;
             }
+        }
+        Ok(())
+    })
+}
+
+/// Writes this context's node shape: ranks per node (as configured, or as
+/// the hosts decided when the config said 0) and the number of nodes; any
+/// output may be NULL. More than one node means the hierarchical modes run.
+#[no_mangle]
+pub unsafe extern "C" fn ep_ctx_get_node_info(
+    ctx: *const ep_ctx_t,
+    ranks_per_node: *mut i32,
+    num_nodes: *mut i32,
+) -> ep_status_t {
+    run("ep_ctx_get_node_info", || {
+        let nodes = deref(ctx, "ctx")?.inner.config().nodes();
+        if !ranks_per_node.is_null() {
+            *ranks_per_node = nodes.ranks_per_node as i32;
+        }
+        if !num_nodes.is_null() {
+            *num_nodes = nodes.nodes() as i32;
         }
         Ok(())
     })

@@ -23,10 +23,12 @@ pub struct Context {
 
 impl Context {
     /// Joins the group described by `unique_id` and sets up the backend.
-    pub fn create(cfg: Config, unique_id: &[u8; 128]) -> Result<Context> {
+    /// The backend fixes what the configuration left to the hosts
+    /// (`ranks_per_node`).
+    pub fn create(mut cfg: Config, unique_id: &[u8; 128]) -> Result<Context> {
         let (backend, monitor) = match cfg.backend {
-            BackendKind::Host => host::create(&cfg, unique_id)?,
-            BackendKind::Gpu => gpu::create(&cfg, unique_id)?,
+            BackendKind::Host => host::create(&mut cfg, unique_id)?,
+            BackendKind::Gpu => gpu::create(&mut cfg, unique_id)?,
         };
         Ok(Context {
             id: NEXT_CONTEXT_ID.fetch_add(1, Ordering::Relaxed),

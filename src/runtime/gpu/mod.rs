@@ -35,7 +35,10 @@ const BARRIER_COUNTER_OFFSET: usize = MAX_WORLD_SIZE * 4;
 /// Threads of the barrier kernel's one block: one per rank.
 const BARRIER_THREADS: u32 = MAX_WORLD_SIZE as u32;
 
-pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, Arc<dyn Monitor>)> {
+pub fn create(
+    cfg: &mut Config,
+    unique_id: &[u8; 128],
+) -> Result<(Box<dyn Backend>, Arc<dyn Monitor>)> {
     // Probe the driver before joining, so a machine without a GPU fails at
     // once with `CudaUnavailable`.
     let device = Device::new(cfg.device as usize)?;
@@ -47,7 +50,13 @@ pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, 
         cfg.timeout,
         aborted.clone(),
     )?;
+    cfg.resolve_nodes(boot.local_ranks())?;
     agree_on_config(&boot, cfg)?;
+    if cfg.nodes().is_hierarchical() {
+        return Err(Error::unsupported(
+            "several nodes (ranks_per_node below the world size) need the hierarchical GPU modes, which this build does not have yet",
+        ));
+    }
     let module = Module::load(&device)?;
     let memory = SymmetricMemory::new(&device, &boot, buffer_bytes(cfg))?;
     let monitor = Arc::new(GpuMonitor {

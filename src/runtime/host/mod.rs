@@ -8,6 +8,11 @@
 //!    outputs with the reference code, then barrier (so no rank overwrites its
 //!    region while another still reads it).
 //!
+//! With several nodes (`ranks_per_node`) the results are the GPU's
+//! hierarchical ones: the normal combine sums inside each node first
+//! (`reference::hierarchical::combine`); dispatch and the low-latency mode
+//! give the same results on any node shape.
+//!
 //! The low-latency send/receive split maps onto these steps: `EP_LL_SEND_ONLY`
 //! publishes, `EP_LL_RECV_ONLY` gathers. Errors found after the first barrier
 //! are returned only after the second, so no rank is left waiting.
@@ -19,6 +24,7 @@ use super::bootstrap::Bootstrap;
 use super::config::{agree_on_config, Config};
 use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp};
 use crate::error::{Error, ErrorKind, Result};
+use crate::reference::hierarchical;
 use crate::reference::layout::{dispatch_layout, validate_experts, InvalidExpert};
 use crate::reference::low_latency::{ll_combine, ll_dispatch, LlExpertOutputs, LlRankTokens};
 use crate::reference::normal::{
@@ -32,7 +38,10 @@ use std::os::fd::AsFd;
 use std::sync::atomic::{fence, AtomicBool, Ordering};
 use std::sync::Arc;
 
-pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, Arc<dyn Monitor>)> {
+pub fn create(
+    cfg: &mut Config,
+    unique_id: &[u8; 128],
+) -> Result<(Box<dyn Backend>, Arc<dyn Monitor>)> {
     let aborted = Arc::new(AtomicBool::new(false));
     let boot = Bootstrap::connect(
         unique_id,
@@ -41,6 +50,7 @@ pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, 
         cfg.timeout,
         aborted.clone(),
     )?;
+    cfg.resolve_nodes(boot.local_ranks())?;
     agree_on_config(&boot, cfg)?;
     if boot.local_ranks().len() != cfg.world() {
         return Err(Error::unsupported(format!(
@@ -455,7 +465,14 @@ impl Backend for HostBackend {
                 }
             })
             .collect();
-        let out = combine(topo, self.rank(), state.num_tokens, &returned);
+        // The GPU's summation order: node partials first when there are
+        // several nodes.
+        let nodes = self.cfg.nodes();
+        let out = if nodes.is_hierarchical() {
+            hierarchical::combine(topo, nodes, self.rank(), state.num_tokens, &returned)
+        } else {
+            combine(topo, self.rank(), state.num_tokens, &returned)
+        };
         self.barrier()?;
         // SAFETY: `out` has room for the dispatch's tokens (checked above).
         unsafe { give(op.out as *mut bf16, &out) };
