@@ -8,11 +8,20 @@
 //!   2. all of those -> device link (`-dlink -fatbin`) -> one fatbin with one
 //!      linked cubin (SASS) per target architecture.
 //!
+//! The network kernels use NCCL's device API, which is header-only: they are
+//! compiled against the headers of the pinned NCCL wheel
+//! (`nvidia-nccl-cu13`, installed into `.venv/` by
+//! `scripts/install-cuda-tools.sh`, never copied into the repository). The
+//! headers' `NCCL_VERSION_CODE` becomes `EP_NCCL_VERSION_CODE` for the Rust
+//! side, which refuses at run time an NCCL library of another version.
+//!
 //! Environment:
 //! - `NVCC`: the nvcc to use. Otherwise `$CUDA_HOME/bin/nvcc`, then `nvcc` on
 //!   PATH, then the one `scripts/install-cuda-tools.sh` put in `.venv/`.
 //! - `EP_CUDA_ARCHS`: comma list of targets, such as `90a,100a`. Default:
 //!   `90a` (Hopper), plus `100a` (Blackwell) when this nvcc knows it.
+//! - `EP_NCCL_INCLUDE`: the NCCL include directory (holding `nccl.h` and
+//!   `nccl_device.h`). Otherwise the wheel's, under `.venv/`.
 
 use std::env;
 use std::ffi::OsStr;
@@ -21,7 +30,7 @@ use std::process::Command;
 
 fn main() {
     println!("cargo:rerun-if-changed=kernels");
-    for var in ["NVCC", "CUDA_HOME", "EP_CUDA_ARCHS"] {
+    for var in ["NVCC", "CUDA_HOME", "EP_CUDA_ARCHS", "EP_NCCL_INCLUDE"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
     if let Err(message) = build() {
@@ -43,6 +52,12 @@ fn build() -> Result<(), String> {
         .map(|arch| format!("-gencode=arch=compute_{arch},code=sm_{arch}"))
         .collect();
 
+    let nccl_include = find_nccl_include(&manifest_dir)?;
+    println!(
+        "cargo:rustc-env=EP_NCCL_VERSION_CODE={}",
+        nccl_version_code(&nccl_include)?
+    );
+
     let sources = cuda_sources(&kernels_dir)?;
     let objects_dir = out_dir.join("kernels");
     std::fs::create_dir_all(&objects_dir).map_err(|e| format!("{}: {e}", objects_dir.display()))?;
@@ -59,6 +74,8 @@ fn build() -> Result<(), String> {
                 .arg("--expt-relaxed-constexpr")
                 .arg("-I")
                 .arg(&include_dir)
+                .arg("-I")
+                .arg(&nccl_include)
                 .args(&gencode)
                 .arg(source)
                 .arg("-o")
@@ -152,6 +169,50 @@ fn venv_nvcc(manifest_dir: &Path) -> Option<PathBuf> {
         .filter_map(|entry| entry.ok())
         .map(|entry| entry.path().join("site-packages/nvidia/cu13/bin/nvcc"))
         .find(|nvcc| nvcc.is_file())
+}
+
+/// NCCL's include directory: `EP_NCCL_INCLUDE`, else the pinned wheel's in
+/// `.venv/lib/python3.X/site-packages/nvidia/nccl/include`.
+fn find_nccl_include(manifest_dir: &Path) -> Result<PathBuf, String> {
+    if let Some(dir) = env::var_os("EP_NCCL_INCLUDE") {
+        let dir = PathBuf::from(dir);
+        return if dir.join("nccl_device.h").is_file() {
+            Ok(dir)
+        } else {
+            Err(format!(
+                "EP_NCCL_INCLUDE={}: no nccl_device.h there",
+                dir.display()
+            ))
+        };
+    }
+    let lib = manifest_dir.join(".venv/lib");
+    std::fs::read_dir(lib)
+        .ok()
+        .into_iter()
+        .flatten()
+        .filter_map(|entry| entry.ok())
+        .map(|entry| entry.path().join("site-packages/nvidia/nccl/include"))
+        .find(|dir| dir.join("nccl_device.h").is_file())
+        .ok_or_else(|| {
+            "no NCCL headers found (tried $EP_NCCL_INCLUDE and .venv/).\n\
+             Run scripts/install-cuda-tools.sh to install the pinned NCCL wheel \
+             (nvidia-nccl-cu13) into .venv/, or set EP_NCCL_INCLUDE."
+                .to_string()
+        })
+}
+
+/// `NCCL_VERSION_CODE` of the headers in `include` (e.g. 22809 for 2.28.9).
+fn nccl_version_code(include: &Path) -> Result<u32, String> {
+    let header = include.join("nccl.h");
+    println!("cargo:rerun-if-changed={}", header.display());
+    let text =
+        std::fs::read_to_string(&header).map_err(|e| format!("{}: {e}", header.display()))?;
+    text.lines()
+        .find_map(|line| {
+            let rest = line.trim().strip_prefix("#define NCCL_VERSION_CODE")?;
+            rest.trim().parse().ok()
+        })
+        .ok_or_else(|| format!("{}: no NCCL_VERSION_CODE", header.display()))
 }
 
 /// The `sm_` targets to build SASS for: `EP_CUDA_ARCHS`, or the default.

@@ -11,6 +11,9 @@
 /* CUDA's stream type, declared so that no CUDA header is needed;
  * cudaStream_t and CUstream are pointers to it. */
 struct CUstream_st;
+/* NCCL's communicator type, declared so that no NCCL header is needed;
+ * ncclComm_t is a pointer to it. */
+struct ncclComm;
 
 // Version of this API, `major * 10000 + minor * 100 + patch`.
 #define EP_API_VERSION 100
@@ -111,6 +114,15 @@ struct CUstream_st;
 
 // Bytes of the oldest accepted `ep_config_t` (through `token_dtype`).
 #define EP_CONFIG_MIN_SIZE 32
+
+// `NCCL_WIN_COLL_SYMMETRIC`: the window is registered by every rank with
+// the same size, and peers' copies are reachable through LSA pointers.
+#define WIN_COLL_SYMMETRIC 1
+
+// Bytes reserved for an `ncclDevComm` (NCCL 2.28.9's is 200);
+// `kernels/include/ep_net.cuh` checks the real size against
+// `EP_NCCL_DEV_COMM_BYTES`, which mirrors this.
+#define DEV_COMM_BYTES 512
 
 // Opaque communicator: one per rank. Created by `ep_ctx_create`, freed by
 // `ep_ctx_destroy`. Not thread-safe: one thread at a time may call functions
@@ -468,6 +480,30 @@ ep_status_t ep_ctx_create(struct ep_ctx_t **ctx,
                           int32_t rank,
                           int32_t device,
                           const struct ep_config_t *config);
+
+// Creates a GPU context on the caller's NCCL communicator `comm` (borrowed:
+// ep never destroys it): the context's rank, world size and CUDA device are
+// the communicator's (`ncclCommUserRank`, `ncclCommCount`,
+// `ncclCommCuDevice`). Collective over `comm`: every rank calls it with the
+// same config. The symmetric buffers are NCCL windows (`ncclMemAlloc` +
+// `ncclCommWindowRegister`), the peers of NCCL's LSA team (the ranks
+// reached over NVLink) are reached through their LSA pointers, and a device
+// communicator carries the network leg to the other nodes. The context's
+// host-side collectives (configuration agreement, barriers) run on `comm`
+// (`ncclAllGather` on a stream of the context, with `timeout_ms`);
+// `ep_ctx_destroy` deregisters the windows, which NCCL may require of every
+// rank. `comm` must outlive the context.
+//
+// NCCL is found at run time: the copy already loaded in the process
+// (`libnccl.so.2`, which must be the one that made `comm`), else
+// `EP_NCCL_LIBRARY`, else `libnccl.so.2`. Its version must be the one ep's
+// network kernels were compiled against (2.28.9): another is refused with
+// `EP_ERR_UNSUPPORTED` and a message naming both. `config->backend` must be
+// `EP_BACKEND_GPU` or `EP_BACKEND_AUTO` (which then means the GPU);
+// `ranks_per_node` 0 makes every LSA team a node.
+ep_status_t ep_ctx_create_from_nccl(struct ncclComm *comm,
+                                    const struct ep_config_t *config,
+                                    struct ep_ctx_t **ctx);
 
 // Frees a context and its buffers. The caller makes sure no work that uses
 // them is still running (synchronize its streams first). NULL is a no-op.

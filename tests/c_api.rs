@@ -1615,3 +1615,39 @@ fn config_without_ranks_per_node_is_accepted() {
     };
     assert_eq!((rpn, nodes), (1, 1));
 }
+
+/// `ep_ctx_create_from_nccl` checks its pointers and the backend before it
+/// touches NCCL (a communicator cannot be made without a GPU; the GPU tests
+/// run the real thing).
+#[test]
+fn create_from_nccl_checks_its_arguments() {
+    let cfg = small_config();
+    let fake = 0x1000 as *mut ncclComm;
+    let mut ctx = 0x10 as *mut ep_ctx_t;
+    unsafe {
+        expect_null(
+            ep_ctx_create_from_nccl(fake, &cfg, null_mut()),
+            "ep_ctx_create_from_nccl",
+            "ctx",
+        );
+        expect_null(
+            ep_ctx_create_from_nccl(null_mut(), &cfg, &mut ctx),
+            "ep_ctx_create_from_nccl",
+            "comm",
+        );
+        assert!(ctx.is_null(), "ctx not reset to NULL on failure");
+        expect_null(
+            ep_ctx_create_from_nccl(fake, null(), &mut ctx),
+            "ep_ctx_create_from_nccl",
+            "config",
+        );
+        // small_config() is a host-backend config.
+        expect(
+            ep_ctx_create_from_nccl(fake, &cfg, &mut ctx),
+            EP_ERR_INVALID_ARGUMENT,
+            "ep_ctx_create_from_nccl",
+            &["runs on the GPU backend"],
+        );
+        assert!(ctx.is_null());
+    }
+}

@@ -104,7 +104,12 @@ unsafe fn config_of(
     device: i32,
 ) -> Result<Config> {
     let c = read_versioned(config)?;
-    Config::new(&ConfigRequest {
+    Config::new(&request_of(&c, world, rank, device)?)
+}
+
+/// The runtime's view of a caller's config for one rank.
+fn request_of(c: &ep_config_t, world: i32, rank: i32, device: i32) -> Result<ConfigRequest> {
+    Ok(ConfigRequest {
         world,
         rank,
         device,
@@ -144,6 +149,58 @@ pub unsafe extern "C" fn ep_ctx_create(
         *ctx = std::ptr::null_mut();
         let cfg = config_of(config, world_size, rank, device)?;
         let inner = Context::create(cfg, &id.internal)?;
+        *ctx = Box::into_raw(Box::new(ep_ctx_t { inner }));
+        Ok(())
+    })
+}
+
+/// Creates a GPU context on the caller's NCCL communicator `comm` (borrowed:
+/// ep never destroys it): the context's rank, world size and CUDA device are
+/// the communicator's (`ncclCommUserRank`, `ncclCommCount`,
+/// `ncclCommCuDevice`). Collective over `comm`: every rank calls it with the
+/// same config. The symmetric buffers are NCCL windows (`ncclMemAlloc` +
+/// `ncclCommWindowRegister`), the peers of NCCL's LSA team (the ranks
+/// reached over NVLink) are reached through their LSA pointers, and a device
+/// communicator carries the network leg to the other nodes. The context's
+/// host-side collectives (configuration agreement, barriers) run on `comm`
+/// (`ncclAllGather` on a stream of the context, with `timeout_ms`);
+/// `ep_ctx_destroy` deregisters the windows, which NCCL may require of every
+/// rank. `comm` must outlive the context.
+///
+/// NCCL is found at run time: the copy already loaded in the process
+/// (`libnccl.so.2`, which must be the one that made `comm`), else
+/// `EP_NCCL_LIBRARY`, else `libnccl.so.2`. Its version must be the one ep's
+/// network kernels were compiled against (2.28.9): another is refused with
+/// `EP_ERR_UNSUPPORTED` and a message naming both. `config->backend` must be
+/// `EP_BACKEND_GPU` or `EP_BACKEND_AUTO` (which then means the GPU);
+/// `ranks_per_node` 0 makes every LSA team a node.
+#[no_mangle]
+pub unsafe extern "C" fn ep_ctx_create_from_nccl(
+    comm: *mut ncclComm,
+    config: *const ep_config_t,
+    ctx: *mut *mut ep_ctx_t,
+) -> ep_status_t {
+    run("ep_ctx_create_from_nccl", || {
+        if ctx.is_null() {
+            return Err(Error::null("ctx"));
+        }
+        *ctx = std::ptr::null_mut();
+        if comm.is_null() {
+            return Err(Error::null("comm"));
+        }
+        let c = read_versioned(config)?;
+        if !matches!(c.backend, EP_BACKEND_GPU | EP_BACKEND_AUTO) {
+            return Err(Error::invalid(format!(
+                "backend = {}: a context on an NCCL communicator runs on the GPU backend (EP_BACKEND_GPU or EP_BACKEND_AUTO)",
+                c.backend
+            )));
+        }
+        let nccl = crate::runtime::nccl::load()?;
+        let (world, rank, device) = nccl.comm_info(comm as crate::runtime::nccl::Comm)?;
+        let mut request = request_of(&c, world as i32, rank as i32, device)?;
+        request.backend = BackendKind::Gpu;
+        let cfg = Config::new(&request)?;
+        let inner = Context::create_from_nccl(cfg, comm as crate::runtime::nccl::Comm)?;
         *ctx = Box::into_raw(Box::new(ep_ctx_t { inner }));
         Ok(())
     })

@@ -155,6 +155,10 @@ pub type ep_stream_t = *mut CUstream_st;
 /// CUDA's opaque stream type, declared so that no CUDA header is needed.
 pub enum CUstream_st {}
 
+/// NCCL's opaque communicator type (`ncclComm_t` is a pointer to it),
+/// declared so that no NCCL header is needed.
+pub enum ncclComm {}
+
 /// 128 opaque bytes made by `ep_get_unique_id` on one rank and sent by the
 /// caller to every other rank. They hold the rendezvous address and a random
 /// secret: treat them as a credential.

@@ -177,7 +177,7 @@ impl Config {
 
 /// Checks that every rank passed the same configuration; a mismatch would
 /// otherwise surface as corrupted data or a hang.
-pub fn agree_on_config(boot: &super::bootstrap::Bootstrap, cfg: &Config) -> Result<()> {
+pub fn agree_on_config(group: &dyn super::group::HostGroup, cfg: &Config) -> Result<()> {
     let t = &cfg.topo;
     let fields: [(&str, u64); 10] = [
         ("max_tokens_per_rank", cfg.max_tokens as u64),
@@ -192,7 +192,7 @@ pub fn agree_on_config(boot: &super::bootstrap::Bootstrap, cfg: &Config) -> Resu
         ("ranks_per_node", cfg.ranks_per_node as u64),
     ];
     let mine: Vec<u8> = fields.iter().flat_map(|(_, v)| v.to_le_bytes()).collect();
-    for (peer, theirs) in boot.all_gather(&mine)?.iter().enumerate() {
+    for (peer, theirs) in group.all_gather(&mine)?.iter().enumerate() {
         if theirs.len() != mine.len() {
             return Err(Error::remote(format!(
                 "rank {peer} sent a malformed configuration"

@@ -38,6 +38,21 @@ impl Context {
         })
     }
 
+    /// A GPU context on the caller's NCCL communicator.
+    ///
+    /// # Safety
+    /// `comm` is a live communicator of the loaded NCCL that outlives the
+    /// context.
+    pub unsafe fn create_from_nccl(mut cfg: Config, comm: super::nccl::Comm) -> Result<Context> {
+        let (backend, monitor) = gpu::create_from_nccl(&mut cfg, comm)?;
+        Ok(Context {
+            id: NEXT_CONTEXT_ID.fetch_add(1, Ordering::Relaxed),
+            cfg,
+            backend: Mutex::new(backend),
+            monitor,
+        })
+    }
+
     pub fn config(&self) -> &Config {
         &self.cfg
     }

@@ -8,6 +8,8 @@ pub mod config;
 pub mod context;
 pub mod cuda;
 pub mod gpu;
+pub mod group;
 pub mod handle;
 pub mod host;
+pub mod nccl;
 pub mod ops;

@@ -222,6 +222,8 @@ impl Drop for Ctx {
     fn drop(&mut self) {
         // SAFETY: the context is live and no work is running.
         unsafe { ep_ctx_destroy(self.0) };
+        // A GPU test context on an NCCL communicator of the test's own.
+        gpu::nccl::release(self.0);
     }
 }
 

@@ -1,6 +1,13 @@
 //! The GPU backend: CUDA kernels on the caller's device and stream, ranks
 //! connected over NVLink.
 //!
+//! A context is made by `ep_ctx_create` (ep's bootstrap; symmetric memory of
+//! its own on one host, or, with ranks on several hosts or
+//! `EP_TRANSPORT=nccl`, an NCCL communicator of its own made from an
+//! `ncclUniqueId` the bootstrap carries) or by `ep_ctx_create_from_nccl` on
+//! the caller's communicator. Either way the modes see one
+//! [`SymmetricMemory`] (see `symmetric.rs`).
+//!
 //! Work runs on the device's primary context (never created, replaced or
 //! destroyed here); every call pushes it and pops it again, so the caller's
 //! current context is left as it was. Kernels report failures (a timed-out
@@ -15,6 +22,8 @@ use super::backend::{Backend, HandleState, Monitor, Stream};
 use super::bootstrap::Bootstrap;
 use super::config::{agree_on_config, Config, MAX_WORLD_SIZE};
 use super::cuda::{Device, DeviceStatus, MappedHost, Module};
+use super::group::{HostGroup, NcclGroup};
+use super::nccl::{self, CommHandle, UniqueId};
 use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp};
 use crate::error::{Error, Result};
 use low_latency::LlMode;
@@ -22,7 +31,7 @@ use normal::NormalMode;
 use std::os::raw::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use symmetric::SymmetricMemory;
+use symmetric::{NativeMemory, NcclMemory, SymmetricMemory};
 
 /// Bytes at the start of every rank's buffer for cross-rank signals of the
 /// runtime itself, before the modes' areas: the barrier's `[world]` slots at
@@ -52,13 +61,128 @@ pub fn create(
     )?;
     cfg.resolve_nodes(boot.local_ranks())?;
     agree_on_config(&boot, cfg)?;
+    let module = Module::load(&device)?;
+    let one_host = boot.local_ranks().len() == cfg.world();
+    let memory: Box<dyn SymmetricMemory> = if one_host && !nccl_requested()? {
+        Box::new(NativeMemory::new(&device, &boot, buffer_bytes(cfg))?)
+    } else {
+        let comm = own_communicator(&boot, &device)?;
+        Box::new(NcclMemory::new(
+            comm,
+            &device,
+            &module,
+            &boot,
+            buffer_bytes(cfg),
+            0,
+        )?)
+    };
+    finish(cfg, device, module, Box::new(boot), memory, aborted)
+}
+
+/// Whether `EP_TRANSPORT` asks for NCCL on one host (`nccl`), or not
+/// (`native`, the default). Ranks on several hosts always use NCCL.
+fn nccl_requested() -> Result<bool> {
+    match std::env::var("EP_TRANSPORT").as_deref() {
+        Err(_) | Ok("") | Ok("native") => Ok(false),
+        Ok("nccl") => Ok(true),
+        Ok(other) => Err(Error::invalid(format!(
+            "EP_TRANSPORT={other}: expected `native` or `nccl`"
+        ))),
+    }
+}
+
+/// The context's own NCCL communicator over the ranks of `boot`: rank 0
+/// makes an `ncclUniqueId`, the bootstrap carries it to every rank, and all
+/// call `ncclCommInitRank` (NCCL's own wait).
+fn own_communicator(boot: &Bootstrap, device: &Device) -> Result<Arc<CommHandle>> {
+    let nccl = nccl::load()?;
+    let _context = device.bind()?;
+    let mine = if boot.rank() == 0 {
+        nccl.unique_id()?.internal.to_vec()
+    } else {
+        Vec::new()
+    };
+    let ids = boot.all_gather(&mine)?;
+    let internal: [u8; 128] = ids[0]
+        .as_slice()
+        .try_into()
+        .map_err(|_| Error::remote("rank 0 sent a malformed NCCL unique id"))?;
+    let comm = nccl.comm_init_rank(boot.world(), UniqueId { internal }, boot.rank())?;
+    Ok(Arc::new(CommHandle {
+        nccl,
+        comm,
+        owned: true,
+    }))
+}
+
+/// The GPU backend on the caller's NCCL communicator (`ep_ctx_create_from_nccl`):
+/// `cfg` holds the rank, world and device the communicator reports.
+///
+/// # Safety
+/// `comm` is a live communicator of the loaded NCCL that outlives the
+/// context.
+pub unsafe fn create_from_nccl(
+    cfg: &mut Config,
+    comm: nccl::Comm,
+) -> Result<(Box<dyn Backend>, Arc<dyn Monitor>)> {
+    let nccl = nccl::load()?;
+    let device = Device::new(cfg.device as usize)?;
+    let aborted = Arc::new(AtomicBool::new(false));
+    let comm = Arc::new(CommHandle {
+        nccl,
+        comm,
+        owned: false,
+    });
+    let group = NcclGroup::new(
+        comm.clone(),
+        &device,
+        (cfg.rank, cfg.world()),
+        cfg.timeout,
+        aborted.clone(),
+    )?;
+    // Every LSA team (NVLink domain) is a node unless the config says.
+    let lsa = nccl.team_lsa(comm.comm);
+    let lsa_ranks: Vec<usize> = if lsa.stride == 1 && lsa.rank >= 0 && lsa.rank <= cfg.rank as i32 {
+        let first = cfg.rank - lsa.rank as usize;
+        (first..first + lsa.ranks.max(0) as usize).collect()
+    } else {
+        Vec::new()
+    };
+    cfg.resolve_nodes(&lsa_ranks)?;
+    agree_on_config(&group, cfg)?;
+    let module = Module::load(&device)?;
+    let memory = NcclMemory::new(comm, &device, &module, &group, buffer_bytes(cfg), 0)?;
+    finish(
+        cfg,
+        device,
+        module,
+        Box::new(group),
+        Box::new(memory),
+        aborted,
+    )
+}
+
+/// What both ways of making a GPU context share once the ranks agree and
+/// the symmetric buffers exist.
+fn finish(
+    cfg: &Config,
+    device: Device,
+    module: Module,
+    group: Box<dyn HostGroup>,
+    memory: Box<dyn SymmetricMemory>,
+    aborted: Arc<AtomicBool>,
+) -> Result<(Box<dyn Backend>, Arc<dyn Monitor>)> {
     if cfg.nodes().is_hierarchical() {
         return Err(Error::unsupported(
             "several nodes (ranks_per_node below the world size) need the hierarchical GPU modes, which this build does not have yet",
         ));
     }
-    let module = Module::load(&device)?;
-    let memory = SymmetricMemory::new(&device, &boot, buffer_bytes(cfg))?;
+    if let Some(far) = memory.reachable().iter().position(|&r| !r) {
+        return Err(Error::unsupported(format!(
+            "rank {far} is not reachable over NVLink from rank {}: ranks in several NVLink domains need ranks_per_node set to the domain size",
+            cfg.rank
+        )));
+    }
     let monitor = Arc::new(GpuMonitor {
         status: MappedHost::new(&device, 1)?,
         abort_flag: MappedHost::new(&device, 1)?,
@@ -68,7 +192,7 @@ pub fn create(
         cfg: *cfg,
         device,
         module,
-        boot,
+        group,
         memory,
         monitor: monitor.clone(),
         timeout_ns: cfg.timeout.as_nanos() as u64,
@@ -116,8 +240,9 @@ pub struct Runtime {
     pub cfg: Config,
     pub device: Device,
     pub module: Module,
-    pub boot: Bootstrap,
-    pub memory: SymmetricMemory,
+    /// The host collectives of the ranks (kept for the context's life).
+    pub group: Box<dyn HostGroup>,
+    pub memory: Box<dyn SymmetricMemory>,
     pub monitor: Arc<GpuMonitor>,
     /// Longest device-side wait, in nanoseconds of `%globaltimer`.
     pub timeout_ns: u64,
@@ -162,7 +287,7 @@ impl Runtime {
         let mut peer_slots = self.memory.peer_bases();
         let mut rank_arg = rank as i32;
         let mut world = self.cfg.world() as i32;
-        let mut counter = self.memory.base(rank) + BARRIER_COUNTER_OFFSET as u64;
+        let mut counter = self.memory.own_base() + BARRIER_COUNTER_OFFSET as u64;
         let mut timeout_ns = self.timeout_ns;
         let mut abort = self.abort_ptr();
         let mut status = self.status_ptr();
