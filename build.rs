@@ -1,12 +1,15 @@
-//! Compiles the CUDA kernels in `kernels/*.cu` into one fatbin,
-//! `$OUT_DIR/ep_kernels.fatbin`, which `src/runtime/cuda.rs` embeds and
-//! loads through the driver API at run time. Nothing CUDA is linked.
+//! Compiles each CUDA kernel file `kernels/<name>.cu` into a fatbin,
+//! `$OUT_DIR/kernels/<name>.fatbin`, and writes `$OUT_DIR/ep_kernels.rs`, the
+//! list of them that `src/runtime/cuda.rs` embeds and loads through the
+//! driver API at run time (one module per file). Nothing CUDA is linked.
 //!
-//! Two nvcc steps, so that all kernels end up in ONE module (one
-//! `cuModuleLoadData`) while each `.cu` file stays its own translation unit:
-//!   1. each `.cu` -> relocatable device code (`-rdc=true -fatbin`),
-//!   2. all of those -> device link (`-dlink -fatbin`) -> one fatbin with one
-//!      linked cubin (SASS) per target architecture.
+//! Each fatbin holds machine code (SASS) for every target architecture and
+//! `compute_90` PTX, which the driver compiles for GPUs newer than the
+//! targets. Code that needs Hopper-only instructions guards itself with
+//! `__CUDA_ARCH_FEAT_SM90_ALL` and reports "unsupported" elsewhere.
+//!
+//! `ep_abi.h`, the kernels' view of the structs and constants of
+//! src/abi/defs.rs, is generated first, into `$OUT_DIR/include`.
 //!
 //! The network kernels use NCCL's device API, which is header-only: they are
 //! compiled against the headers of the pinned NCCL wheel
@@ -28,8 +31,17 @@ use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// The structs and constants shared with the runtime, to generate
+/// `ep_abi.h` from (see src/abi/mod.rs).
+#[allow(dead_code)]
+mod abi {
+    include!("src/abi/gen.rs");
+    include!("src/abi/defs.rs");
+}
+
 fn main() {
     println!("cargo:rerun-if-changed=kernels");
+    println!("cargo:rerun-if-changed=src/abi");
     for var in ["NVCC", "CUDA_HOME", "EP_CUDA_ARCHS", "EP_NCCL_INCLUDE"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -47,10 +59,13 @@ fn build() -> Result<(), String> {
 
     let nvcc = find_nvcc(&manifest_dir)?;
     let archs = target_archs(&nvcc)?;
-    let gencode: Vec<String> = archs
+    let mut gencode: Vec<String> = archs
         .iter()
         .map(|arch| format!("-gencode=arch=compute_{arch},code=sm_{arch}"))
         .collect();
+    gencode.push(format!(
+        "-gencode=arch=compute_{PTX_ARCH},code=compute_{PTX_ARCH}"
+    ));
 
     let nccl_include = find_nccl_include(&manifest_dir)?;
     println!(
@@ -62,47 +77,68 @@ fn build() -> Result<(), String> {
     let objects_dir = out_dir.join("kernels");
     std::fs::create_dir_all(&objects_dir).map_err(|e| format!("{}: {e}", objects_dir.display()))?;
 
-    // Step 1, all files at once: nvcc is single-threaded and slow.
+    // The generated header of the shared structs and constants.
+    let abi_dir = out_dir.join("include");
+    std::fs::create_dir_all(&abi_dir).map_err(|e| format!("{}: {e}", abi_dir.display()))?;
+    let abi_header = abi_dir.join("ep_abi.h");
+    std::fs::write(&abi_header, abi::c_header())
+        .map_err(|e| format!("{}: {e}", abi_header.display()))?;
+
+    // All files at once: nvcc is single-threaded and slow.
     let include_dir = kernels_dir.join("include");
-    let compiles: Vec<(Command, PathBuf)> = sources
+    let compiles: Vec<(Command, String, PathBuf)> = sources
         .iter()
         .map(|source| {
-            let stem = source.file_stem().unwrap_or(OsStr::new("kernel"));
-            let object = objects_dir.join(stem).with_extension("rdc.fatbin");
+            let stem = source
+                .file_stem()
+                .unwrap_or(OsStr::new("kernel"))
+                .to_string_lossy()
+                .into_owned();
+            let fatbin = objects_dir.join(&stem).with_extension("fatbin");
             let mut cmd = Command::new(&nvcc);
-            cmd.args(["-rdc=true", "-fatbin", "-std=c++17", "-O3", "-lineinfo"])
+            cmd.args(["-fatbin", "-std=c++17", "-O3", "-lineinfo"])
                 .arg("--expt-relaxed-constexpr")
                 .arg("-I")
                 .arg(&include_dir)
+                .arg("-I")
+                .arg(&abi_dir)
                 .arg("-I")
                 .arg(&nccl_include)
                 .args(&gencode)
                 .arg(source)
                 .arg("-o")
-                .arg(&object);
-            (cmd, object)
+                .arg(&fatbin);
+            (cmd, stem, fatbin)
         })
         .collect();
-    let objects = std::thread::scope(|scope| {
+    let fatbins = std::thread::scope(|scope| {
         let running: Vec<_> = compiles
             .into_iter()
-            .map(|(mut cmd, object)| scope.spawn(move || run(&mut cmd).map(|()| object)))
+            .map(|(mut cmd, stem, fatbin)| {
+                scope.spawn(move || run(&mut cmd).map(|()| (stem, fatbin)))
+            })
             .collect();
         running
             .into_iter()
             .map(|handle| handle.join().expect("an nvcc thread panicked"))
-            .collect::<Result<Vec<PathBuf>, String>>()
+            .collect::<Result<Vec<(String, PathBuf)>, String>>()
     })?;
 
-    // Step 2: one device link for all of them.
-    let fatbin = out_dir.join("ep_kernels.fatbin");
-    let mut link = Command::new(&nvcc);
-    link.args(["-dlink", "-fatbin"])
-        .args(&gencode)
-        .args(&objects)
-        .arg("-o")
-        .arg(&fatbin);
-    run(&mut link)
+    // The list the library embeds: (file name, fatbin), 8-byte aligned
+    // (`Aligned` is defined where this is included).
+    let mut list = String::from(
+        "// Generated by build.rs: every kernels/*.cu, compiled.\n\
+         pub static KERNEL_IMAGES: &[(&str, &Aligned<[u8]>)] = &[\n",
+    );
+    for (stem, fatbin) in &fatbins {
+        list.push_str(&format!(
+            "    ({stem:?}, &Aligned(*include_bytes!({:?}))),\n",
+            fatbin.display().to_string()
+        ));
+    }
+    list.push_str("];\n");
+    let list_path = out_dir.join("ep_kernels.rs");
+    std::fs::write(&list_path, list).map_err(|e| format!("{}: {e}", list_path.display()))
 }
 
 /// Runs one nvcc command. On failure the error holds the command line and
@@ -214,6 +250,10 @@ fn nccl_version_code(include: &Path) -> Result<u32, String> {
         })
         .ok_or_else(|| format!("{}: no NCCL_VERSION_CODE", header.display()))
 }
+
+/// The virtual architecture of the PTX every fatbin carries for GPUs newer
+/// than the SASS targets.
+const PTX_ARCH: &str = "90";
 
 /// The `sm_` targets to build SASS for: `EP_CUDA_ARCHS`, or the default.
 fn target_archs(nvcc: &Path) -> Result<Vec<String>, String> {

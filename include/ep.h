@@ -115,15 +115,6 @@ struct ncclComm;
 // Bytes of the oldest accepted `ep_config_t` (through `token_dtype`).
 #define EP_CONFIG_MIN_SIZE 32
 
-// `NCCL_WIN_COLL_SYMMETRIC`: the window is registered by every rank with
-// the same size, and peers' copies are reachable through LSA pointers.
-#define WIN_COLL_SYMMETRIC 1
-
-// Bytes reserved for an `ncclDevComm` (NCCL 2.28.9's is 200);
-// `kernels/include/ep_net.cuh` checks the real size against
-// `EP_NCCL_DEV_COMM_BYTES`, which mirrors this.
-#define DEV_COMM_BYTES 512
-
 // Opaque communicator: one per rank. Created by `ep_ctx_create`, freed by
 // `ep_ctx_destroy`. Not thread-safe: one thread at a time may call functions
 // on a context, except `ep_ctx_abort` and `ep_ctx_get_async_error`, which any

@@ -39,9 +39,9 @@
 // barrier compare the two words (ep_last_barrier_passed) to learn, from
 // device memory, whether the barrier failed.
 //
-// Launch: one block of at least `world` threads (a multiple of 32, e.g. 32
-// for world <= 32, 64 for world <= 64). Thread p signals and waits for rank p;
-// the other threads do nothing.
+// Launch: one block of at least `world` threads (a multiple of 32;
+// EP_BARRIER_THREADS covers every world size). Thread p signals and waits for
+// rank p; the other threads do nothing. Parameters: BarrierParams (ep_abi.h).
 //
 // Failure: a wait that passes its deadline (timeout_ns after the thread
 // starts waiting) records EP_STATUS_TIMEOUT with rank = the peer that did not
@@ -52,12 +52,14 @@
 // 0 <= rank < world) record EP_STATUS_INVALID_ARGUMENT and signal nothing.
 #include "ep_device.cuh"
 
-extern "C" __global__ void ep_barrier_kernel(int** peer_signals, int rank, int world,
-                                             int* epoch_counter, uint64_t timeout_ns,
-                                             const int* abort_flag, EpDeviceStatus* status) {
+extern "C" __global__ void ep_barrier_kernel(const BarrierParams p) {
+    const int rank = p.rank;
+    const int world = p.world;
+    int* const* peer_signals = p.peer_signals;
+    int* epoch_counter = p.epoch_counter;
     if (world < 1 || world > static_cast<int>(blockDim.x) || rank < 0 || rank >= world) {
         if (threadIdx.x == 0) {
-            ep_record_error(status, EP_STATUS_INVALID_ARGUMENT, -1, EP_PHASE_BARRIER, 0);
+            ep_record_error(p.status, EP_STATUS_INVALID_ARGUMENT, -1, EP_PHASE_BARRIER, 0);
         }
         return;
     }
@@ -80,8 +82,8 @@ extern "C" __global__ void ep_barrier_kernel(int** peer_signals, int rank, int w
         // waiting; its siblings notice the recorded error on their next
         // poll and stop as well (see ep_wait_until_ge).
         const int* my_slot_for_peer = peer_signals[rank] + peer;
-        arrived = ep_wait_until_ge(my_slot_for_peer, epoch, ep_deadline_after(timeout_ns),
-                                   abort_flag, status, peer, EP_PHASE_BARRIER);
+        arrived = ep_wait_until_ge(my_slot_for_peer, epoch, ep_deadline_after(p.timeout_ns),
+                                   p.abort_flag, p.status, peer, EP_PHASE_BARRIER);
     }
     if (__syncthreads_and(arrived) && threadIdx.x == 0) {
         epoch_counter[1] = epoch;

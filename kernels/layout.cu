@@ -18,9 +18,10 @@
 // (L2 serves the repeats) and that only `world` SMs work; that is cheap next
 // to the data movement this layout plans.
 //
-// Arguments checked here (code EP_STATUS_INVALID_ARGUMENT, nothing written):
-// blockDim.x % 32 == 0, num_tokens >= 0, 1 <= topk, 1 <= world == gridDim.x,
-// 1 <= num_experts <= EP_LAYOUT_MAX_EXPERTS and num_experts % world == 0.
+// Arguments (LayoutParams, ep_abi.h) checked here (code
+// EP_STATUS_INVALID_ARGUMENT, nothing written): blockDim.x % 32 == 0,
+// num_tokens >= 0, 1 <= topk, 1 <= world == gridDim.x,
+// 1 <= num_experts <= EP_MAX_EXPERTS and num_experts % world == 0.
 //
 // Expert ids: -1 means "no expert" (a dropped slot) and is skipped. Any other
 // id outside [0, num_experts) is never used as an index: block 0 records
@@ -29,19 +30,18 @@
 // defined), and every block skips the entry.
 #include "ep_device.cuh"
 
-// The per-block histogram lives in static shared memory: 4 KiB.
-#define EP_LAYOUT_MAX_EXPERTS 1024
-
-extern "C" __global__ void ep_layout_kernel(const int* topk_idx, int num_tokens, int topk,
-                                            int num_experts, int world, int* tokens_per_rank,
-                                            int* tokens_per_expert,
-                                            unsigned char* is_token_in_rank,
-                                            EpDeviceStatus* status) {
+extern "C" __global__ void ep_layout_kernel(const LayoutParams p) {
+    const int* topk_idx = p.topk_idx;
+    const int num_tokens = p.num_tokens;
+    const int topk = p.topk;
+    const int num_experts = p.num_experts;
+    const int world = p.world;
+    EpDeviceStatus* status = p.status;
     // Every thread evaluates the same condition, so the whole grid returns
     // together and no thread is left at a __syncthreads below.
     bool bad_arguments = blockDim.x % 32 != 0 || num_tokens < 0 || topk < 1 || world < 1 ||
                          world != static_cast<int>(gridDim.x) || num_experts < 1 ||
-                         num_experts > EP_LAYOUT_MAX_EXPERTS || num_experts % world != 0;
+                         num_experts > EP_MAX_EXPERTS || num_experts % world != 0;
     if (bad_arguments) {
         if (blockIdx.x == 0 && threadIdx.x == 0) {
             ep_record_error(status, EP_STATUS_INVALID_ARGUMENT, -1, EP_PHASE_LAYOUT, 0);
@@ -49,7 +49,8 @@ extern "C" __global__ void ep_layout_kernel(const int* topk_idx, int num_tokens,
         return;
     }
 
-    __shared__ int expert_count[EP_LAYOUT_MAX_EXPERTS];
+    // The per-block histogram lives in static shared memory: 4 KiB.
+    __shared__ int expert_count[EP_MAX_EXPERTS];
     __shared__ int token_count;
 
     const int rank = blockIdx.x;
@@ -86,7 +87,7 @@ extern "C" __global__ void ep_layout_kernel(const int* topk_idx, int num_tokens,
                 in_rank = true;
             }
         }
-        is_token_in_rank[static_cast<int64_t>(token) * world + rank] = in_rank ? 1 : 0;
+        p.is_token_in_rank[static_cast<int64_t>(token) * world + rank] = in_rank ? 1 : 0;
         my_tokens += in_rank ? 1 : 0;
     }
 
@@ -101,9 +102,9 @@ extern "C" __global__ void ep_layout_kernel(const int* topk_idx, int num_tokens,
     __syncthreads();
 
     for (int i = threadIdx.x; i < experts_per_rank; i += blockDim.x) {
-        tokens_per_expert[first_expert + i] = expert_count[i];
+        p.tokens_per_expert[first_expert + i] = expert_count[i];
     }
     if (threadIdx.x == 0) {
-        tokens_per_rank[rank] = token_count;
+        p.tokens_per_rank[rank] = token_count;
     }
 }

@@ -122,21 +122,13 @@
 
 #include "ep_device.cuh"
 
-// Threads of both kernels' blocks (src/runtime/gpu/low_latency.rs).
-#define EP_LL_THREADS 512
+// Warps of both kernels' blocks (EP_LL_THREADS threads, ep_abi.h).
 #define EP_LL_WARPS (EP_LL_THREADS / 32)
-// Limits of src/runtime/config.rs the shared arrays are sized for.
-#define EP_LL_MAX_TOPK 16
-#define EP_LL_MAX_WORLD 64
-#define EP_LL_MAX_TOKENS 1024
-#define EP_LL_MAX_EXPERTS 1024
-// FP8 scales of a row per lane: 16384 / 128 / 32.
-#define EP_LL_SCALES_PER_LANE 4
-// Message header: int route[16] then float weight[16].
-#define EP_LL_HEADER_BYTES 128
+// FP8 scales of a row per lane.
+#define EP_LL_SCALES_PER_LANE (EP_MAX_HIDDEN / EP_HIDDEN_ALIGNMENT / 32)
 // 16-byte vectors of the chunks a warp moves at once, 2 per lane: 1 KB of
-// a dispatch message, 512 channels of a combine row.
-#define EP_LL_CHUNK_VECS 64
+// a dispatch message, EP_LL_CHUNK_CHANNELS channels of a combine row.
+#define EP_LL_CHUNK_VECS (EP_LL_CHUNK_CHANNELS / 8)
 #define EP_LL_LANE_VECS (EP_LL_CHUNK_VECS / 32)
 // Rows whose chunks a combine warp loads before it adds or stores them.
 #define EP_LL_ROWS_IN_FLIGHT 4
@@ -144,62 +136,8 @@
 #define EP_LL_AMAX_FLOOR 1e-4f
 #define EP_LL_E4M3_MAX 448.0f
 
-// Mirrors `LlParams` in src/runtime/gpu/low_latency.rs field by field.
-struct LlParams {
-    // Dispatch: the BF16 tokens [num_tokens, H]. Combine: the expert rows
-    // [L, W * M, H] (the caller's, or the combine buffer).
-    const __nv_bfloat16* x;
-    const int* topk_idx;       // [num_tokens, K]
-    const float* topk_weights; // [num_tokens, K] or nullptr
-    // The caller's device token count, or nullptr (see call_tokens).
-    const int* device_num_tokens;
-    // Dispatch outputs.
-    uint8_t* recv_x;
-    float* recv_scales;
-    int* recv_count;
-    int* recv_src_info;
-    int* recv_layout_range;
-    // Combine output [num_tokens, H].
-    __nv_bfloat16* out;
-    const uint64_t* peer_bases;  // [W] every rank's buffer, mapped here
-    EpDeviceStatus* status;
-    const int* abort_flag;
-    uint64_t timeout_ns;
-    int64_t area;  // offset of this mode's area in every buffer
-    int64_t off_counters;
-    int64_t off_dispatch_flags;
-    int64_t off_dispatch_counts;
-    int64_t off_dispatch_tags;
-    int64_t off_dispatch_msgs;
-    int64_t off_dispatch_acks;
-    int64_t off_combine_tags;
-    int64_t off_combine_rows;
-    int64_t off_combine_acks;
-    int64_t off_dispatch_tokens;
-    int64_t off_token_rows;
-    int64_t off_token_weights;
-    int64_t msg_bytes;
-    int num_tokens;
-    int rank;
-    int world;
-    int num_experts;
-    int topk;
-    int hidden;
-    int max_tokens;
-    int fp8;       // dispatch: quantize to E4M3 (else BF16 rows)
-    int ue8m0;     // dispatch: power-of-two scales
-    int weighted;  // combine: topk_weights given (else weights at dispatch)
-    int do_send;
-    int do_recv;
-};
-
-// Sequence numbers and arrival counters, this rank only.
-struct LlCounters {
-    int dispatch_seq;       // calls whose send phase has run
-    int combine_seq;
-    int dispatch_arrivals;  // blocks of the running launch that have read
-    int combine_arrivals;   // the call number (see begin_call)
-};
+// The kernels' parameters (LlParams) and this rank's counters (LlCounters)
+// are defined in src/abi/defs.rs and reach this file through ep_abi.h.
 
 namespace {
 
@@ -485,12 +423,12 @@ __device__ void send_token_row(const LlParams& p, int t, uint64_t dest_mask, uin
 
 // Block-wide send phase of dispatch call `seq` (steps 1-4 of the header).
 __device__ bool dispatch_send(const LlParams& p, int seq, uint64_t deadline) {
-    __shared__ int16_t s_experts[EP_LL_MAX_TOKENS * EP_LL_MAX_TOPK];
-    __shared__ int s_counts[EP_LL_MAX_EXPERTS];
-    __shared__ int s_route[EP_LL_MAX_TOPK];  // as in the header, for rank e / L
-    __shared__ int s_expert[EP_LL_MAX_TOPK];
-    __shared__ float s_weight[EP_LL_MAX_TOPK];
-    __shared__ uint8_t* s_slot[EP_LL_MAX_WORLD];
+    __shared__ int16_t s_experts[EP_LL_MAX_TOKENS * EP_MAX_TOPK];
+    __shared__ int s_counts[EP_MAX_EXPERTS];
+    __shared__ int s_route[EP_MAX_TOPK];  // as in the header, for rank e / L
+    __shared__ int s_expert[EP_MAX_TOPK];
+    __shared__ float s_weight[EP_MAX_TOPK];
+    __shared__ uint8_t* s_slot[EP_MAX_WORLD_SIZE];
     const int set = seq & 1;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int K = p.topk, L = local_experts(p);
@@ -548,7 +486,7 @@ __device__ bool dispatch_send(const LlParams& p, int seq, uint64_t deadline) {
         for (int i = tid; i < p.world * 32; i += blockDim.x) {
             const int d = i / 32, j = i % 32;
             int word;
-            if (j < EP_LL_MAX_TOPK) {
+            if (j < EP_MAX_TOPK) {
                 word = j < K && s_expert[j] >= 0 && s_expert[j] / L == d ? s_route[j] : -1;
             } else {
                 word = __float_as_int(j - 16 < K ? s_weight[j - 16] : 0.0f);
@@ -599,8 +537,8 @@ __device__ __forceinline__ void store_chunk(void* row, const int4 (&v)[EP_LL_LAN
 // Returns early when a wait failed (the error is recorded).
 __device__ void dispatch_receive(const LlParams& p, int seq, uint64_t deadline) {
     // First row of (local expert le, source s) at [le * W + s]; tokens of s.
-    __shared__ int s_first[EP_LL_MAX_EXPERTS];
-    __shared__ int s_tokens[EP_LL_MAX_WORLD];
+    __shared__ int s_first[EP_MAX_EXPERTS];
+    __shared__ int s_tokens[EP_MAX_WORLD_SIZE];
     const int set = seq & 1;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int W = p.world, M = p.max_tokens, K = p.topk, L = local_experts(p);
@@ -687,7 +625,7 @@ __device__ void dispatch_receive(const LlParams& p, int seq, uint64_t deadline) 
             if (c == 0) {
                 token_rows[token_entry(p, s, t, lane)] = row;
                 token_weights[token_entry(p, s, t, lane)] =
-                    reinterpret_cast<const float*>(msg)[EP_LL_MAX_TOPK + lane];
+                    reinterpret_cast<const float*>(msg)[EP_MAX_TOPK + lane];
                 if (row >= 0) {
                     p.recv_src_info[row] = t;
                 }

@@ -46,102 +46,18 @@
 
 #include "ep_device.cuh"
 
-// Tokens per chunk of the count kernel: one block of 8 warps, a warp per 32.
-#define EP_CHUNK_TOKENS 256
+// Tokens per chunk of the count kernel (EP_CHUNK_TOKENS, ep_abi.h): one block
+// of 8 warps, a warp per 32.
 #define EP_CHUNK_WARPS (EP_CHUNK_TOKENS / 32)
-#define EP_MAX_TOPK 16
-#define EP_MAX_WORLD 64
-#define EP_MAX_EXPERTS 1024
-// Threads of the pull, send and reduce kernels.
-#define EP_MOVE_THREADS 512
+// Warps of the pull, send and reduce kernels (EP_MOVE_THREADS threads).
 #define EP_MOVE_WARPS (EP_MOVE_THREADS / 32)
 // 16-byte vectors each lane has in flight when copying a row.
 #define EP_COPY_UNROLL 8
 // 16-byte vectors (8 channels each) each lane sums at once in a combine.
 #define EP_SUM_UNROLL 4
 
-// Mirrors `DispatchParams` in src/runtime/gpu/normal.rs (same order, same
-// types; pointers are 64-bit, then 64-bit integers, then 32-bit ones).
-struct DispatchParams {
-    // The caller's inputs.
-    const uint8_t* x;
-    const float* x_scales;
-    const int* topk_idx;
-    const float* topk_weights;
-    // Symmetric memory: [world] base addresses of every rank's buffer as
-    // mapped here, and where this mode's arrays sit inside each buffer.
-    const uint64_t* peer_bases;
-    // Source-order outputs; recv_x == nullptr when not requested.
-    uint8_t* recv_x;
-    float* recv_scales;
-    int* recv_topk_idx;
-    float* recv_topk_weights;
-    int* recv_src_info;
-    int* recv_num_rows;
-    // Expert-major outputs; expert_x == nullptr when not requested.
-    uint8_t* expert_x;
-    float* expert_scales;
-    float* expert_weights;
-    int* expert_src_row;
-    int* expert_offsets;
-    int* expert_counts;
-    // The handle: what the combine needs.
-    int* handle_row_src;         // [rows, 2] (source rank, token)
-    int* handle_row_expert_pos;  // [rows, topk] expert-major row or -1
-    float* handle_row_weights;   // [rows, topk] weight or 0
-    int* handle_num_rows;        // [1]
-    uint8_t* handle_in_rank;     // [max_tokens, world] this rank's tokens
-    // Host-mapped [1 + local_experts]: rows, then rows per local expert.
-    int* host_counts;
-    EpDeviceStatus* status;
-    int64_t area;               // offset of this mode's area in every buffer
-    int64_t off_staged_x;       // [max_tokens, row_bytes]
-    int64_t off_staged_scales;  // [max_tokens, scale_cols]
-    int64_t off_slot_rank;      // [max_tokens, topk] position in its expert
-    int64_t off_rank_pos;       // [max_tokens, world] position or -1
-    int64_t off_chunk_counts;   // [chunks, world + experts]
-    int64_t off_totals;         // [world + experts]
-    // Records pushed by the sources, [source, max_tokens] rows:
-    int64_t off_in_token;       // [world, max_tokens] token index
-    int64_t off_in_local;       // [world, max_tokens, topk] local expert or -1
-    int64_t off_in_rank;        // [world, max_tokens, topk] position in the expert
-    int64_t off_in_weight;      // [world, max_tokens, topk] weight or 0
-    int64_t recv_capacity;
-    int64_t expert_capacity;
-    int num_tokens;
-    int rank;
-    int world;
-    int num_experts;
-    int topk;
-    int row_bytes;   // bytes of one token row (hidden * element size)
-    int scale_cols;  // fp32 scales per row (0 for BF16)
-    int max_tokens;
-    int alignment;   // expert-major segment alignment in rows
-    int pad;
-};
-
-// Mirrors `CombineParams` in src/runtime/gpu/normal.rs.
-struct CombineParams {
-    const __nv_bfloat16* x;  // the caller's rows (source order or expert-major)
-    __nv_bfloat16* out;      // [num_tokens, hidden]
-    const uint64_t* peer_bases;
-    const int* handle_row_src;
-    const int* handle_row_expert_pos;
-    const float* handle_row_weights;
-    const int* handle_num_rows;
-    const uint8_t* handle_in_rank;
-    EpDeviceStatus* status;
-    int64_t area;
-    int64_t off_returned;  // [world, max_tokens, hidden] BF16 rows sent back
-    int num_tokens;        // this rank's tokens of the handle's dispatch
-    int expert_major;
-    int rank;
-    int world;
-    int topk;
-    int hidden;
-    int max_tokens;
-    int pad;
-};
+// The kernels' parameters, DispatchParams and CombineParams, are defined in
+// src/abi/defs.rs and reach this file through ep_abi.h.
 
 // ---------------------------------------------------------------------------
 // Small helpers
@@ -417,7 +333,7 @@ extern "C" __global__ void ep_dispatch_stage_kernel(const DispatchParams p) {
 
 // Row layout every block derives from the sources' totals.
 struct PullLayout {
-    int source_offset[EP_MAX_WORLD + 1];  // first source-order row of each source
+    int source_offset[EP_MAX_WORLD_SIZE + 1];  // first source-order row of each source
     int expert_base[EP_MAX_EXPERTS];      // [source][local expert]: rows of earlier sources
     int expert_total[EP_MAX_EXPERTS];     // [local expert]: real rows
     int expert_offset[EP_MAX_EXPERTS + 1];  // [local expert]: padded segment start

@@ -9,8 +9,11 @@
 //!   bootstrap, and the two backends behind one interface: `host` (reference
 //!   code on host memory) and `gpu` (CUDA kernels over NVLink).
 //! - [`reference`]: plain Rust that defines what every operation computes.
+//! - [`abi`]: the structs and constants the runtime and the kernels share,
+//!   defined once; `build.rs` generates the kernels' `ep_abi.h` from them.
 //! - `kernels/*.cu`: the CUDA kernels, built by `build.rs` into one fatbin.
 
+pub mod abi;
 pub mod capi;
 pub mod error;
 pub mod reference;

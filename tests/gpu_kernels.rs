@@ -7,11 +7,11 @@
 //! launch: deterministic, and enough to check the protocol, the timeout and
 //! the abort paths.
 
-use std::ffi::c_void;
 use std::mem::size_of_val;
 use std::ptr;
 use std::time::{Duration, Instant};
 
+use ep::abi::{self, BarrierParams, LayoutParams, BARRIER_THREADS, LAYOUT_THREADS};
 use ep::runtime::cuda::{
     CUdeviceptr, CUstream, Device, DeviceBuffer, DeviceStatus, MappedHost, Module, Plain,
 };
@@ -23,11 +23,6 @@ fn gpu() -> (Device, Module) {
     let device = Device::new(0).expect("these tests need a CUDA GPU");
     let module = Module::load(&device).expect("loading the kernels");
     (device, module)
-}
-
-/// A kernel parameter: the address of the value.
-fn arg<T>(value: &mut T) -> *mut c_void {
-    (value as *mut T).cast()
 }
 
 fn upload<T: Plain>(device: &Device, values: &[T]) -> DeviceBuffer {
@@ -100,40 +95,36 @@ fn layout_on_gpu(
     let per_expert = DeviceBuffer::new(device, num_experts * 4).unwrap();
     let in_rank = DeviceBuffer::new(device, num_tokens * world).unwrap();
     let status = MappedHost::<DeviceStatus>::new(device, 1).unwrap();
-    let kernel = module.function("ep_layout_kernel").unwrap();
-
-    let (mut p_topk, mut p_rank, mut p_expert, mut p_in) = (
-        topk_buf.ptr(),
-        per_rank.ptr(),
-        per_expert.ptr(),
-        in_rank.ptr(),
-    );
-    let mut p_status = status.device_ptr();
-    let (mut n, mut k, mut e, mut w) = (
-        num_tokens as i32,
-        topk as i32,
-        num_experts as i32,
-        world as i32,
-    );
-    let mut params = [
-        arg(&mut p_topk),
-        arg(&mut n),
-        arg(&mut k),
-        arg(&mut e),
-        arg(&mut w),
-        arg(&mut p_rank),
-        arg(&mut p_expert),
-        arg(&mut p_in),
-        arg(&mut p_status),
-    ];
+    let kernel = module
+        .function::<LayoutParams>(c"ep_layout_kernel")
+        .unwrap();
+    let params = LayoutParams {
+        topk_idx: topk_buf.ptr(),
+        tokens_per_rank: per_rank.ptr(),
+        tokens_per_expert: per_expert.ptr(),
+        is_token_in_rank: in_rank.ptr(),
+        status: status.device_ptr(),
+        num_tokens: num_tokens as i32,
+        topk: topk as i32,
+        num_experts: num_experts as i32,
+        world: world as i32,
+    };
     // SAFETY: the parameters match the kernel's; the buffers outlive the
     // synchronize. Garbage first, to see that the kernel writes everything.
     unsafe {
         for buffer in [&per_rank, &per_expert, &in_rank] {
             buffer.memset_async(0xAB, STREAM).unwrap();
         }
+        let bound = device.bind().unwrap();
         kernel
-            .launch(world as u32, 256, 0, STREAM, &mut params)
+            .launch(
+                &bound,
+                world as u32,
+                LAYOUT_THREADS as u32,
+                0,
+                STREAM,
+                &params,
+            )
             .unwrap();
         device.stream_synchronize(STREAM).unwrap();
     }
@@ -203,8 +194,8 @@ fn layout_reports_and_skips_invalid_expert_ids() {
     topk_idx[5 * topk + 3] = num_experts as i32;
     topk_idx[70 * topk] = -2;
     let (layout, status) = layout_on_gpu(&device, &module, &topk_idx, topk, num_experts, world);
-    assert_eq!(status.code, DeviceStatus::INVALID_EXPERT);
-    assert_eq!(status.phase, DeviceStatus::PHASE_LAYOUT);
+    assert_eq!(status.code, abi::STATUS_INVALID_EXPERT);
+    assert_eq!(status.phase, abi::PHASE_LAYOUT);
     assert!([5 * 4 + 3, 70 * 4].contains(&status.detail), "{status:?}");
     assert_eq!(layout, layout_on_host(&topk_idx, topk, num_experts, world));
 }
@@ -214,7 +205,7 @@ fn layout_reports_and_skips_invalid_expert_ids() {
 fn layout_refuses_experts_that_do_not_split_over_ranks() {
     let (device, module) = gpu();
     let (_, status) = layout_on_gpu(&device, &module, &[0, 1], 2, 10, 4);
-    assert_eq!(status.code, DeviceStatus::INVALID_ARGUMENT);
+    assert_eq!(status.code, abi::STATUS_INVALID_ARGUMENT);
 }
 
 // ---------------------------------------------------------------------------
@@ -275,32 +266,32 @@ impl Signals {
         epoch: i32,
         timeout: Duration,
     ) -> (DeviceStatus, Duration) {
-        let kernel = module.function("ep_barrier_kernel").unwrap();
+        let kernel = module
+            .function::<BarrierParams>(c"ep_barrier_kernel")
+            .unwrap();
         let counter = upload(device, &[epoch - 1, epoch - 1]);
-        let mut p_table = self.table.ptr();
-        let mut p_counter = counter.ptr();
-        let (mut r, mut w) = (rank as i32, self.world as i32);
-        let mut timeout_ns = timeout.as_nanos() as u64;
-        let (mut p_abort, mut p_status) = (self.abort.device_ptr(), self.status.device_ptr());
-        let mut params = [
-            arg(&mut p_table),
-            arg(&mut r),
-            arg(&mut w),
-            arg(&mut p_counter),
-            arg(&mut timeout_ns),
-            arg(&mut p_abort),
-            arg(&mut p_status),
-        ];
+        let params = BarrierParams {
+            peer_signals: self.table.ptr(),
+            epoch_counter: counter.ptr(),
+            abort_flag: self.abort.device_ptr(),
+            status: self.status.device_ptr(),
+            timeout_ns: timeout.as_nanos() as u64,
+            rank: rank as i32,
+            world: self.world as i32,
+        };
         let start = Instant::now();
         // SAFETY: the parameters match the kernel's; everything outlives the
         // synchronize.
         unsafe {
-            kernel.launch(1, 64, 0, STREAM, &mut params).unwrap();
+            let bound = device.bind().unwrap();
+            kernel
+                .launch(&bound, 1, BARRIER_THREADS as u32, 0, STREAM, &params)
+                .unwrap();
             device.stream_synchronize(STREAM).unwrap();
         }
         let elapsed = start.elapsed();
         let status = self.status.read(0);
-        if status.code == DeviceStatus::OK {
+        if status.code == abi::STATUS_OK {
             assert_eq!(
                 download::<i32>(device, &counter, 1),
                 vec![epoch],
@@ -337,9 +328,9 @@ fn barrier_times_out_naming_the_missing_peer() {
     signals.set(&device, 0, &[0, 5, 4, 5]);
     let (status, took) = signals.barrier(&device, &module, 0, 5, Duration::from_millis(20));
     let expected = DeviceStatus {
-        code: DeviceStatus::TIMEOUT,
+        code: abi::STATUS_TIMEOUT,
         rank: 2,
-        phase: DeviceStatus::PHASE_BARRIER,
+        phase: abi::PHASE_BARRIER,
         detail: 4,
     };
     assert_eq!(status, expected);
@@ -355,7 +346,7 @@ fn barrier_stops_when_the_host_aborts() {
     let signals = Signals::new(&device, 2);
     signals.abort.write(0, 1);
     let (status, took) = signals.barrier(&device, &module, 0, 1, Duration::from_secs(60));
-    assert_eq!(status.code, DeviceStatus::ABORTED);
+    assert_eq!(status.code, abi::STATUS_ABORTED);
     assert_eq!(status.rank, 1);
     assert!(took < Duration::from_secs(5), "{took:?}");
 }
@@ -366,5 +357,5 @@ fn barrier_refuses_a_rank_outside_the_world() {
     let (device, module) = gpu();
     let signals = Signals::new(&device, 2);
     let (status, _) = signals.barrier(&device, &module, 2, 1, Duration::from_secs(1));
-    assert_eq!(status.code, DeviceStatus::INVALID_ARGUMENT);
+    assert_eq!(status.code, abi::STATUS_INVALID_ARGUMENT);
 }

@@ -17,48 +17,16 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "ep_abi.h"
+
 // ---------------------------------------------------------------------------
 // Status reported to the host
 // ---------------------------------------------------------------------------
 
-// Values of EpDeviceStatus::code. Mirrored in src/runtime/cuda.rs.
-#define EP_STATUS_OK 0
-// A bounded wait passed its deadline.
-#define EP_STATUS_TIMEOUT 1
-// The host raised the abort flag while a kernel waited.
-#define EP_STATUS_ABORTED 2
-// The layout kernel met an expert id outside [-1, num_experts).
-#define EP_STATUS_INVALID_EXPERT 3
-// A kernel was launched with arguments it cannot work with (see each kernel).
-#define EP_STATUS_INVALID_ARGUMENT 4
-// A low-latency kernel read a device token count outside [0, num_tokens].
-#define EP_STATUS_INVALID_TOKEN_COUNT 5
-
-// Values of EpDeviceStatus::phase: which kernel recorded the error.
-// Mirrored in src/runtime/cuda.rs.
-#define EP_PHASE_LAYOUT 1
-#define EP_PHASE_BARRIER 2
-#define EP_PHASE_DISPATCH 3
-#define EP_PHASE_COMBINE 4
-#define EP_PHASE_LL_DISPATCH 5
-#define EP_PHASE_LL_COMBINE 6
-
-// The first error a rank's kernels hit. It lives in host-mapped memory
-// (cuMemHostAlloc with DEVICEMAP), one per rank, zeroed by the host.
-//
-// Only the first error is kept: `code` is claimed with an atomicCAS from
-// EP_STATUS_OK, and only the thread that wins writes the other fields. The
-// host must read the fields after the kernel has finished (after a stream
-// synchronize); while a kernel is still running only a non-zero `code` is
-// meaningful, the other fields may not have arrived yet.
-struct EpDeviceStatus {
-    int code;    // EP_STATUS_*
-    int rank;    // the rank a failed wait was waiting for; -1 if none
-    int phase;   // EP_PHASE_*
-    int detail;  // timeout/abort: the last value seen; invalid expert: the
-                 // flat index token * topk + slot; invalid token count:
-                 // the count; invalid argument: 0 or the bad value
-};
+// EpDeviceStatus, the EP_STATUS_* codes and the EP_PHASE_* values are
+// defined in ep_abi.h (generated from src/abi/defs.rs). A rank's kernels
+// keep the first error they hit there: `code` is claimed with an atomicCAS
+// from EP_STATUS_OK, and only the thread that wins writes the other fields.
 
 // ---------------------------------------------------------------------------
 // Memory-ordered accesses at system scope (inline PTX)
@@ -214,10 +182,9 @@ __device__ __forceinline__ bool ep_wait_until_ge(const int* addr, int target, ui
 // ---------------------------------------------------------------------------
 
 // Every rank's symmetric buffer starts with the barrier's [world] signal
-// slots; at this offset follow two words of the rank itself: the number of
-// barriers it has entered, then the number of the last one it passed.
-// Mirrored by BARRIER_COUNTER_OFFSET in src/runtime/gpu/mod.rs.
-#define EP_BARRIER_COUNTER_OFFSET 256
+// slots; at EP_BARRIER_COUNTER_OFFSET (ep_abi.h) follow two words of the
+// rank itself: the number of barriers it has entered, then the number of
+// the last one it passed.
 
 // True when this rank passed its latest barrier (or has run none), read
 // from its own buffer `own_base`: kernels that use what peers wrote before

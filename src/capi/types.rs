@@ -71,6 +71,18 @@ pub const EP_MAX_WORLD_SIZE: i32 = 64;
 /// Largest `ll_max_tokens_per_rank`.
 pub const EP_LL_MAX_TOKENS: i32 = 1024;
 
+// The public limits are literals (cbindgen writes them into ep.h); the
+// runtime and the kernels use the same values from src/abi/defs.rs.
+const _: () = {
+    use crate::abi;
+    assert!(EP_MAX_TOPK as usize == abi::MAX_TOPK);
+    assert!(EP_MAX_EXPERTS as usize == abi::MAX_EXPERTS);
+    assert!(EP_MAX_HIDDEN as usize == abi::MAX_HIDDEN);
+    assert!(EP_HIDDEN_ALIGNMENT as usize == abi::HIDDEN_ALIGNMENT);
+    assert!(EP_MAX_WORLD_SIZE as usize == abi::MAX_WORLD_SIZE);
+    assert!(EP_LL_MAX_TOKENS as usize == abi::LL_MAX_TOKENS);
+};
+
 /// Backend selection (`ep_config_t.backend`).
 /// `EP_BACKEND_AUTO`: the environment variable `EP_BACKEND` (`gpu` or
 /// `host`) decides, and the GPU backend when it is unset. There is never a

@@ -5,13 +5,11 @@ use crate::reference::hierarchical::NodeShape;
 use crate::reference::{Dtype, Topology};
 use std::time::Duration;
 
-/// Largest values the library supports (mirrored by `EP_MAX_*` in the header).
-pub const MAX_TOPK: usize = 16;
-pub const MAX_EXPERTS: usize = 1024;
-pub const MAX_HIDDEN: usize = 16384;
-pub const HIDDEN_ALIGNMENT: usize = 128;
-pub const MAX_WORLD_SIZE: usize = 64;
-pub const LL_MAX_TOKENS: usize = 1024;
+/// Largest values the library supports (src/abi/defs.rs, shared with the
+/// kernels; the header's `EP_MAX_*` are checked against them in src/capi).
+pub use crate::abi::{
+    HIDDEN_ALIGNMENT, LL_MAX_TOKENS, MAX_EXPERTS, MAX_HIDDEN, MAX_TOPK, MAX_WORLD_SIZE,
+};
 /// Normal-mode tokens per rank; large enough for any prefill chunk, small
 /// enough that buffer sizes cannot overflow.
 pub const MAX_TOKENS_PER_RANK: usize = 1 << 20;

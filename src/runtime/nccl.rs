@@ -30,11 +30,11 @@ const NCCL_SUCCESS: NcclResult = 0;
 const NCCL_UINT8: c_int = 1;
 /// `NCCL_WIN_COLL_SYMMETRIC`: the window is registered by every rank with
 /// the same size, and peers' copies are reachable through LSA pointers.
-pub const WIN_COLL_SYMMETRIC: c_int = 1;
+pub(crate) const WIN_COLL_SYMMETRIC: c_int = 1;
 
 /// The NCCL version ep's network kernels were compiled against
 /// (`NCCL_VERSION_CODE` of the headers build.rs used).
-pub const BUILT_VERSION: i32 = parse_code(env!("EP_NCCL_VERSION_CODE"));
+pub(crate) const BUILT_VERSION: i32 = parse_code(env!("EP_NCCL_VERSION_CODE"));
 
 const fn parse_code(text: &str) -> i32 {
     let bytes = text.as_bytes();
@@ -81,7 +81,7 @@ pub struct DevCommRequirements {
 /// Bytes reserved for an `ncclDevComm` (NCCL 2.28.9's is 200);
 /// `kernels/include/ep_net.cuh` checks the real size against
 /// `EP_NCCL_DEV_COMM_BYTES`, which mirrors this.
-pub const DEV_COMM_BYTES: usize = 512;
+pub(crate) const DEV_COMM_BYTES: usize = 512;
 
 /// An `ncclDevComm`, as NCCL writes it: opaque but for its first fields,
 /// which say where this rank sits (stable in the 2.28 series).

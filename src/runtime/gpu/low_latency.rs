@@ -30,23 +30,14 @@
 //! dispatch had weights); if ranks disagree, those that expect rows no peer
 //! sends time out.
 
-use super::{arg, check_aligned, ptr, Runtime};
+use super::{check_aligned, ptr, Bound, Runtime};
+use crate::abi::{LlCounters, LlParams, LL_CHUNK_CHANNELS, LL_HEADER_BYTES, LL_THREADS};
 use crate::error::{Error, Result};
 use crate::reference::Dtype;
 use crate::runtime::backend::Stream;
 use crate::runtime::config::Config;
+use crate::runtime::cuda::Kernel;
 use crate::runtime::ops::{LlCombineOp, LlDispatchOp};
-
-/// Threads per block of both kernels (`EP_LL_THREADS` in the kernel file).
-const THREADS: u32 = 512;
-/// Bytes of a dispatch message header (`EP_LL_HEADER_BYTES`): per slot of
-/// up to 16, the local expert, then the weight.
-const HEADER_BYTES: usize = 128;
-/// Bytes of the `LlCounters` struct of the kernel file.
-const COUNTERS_BYTES: usize = 16;
-/// Channels of a combine chunk, each with its own arrival tag
-/// (`EP_LL_CHUNK_VECS` vectors of 8 in the kernel file).
-const CHUNK_CHANNELS: usize = 512;
 
 /// Byte offsets of the mode's arrays inside its area of every rank's buffer
 /// (the same on every rank); see the layout in `kernels/low_latency.cu`.
@@ -91,7 +82,7 @@ impl Area {
         let t = &cfg.topo;
         let (m, world, topk, hidden) = (cfg.ll_max_tokens, t.world, t.topk, t.hidden);
         let local = t.local_experts();
-        let msg_bytes = HEADER_BYTES + 2 * hidden;
+        let msg_bytes = LL_HEADER_BYTES + 2 * hidden;
         let combine_buffer_bytes = local * world * m * hidden * 2;
         let mut next = 0;
         // 256-byte aligned pieces: rows are moved as 16-byte vectors.
@@ -101,13 +92,13 @@ impl Area {
             at
         };
         Area {
-            counters: take(COUNTERS_BYTES),
+            counters: take(std::mem::size_of::<LlCounters>()),
             dispatch_flags: take(2 * world * 4),
             dispatch_counts: take(2 * world * (local + 1) * 4),
             dispatch_tags: take(2 * world * m * 4),
             dispatch_msgs: take(2 * world * m * msg_bytes),
             dispatch_acks: take(world * 4),
-            combine_tags: take(2 * m * (topk + world) * hidden.div_ceil(CHUNK_CHANNELS) * 4),
+            combine_tags: take(2 * m * (topk + world) * hidden.div_ceil(LL_CHUNK_CHANNELS) * 4),
             combine_rows: take(2 * m * (topk + world) * hidden * 2),
             combine_acks: take(world * 4),
             dispatch_tokens: take(world * 4),
@@ -128,53 +119,6 @@ pub fn buffer_bytes(cfg: &Config) -> usize {
         return 0;
     }
     Area::new(cfg).bytes
-}
-
-/// Kernel parameters of both kernels; mirrors `LlParams` in
-/// kernels/low_latency.cu field by field.
-#[repr(C)]
-#[derive(Debug, Default, Clone, Copy)]
-struct LlParams {
-    x: u64,
-    topk_idx: u64,
-    topk_weights: u64,
-    device_num_tokens: u64,
-    recv_x: u64,
-    recv_scales: u64,
-    recv_count: u64,
-    recv_src_info: u64,
-    recv_layout_range: u64,
-    out: u64,
-    peer_bases: u64,
-    status: u64,
-    abort_flag: u64,
-    timeout_ns: u64,
-    area: i64,
-    off_counters: i64,
-    off_dispatch_flags: i64,
-    off_dispatch_counts: i64,
-    off_dispatch_tags: i64,
-    off_dispatch_msgs: i64,
-    off_dispatch_acks: i64,
-    off_combine_tags: i64,
-    off_combine_rows: i64,
-    off_combine_acks: i64,
-    off_dispatch_tokens: i64,
-    off_token_rows: i64,
-    off_token_weights: i64,
-    msg_bytes: i64,
-    num_tokens: i32,
-    rank: i32,
-    world: i32,
-    num_experts: i32,
-    topk: i32,
-    hidden: i32,
-    max_tokens: i32,
-    fp8: i32,
-    ue8m0: i32,
-    weighted: i32,
-    do_send: i32,
-    do_recv: i32,
 }
 
 /// The receive phase a send-only call left due.
@@ -212,7 +156,7 @@ impl LlMode {
     }
 
     /// Parameters every launch shares; the caller fills in the operation's.
-    fn params(&self, rt: &Runtime) -> LlParams {
+    fn params(&self, rt: &Bound) -> LlParams {
         let (cfg, a) = (&rt.cfg, &self.area);
         let topo = cfg.topo;
         LlParams {
@@ -267,28 +211,18 @@ impl LlMode {
     /// Launches `kernel` with `params` on `stream`.
     fn launch(
         &self,
-        rt: &Runtime,
-        kernel: &str,
-        params: &mut LlParams,
+        rt: &Bound,
+        kernel: &Kernel<LlParams>,
+        params: &LlParams,
         stream: Stream,
     ) -> Result<()> {
-        let mut p = arg(params);
-        // SAFETY: the parameter struct mirrors the kernels' `LlParams`; the
-        // caller's arrays stay valid until the stream has run the kernel
-        // (API rule), the context's buffers until it is destroyed.
-        unsafe {
-            rt.launch(
-                kernel,
-                self.grid,
-                THREADS,
-                0,
-                stream,
-                std::slice::from_mut(&mut p),
-            )
-        }
+        // SAFETY: the caller's arrays stay valid until the stream has run
+        // the kernel (API rule), the context's buffers until it is
+        // destroyed.
+        unsafe { rt.launch(kernel, self.grid, LL_THREADS as u32, 0, stream, params) }
     }
 
-    pub fn dispatch(&mut self, rt: &Runtime, op: &LlDispatchOp, stream: Stream) -> Result<()> {
+    pub fn dispatch(&mut self, rt: &Bound, op: &LlDispatchOp, stream: Stream) -> Result<()> {
         let phases = op.phases;
         self.expect_pending((!phases.send).then_some(Pending::DispatchRecv))?;
         if phases.send && op.num_tokens > 0 {
@@ -297,7 +231,7 @@ impl LlMode {
         if phases.recv {
             check_aligned("recv_x", op.recv_x)?;
         }
-        let mut params = LlParams {
+        let params = LlParams {
             x: ptr(op.x),
             topk_idx: ptr(op.topk_idx),
             topk_weights: ptr(op.topk_weights),
@@ -314,7 +248,7 @@ impl LlMode {
             do_recv: phases.recv as i32,
             ..self.params(rt)
         };
-        self.launch(rt, "ep_ll_dispatch_kernel", &mut params, stream)?;
+        self.launch(rt, &rt.kernels.ll_dispatch, &params, stream)?;
         if phases.send {
             self.dispatch_had_weights = Some(!op.topk_weights.is_null());
         }
@@ -322,7 +256,7 @@ impl LlMode {
         Ok(())
     }
 
-    pub fn combine(&mut self, rt: &Runtime, op: &LlCombineOp, stream: Stream) -> Result<()> {
+    pub fn combine(&mut self, rt: &Bound, op: &LlCombineOp, stream: Stream) -> Result<()> {
         let phases = op.phases;
         let weighted = !op.topk_weights.is_null();
         self.expect_pending((!phases.send).then_some(Pending::CombineRecv { weighted }))?;
@@ -350,7 +284,7 @@ impl LlMode {
         if phases.recv && op.num_tokens > 0 {
             check_aligned("out", op.out)?;
         }
-        let mut params = LlParams {
+        let params = LlParams {
             x: ptr(x),
             topk_idx: ptr(op.topk_idx),
             topk_weights: ptr(op.topk_weights),
@@ -362,7 +296,7 @@ impl LlMode {
             do_recv: phases.recv as i32,
             ..self.params(rt)
         };
-        self.launch(rt, "ep_ll_combine_kernel", &mut params, stream)?;
+        self.launch(rt, &rt.kernels.ll_combine, &params, stream)?;
         self.pending = (!phases.recv).then_some(Pending::CombineRecv { weighted });
         Ok(())
     }

@@ -20,15 +20,19 @@ mod symmetric;
 
 use super::backend::{Backend, HandleState, Monitor, Stream};
 use super::bootstrap::Bootstrap;
-use super::config::{agree_on_config, Config, MAX_WORLD_SIZE};
-use super::cuda::{Device, DeviceStatus, MappedHost, Module};
+use super::config::{agree_on_config, Config};
+use super::cuda::{ContextGuard, Device, DeviceStatus, Kernel, MappedHost, Module};
 use super::group::{HostGroup, NcclGroup};
 use super::nccl::{self, CommHandle, UniqueId};
 use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp};
+use crate::abi::{
+    self, BarrierParams, CombineParams, DispatchParams, LayoutParams, LlParams,
+    NcclPeerBasesParams, BARRIER_COUNTER_OFFSET, BARRIER_THREADS,
+};
 use crate::error::{Error, Result};
 use low_latency::LlMode;
 use normal::NormalMode;
-use std::os::raw::c_void;
+use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use symmetric::{NativeMemory, NcclMemory, SymmetricMemory};
@@ -36,13 +40,41 @@ use symmetric::{NativeMemory, NcclMemory, SymmetricMemory};
 /// Bytes at the start of every rank's buffer for cross-rank signals of the
 /// runtime itself, before the modes' areas: the barrier's `[world]` slots at
 /// offset 0 (so the table of peer buffers is also the barrier's table of
-/// peer slot arrays), then this rank's barrier counts (entered, passed).
+/// peer slot arrays), then this rank's barrier counts (entered, passed) at
+/// `BARRIER_COUNTER_OFFSET`.
 const SIGNAL_BYTES: usize = 64 * 1024;
-/// Mirrors `EP_BARRIER_COUNTER_OFFSET` in kernels/include/ep_device.cuh.
-const BARRIER_COUNTER_OFFSET: usize = MAX_WORLD_SIZE * 4;
 
-/// Threads of the barrier kernel's one block: one per rank.
-const BARRIER_THREADS: u32 = MAX_WORLD_SIZE as u32;
+/// Every kernel of the library, looked up once when a context loads the
+/// module, each typed by its parameter struct.
+pub struct Kernels {
+    pub layout: Kernel<LayoutParams>,
+    pub barrier: Kernel<BarrierParams>,
+    pub dispatch_count: Kernel<DispatchParams>,
+    pub dispatch_stage: Kernel<DispatchParams>,
+    pub dispatch_pull: Kernel<DispatchParams>,
+    pub combine_send: Kernel<CombineParams>,
+    pub combine_reduce: Kernel<CombineParams>,
+    pub ll_dispatch: Kernel<LlParams>,
+    pub ll_combine: Kernel<LlParams>,
+    pub nccl_peer_bases: Kernel<NcclPeerBasesParams>,
+}
+
+impl Kernels {
+    fn load(module: &Module) -> Result<Kernels> {
+        Ok(Kernels {
+            layout: module.function(c"ep_layout_kernel")?,
+            barrier: module.function(c"ep_barrier_kernel")?,
+            dispatch_count: module.function(c"ep_dispatch_count_kernel")?,
+            dispatch_stage: module.function(c"ep_dispatch_stage_kernel")?,
+            dispatch_pull: module.function(c"ep_dispatch_pull_kernel")?,
+            combine_send: module.function(c"ep_combine_send_kernel")?,
+            combine_reduce: module.function(c"ep_combine_reduce_kernel")?,
+            ll_dispatch: module.function(c"ep_ll_dispatch_kernel")?,
+            ll_combine: module.function(c"ep_ll_combine_kernel")?,
+            nccl_peer_bases: module.function(c"ep_nccl_peer_bases_kernel")?,
+        })
+    }
+}
 
 pub fn create(
     cfg: &mut Config,
@@ -62,6 +94,7 @@ pub fn create(
     cfg.resolve_nodes(boot.local_ranks())?;
     agree_on_config(&boot, cfg)?;
     let module = Module::load(&device)?;
+    let kernels = Kernels::load(&module)?;
     let one_host = boot.local_ranks().len() == cfg.world();
     let memory: Box<dyn SymmetricMemory> = if one_host && !nccl_requested()? {
         Box::new(NativeMemory::new(&device, &boot, buffer_bytes(cfg))?)
@@ -70,13 +103,20 @@ pub fn create(
         Box::new(NcclMemory::new(
             comm,
             &device,
-            &module,
+            &kernels,
             &boot,
             buffer_bytes(cfg),
             0,
         )?)
     };
-    finish(cfg, device, module, Box::new(boot), memory, aborted)
+    finish(
+        cfg,
+        device,
+        (module, kernels),
+        Box::new(boot),
+        memory,
+        aborted,
+    )
 }
 
 /// Whether `EP_TRANSPORT` asks for NCCL on one host (`nccl`), or not
@@ -115,8 +155,9 @@ fn own_communicator(boot: &Bootstrap, device: &Device) -> Result<Arc<CommHandle>
     }))
 }
 
-/// The GPU backend on the caller's NCCL communicator (`ep_ctx_create_from_nccl`):
-/// `cfg` holds the rank, world and device the communicator reports.
+/// The GPU backend on the caller's NCCL communicator
+/// (`ep_ctx_create_from_nccl`): `cfg` holds the rank, world and device the
+/// communicator reports.
 ///
 /// # Safety
 /// `comm` is a live communicator of the loaded NCCL that outlives the
@@ -151,11 +192,12 @@ pub unsafe fn create_from_nccl(
     cfg.resolve_nodes(&lsa_ranks)?;
     agree_on_config(&group, cfg)?;
     let module = Module::load(&device)?;
-    let memory = NcclMemory::new(comm, &device, &module, &group, buffer_bytes(cfg), 0)?;
+    let kernels = Kernels::load(&module)?;
+    let memory = NcclMemory::new(comm, &device, &kernels, &group, buffer_bytes(cfg), 0)?;
     finish(
         cfg,
         device,
-        module,
+        (module, kernels),
         Box::new(group),
         Box::new(memory),
         aborted,
@@ -167,7 +209,7 @@ pub unsafe fn create_from_nccl(
 fn finish(
     cfg: &Config,
     device: Device,
-    module: Module,
+    (module, kernels): (Module, Kernels),
     group: Box<dyn HostGroup>,
     memory: Box<dyn SymmetricMemory>,
     aborted: Arc<AtomicBool>,
@@ -192,6 +234,7 @@ fn finish(
         cfg: *cfg,
         device,
         module,
+        kernels,
         group,
         memory,
         monitor: monitor.clone(),
@@ -226,8 +269,8 @@ impl Monitor for GpuMonitor {
         self.aborted.store(true, Ordering::Release);
         self.abort_flag.write(0, 1);
         let mut status = self.status.read(0);
-        if status.code == DeviceStatus::OK {
-            status.code = DeviceStatus::ABORTED;
+        if status.code == abi::STATUS_OK {
+            status.code = abi::STATUS_ABORTED;
             status.rank = -1;
             self.status.write(0, status);
         }
@@ -239,7 +282,9 @@ impl Monitor for GpuMonitor {
 pub struct Runtime {
     pub cfg: Config,
     pub device: Device,
+    /// Keeps the kernels' code loaded; `kernels` are its functions.
     pub module: Module,
+    pub kernels: Kernels,
     /// The host collectives of the ranks (kept for the context's life).
     pub group: Box<dyn HostGroup>,
     pub memory: Box<dyn SymmetricMemory>,
@@ -259,22 +304,56 @@ impl Runtime {
         self.monitor.abort_flag.device_ptr()
     }
 
-    /// Launches kernel `name` on `stream` (see `Kernel::launch`).
+    /// Makes the device's context current for one API call: every launch
+    /// goes through the returned [`Bound`], and the caller's context is
+    /// restored when it is dropped.
+    pub fn bind(&self) -> Result<Bound<'_>> {
+        Ok(Bound {
+            rt: self,
+            _guard: self.device.bind()?,
+        })
+    }
+
+    /// Waits for `stream`, then reports any error a kernel recorded.
+    pub fn synchronize(&self, stream: Stream) -> Result<()> {
+        // SAFETY: the caller's stream of this device (API rule).
+        unsafe { self.device.stream_synchronize(stream as _)? };
+        self.monitor.async_error()
+    }
+}
+
+/// The runtime with its device's context current on this thread, for the
+/// duration of one API call: the only way to launch a kernel.
+pub struct Bound<'a> {
+    rt: &'a Runtime,
+    _guard: ContextGuard<'a>,
+}
+
+impl Deref for Bound<'_> {
+    type Target = Runtime;
+    fn deref(&self) -> &Runtime {
+        self.rt
+    }
+}
+
+impl Bound<'_> {
+    /// Launches `kernel` on `stream` (see `Kernel::launch`).
     ///
     /// # Safety
-    /// `params` must match the kernel's signature, and every pointer passed
-    /// must stay valid until the kernel has finished.
-    pub unsafe fn launch(
+    /// Every pointer in `params` must stay valid until the kernel has
+    /// finished.
+    pub unsafe fn launch<P>(
         &self,
-        name: &str,
+        kernel: &Kernel<P>,
         grid: u32,
         block: u32,
         shared_bytes: u32,
         stream: Stream,
-        params: &mut [*mut c_void],
+        params: &P,
     ) -> Result<()> {
-        let kernel = self.module.function(name)?;
-        kernel.launch(grid, block, shared_bytes, stream as _, params)
+        // SAFETY: the runtime keeps the module loaded; the caller vouches
+        // for the pointers.
+        unsafe { kernel.launch(&self._guard, grid, block, shared_bytes, stream as _, params) }
     }
 
     /// Enqueues a barrier of all ranks on `stream`: work enqueued after it
@@ -283,42 +362,26 @@ impl Runtime {
     /// # Safety
     /// `stream` must be a stream of this context's device (or null).
     pub unsafe fn barrier(&self, stream: Stream) -> Result<()> {
-        let rank = self.cfg.rank;
-        let mut peer_slots = self.memory.peer_bases();
-        let mut rank_arg = rank as i32;
-        let mut world = self.cfg.world() as i32;
-        let mut counter = self.memory.own_base() + BARRIER_COUNTER_OFFSET as u64;
-        let mut timeout_ns = self.timeout_ns;
-        let mut abort = self.abort_ptr();
-        let mut status = self.status_ptr();
-        let mut params = [
-            arg(&mut peer_slots),
-            arg(&mut rank_arg),
-            arg(&mut world),
-            arg(&mut counter),
-            arg(&mut timeout_ns),
-            arg(&mut abort),
-            arg(&mut status),
-        ];
-        // SAFETY: the parameters match the kernel's signature; the buffers
-        // belong to the context.
+        let params = BarrierParams {
+            peer_signals: self.memory.peer_bases(),
+            epoch_counter: self.memory.own_base() + BARRIER_COUNTER_OFFSET as u64,
+            abort_flag: self.abort_ptr(),
+            status: self.status_ptr(),
+            timeout_ns: self.timeout_ns,
+            rank: self.cfg.rank as i32,
+            world: self.cfg.world() as i32,
+        };
+        // SAFETY: the context's own buffers and words.
         unsafe {
             self.launch(
-                "ep_barrier_kernel",
+                &self.kernels.barrier,
                 1,
-                BARRIER_THREADS,
+                BARRIER_THREADS as u32,
                 0,
                 stream,
-                &mut params,
+                &params,
             )
         }
-    }
-
-    /// Waits for `stream`, then reports any error a kernel recorded.
-    pub fn synchronize(&self, stream: Stream) -> Result<()> {
-        // SAFETY: the caller's stream of this device (API rule).
-        unsafe { self.device.stream_synchronize(stream as _)? };
-        self.monitor.async_error()
     }
 }
 
@@ -338,11 +401,6 @@ pub fn check_aligned<T>(name: &str, p: *const T) -> Result<()> {
     Ok(())
 }
 
-/// A kernel parameter: the address of the value, as `cuLaunchKernel` takes it.
-pub fn arg<T>(value: &mut T) -> *mut c_void {
-    value as *mut T as *mut c_void
-}
-
 struct GpuBackend {
     rt: Runtime,
     normal: NormalMode,
@@ -351,7 +409,7 @@ struct GpuBackend {
 
 impl Backend for GpuBackend {
     fn layout(&mut self, op: &LayoutOp, stream: Stream) -> Result<()> {
-        self.normal.layout(&self.rt, op, stream)
+        self.normal.layout(&self.rt.bind()?, op, stream)
     }
 
     fn new_handle_state(&mut self) -> Result<HandleState> {
@@ -364,19 +422,19 @@ impl Backend for GpuBackend {
         handle: &mut HandleState,
         stream: Stream,
     ) -> Result<()> {
-        self.normal.dispatch(&self.rt, op, handle, stream)
+        self.normal.dispatch(&self.rt.bind()?, op, handle, stream)
     }
 
     fn combine(&mut self, op: &CombineOp, handle: &HandleState, stream: Stream) -> Result<()> {
-        self.normal.combine(&self.rt, op, handle, stream)
+        self.normal.combine(&self.rt.bind()?, op, handle, stream)
     }
 
     fn ll_dispatch(&mut self, op: &LlDispatchOp, stream: Stream) -> Result<()> {
-        self.ll.dispatch(&self.rt, op, stream)
+        self.ll.dispatch(&self.rt.bind()?, op, stream)
     }
 
     fn ll_combine(&mut self, op: &LlCombineOp, stream: Stream) -> Result<()> {
-        self.ll.combine(&self.rt, op, stream)
+        self.ll.combine(&self.rt.bind()?, op, stream)
     }
 
     fn ll_combine_buffer(&mut self) -> Result<(*mut u8, usize)> {

@@ -6,24 +6,19 @@
 //! dispatch/combine pair needs no host synchronisation and can be captured
 //! in a CUDA graph), and enqueues the launches.
 
-use super::{arg, check_aligned, ptr, Runtime};
+use super::{check_aligned, ptr, Bound, Runtime};
+use crate::abi::{
+    CombineParams, DispatchParams, LayoutParams, CHUNK_TOKENS, LAYOUT_THREADS, MOVE_THREADS,
+};
 use crate::error::{Error, Result};
 use crate::reference::{normal::worst_case_rows, Dtype};
 use crate::runtime::backend::{HandleState, Stream};
 use crate::runtime::config::Config;
 use crate::runtime::cuda::{DeviceBuffer, MappedHost};
 use crate::runtime::ops::{CombineOp, DispatchOp, LayoutOp};
-use std::os::raw::c_void;
 
-/// Threads per block of the layout kernel.
-const LAYOUT_THREADS: u32 = 256;
-/// Tokens (= threads) per block of the count and stage kernels; mirrors
-/// `EP_CHUNK_TOKENS` in kernels/normal.cu.
-const CHUNK_TOKENS: usize = 256;
 /// Warps per block of the count kernel (`EP_CHUNK_WARPS`).
 const CHUNK_WARPS: usize = CHUNK_TOKENS / 32;
-/// Threads per block of the pull, send and reduce kernels (`EP_MOVE_THREADS`).
-const MOVE_THREADS: u32 = 512;
 
 /// Byte offsets of the mode's arrays inside its area of every rank's
 /// buffer (the same on every rank). `T` = max tokens per rank, `W` = world,
@@ -92,86 +87,6 @@ pub fn buffer_bytes(cfg: &Config) -> usize {
     Area::new(cfg).bytes
 }
 
-/// Kernel parameters of the dispatch kernels; mirrors `DispatchParams` in
-/// kernels/normal.cu field by field.
-#[repr(C)]
-#[derive(Debug, Default, Clone, Copy)]
-struct DispatchParams {
-    x: u64,
-    x_scales: u64,
-    topk_idx: u64,
-    topk_weights: u64,
-    peer_bases: u64,
-    recv_x: u64,
-    recv_scales: u64,
-    recv_topk_idx: u64,
-    recv_topk_weights: u64,
-    recv_src_info: u64,
-    recv_num_rows: u64,
-    expert_x: u64,
-    expert_scales: u64,
-    expert_weights: u64,
-    expert_src_row: u64,
-    expert_offsets: u64,
-    expert_counts: u64,
-    handle_row_src: u64,
-    handle_row_expert_pos: u64,
-    handle_row_weights: u64,
-    handle_num_rows: u64,
-    handle_in_rank: u64,
-    host_counts: u64,
-    status: u64,
-    area: i64,
-    off_staged_x: i64,
-    off_staged_scales: i64,
-    off_slot_rank: i64,
-    off_rank_pos: i64,
-    off_chunk_counts: i64,
-    off_totals: i64,
-    off_in_token: i64,
-    off_in_local: i64,
-    off_in_rank: i64,
-    off_in_weight: i64,
-    recv_capacity: i64,
-    expert_capacity: i64,
-    num_tokens: i32,
-    rank: i32,
-    world: i32,
-    num_experts: i32,
-    topk: i32,
-    row_bytes: i32,
-    scale_cols: i32,
-    max_tokens: i32,
-    alignment: i32,
-    pad: i32,
-}
-
-/// Kernel parameters of the combine kernels; mirrors `CombineParams` in
-/// kernels/normal.cu.
-#[repr(C)]
-#[derive(Debug, Default, Clone, Copy)]
-struct CombineParams {
-    x: u64,
-    out: u64,
-    peer_bases: u64,
-    handle_row_src: u64,
-    handle_row_expert_pos: u64,
-    handle_row_weights: u64,
-    handle_num_rows: u64,
-    handle_in_rank: u64,
-    status: u64,
-    area: i64,
-    off_returned: i64,
-    num_tokens: i32,
-    expert_major: i32,
-    rank: i32,
-    world: i32,
-    topk: i32,
-    hidden: i32,
-    max_tokens: i32,
-    pad: i32,
-}
-
 /// What a dispatch leaves in its handle: device arrays the combine reads,
 /// sized for the worst case so one handle serves any dispatch.
 struct GpuHandle {
@@ -215,38 +130,29 @@ impl NormalMode {
         })
     }
 
-    pub fn layout(&mut self, rt: &Runtime, op: &LayoutOp, stream: Stream) -> Result<()> {
+    pub fn layout(&mut self, rt: &Bound, op: &LayoutOp, stream: Stream) -> Result<()> {
         let topo = rt.cfg.topo;
-        let mut topk_idx = op.topk_idx;
-        let mut num_tokens = op.num_tokens as i32;
-        let mut topk = topo.topk as i32;
-        let mut num_experts = topo.num_experts as i32;
-        let mut world = topo.world as i32;
-        let mut per_rank = op.tokens_per_rank;
-        let mut per_expert = op.tokens_per_expert;
-        let mut in_rank = op.is_token_in_rank;
-        let mut status = rt.status_ptr();
-        let mut params = [
-            arg(&mut topk_idx),
-            arg(&mut num_tokens),
-            arg(&mut topk),
-            arg(&mut num_experts),
-            arg(&mut world),
-            arg(&mut per_rank),
-            arg(&mut per_expert),
-            arg(&mut in_rank),
-            arg(&mut status),
-        ];
-        // SAFETY: the parameters match the kernel's signature; the caller's
-        // arrays stay valid until the stream reaches the kernel (API rule).
+        let params = LayoutParams {
+            topk_idx: ptr(op.topk_idx),
+            tokens_per_rank: ptr(op.tokens_per_rank),
+            tokens_per_expert: ptr(op.tokens_per_expert),
+            is_token_in_rank: ptr(op.is_token_in_rank),
+            status: rt.status_ptr(),
+            num_tokens: op.num_tokens as i32,
+            topk: topo.topk as i32,
+            num_experts: topo.num_experts as i32,
+            world: topo.world as i32,
+        };
+        // SAFETY: the caller's arrays stay valid until the stream reaches
+        // the kernel (API rule).
         unsafe {
             rt.launch(
-                "ep_layout_kernel",
+                &rt.kernels.layout,
                 topo.world as u32,
-                LAYOUT_THREADS,
+                LAYOUT_THREADS as u32,
                 0,
                 stream,
-                &mut params,
+                &params,
             )
         }
     }
@@ -267,7 +173,7 @@ impl NormalMode {
 
     pub fn dispatch(
         &mut self,
-        rt: &Runtime,
+        rt: &Bound,
         op: &DispatchOp,
         handle: &mut HandleState,
         stream: Stream,
@@ -303,7 +209,7 @@ impl NormalMode {
         let a = &self.area;
         let recv = op.recv;
         let expert = op.expert;
-        let mut params = DispatchParams {
+        let params = DispatchParams {
             x: ptr(op.x),
             x_scales: ptr(op.x_scales),
             topk_idx: ptr(op.topk_idx),
@@ -354,41 +260,39 @@ impl NormalMode {
             scale_cols: op.dtype.scales_per_row(topo.hidden) as i32,
             max_tokens: cfg.max_tokens as i32,
             alignment: expert.map_or(1, |e| e.alignment as i32),
-            pad: 0,
         };
         let chunks = op.num_tokens.div_ceil(CHUNK_TOKENS).max(1) as u32;
         let columns = topo.world + topo.num_experts;
         let sms = cfg.num_sms as u32;
-        let mut p = arg(&mut params);
-        // SAFETY: the parameter struct mirrors the kernels' `DispatchParams`;
-        // the caller's arrays stay valid until the stream has run the
-        // kernels (API rule), the handle's and the context's until the
+        let k = &rt.kernels;
+        // SAFETY: the caller's arrays stay valid until the stream has run
+        // the kernels (API rule), the handle's and the context's until the
         // handle or context is destroyed.
         unsafe {
             rt.launch(
-                "ep_dispatch_count_kernel",
+                &k.dispatch_count,
                 chunks,
                 CHUNK_TOKENS as u32,
                 (CHUNK_WARPS * columns * 4) as u32,
                 stream,
-                std::slice::from_mut(&mut p),
+                &params,
             )?;
             rt.launch(
-                "ep_dispatch_stage_kernel",
+                &k.dispatch_stage,
                 chunks.max(sms),
                 CHUNK_TOKENS as u32,
                 (columns * 4) as u32,
                 stream,
-                std::slice::from_mut(&mut p),
+                &params,
             )?;
             rt.barrier(stream)?;
             rt.launch(
-                "ep_dispatch_pull_kernel",
+                &k.dispatch_pull,
                 sms,
-                MOVE_THREADS,
+                MOVE_THREADS as u32,
                 0,
                 stream,
-                std::slice::from_mut(&mut p),
+                &params,
             )?;
             rt.barrier(stream)?;
         }
@@ -427,7 +331,7 @@ impl NormalMode {
 
     pub fn combine(
         &mut self,
-        rt: &Runtime,
+        rt: &Bound,
         op: &CombineOp,
         handle: &HandleState,
         stream: Stream,
@@ -447,7 +351,7 @@ impl NormalMode {
         check_aligned("x", op.x)?;
         check_aligned("out", op.out)?;
         let cfg = &rt.cfg;
-        let mut params = CombineParams {
+        let params = CombineParams {
             x: ptr(op.x),
             out: ptr(op.out),
             peer_bases: rt.memory.peer_bases(),
@@ -466,29 +370,27 @@ impl NormalMode {
             topk: cfg.topo.topk as i32,
             hidden: cfg.topo.hidden as i32,
             max_tokens: cfg.max_tokens as i32,
-            pad: 0,
         };
         let sms = cfg.num_sms as u32;
-        let mut p: *mut c_void = arg(&mut params);
-        // SAFETY: the parameter struct mirrors the kernels' `CombineParams`;
-        // buffers stay valid as for the dispatch.
+        let k = &rt.kernels;
+        // SAFETY: buffers stay valid as for the dispatch.
         unsafe {
             rt.launch(
-                "ep_combine_send_kernel",
+                &k.combine_send,
                 sms,
-                MOVE_THREADS,
+                MOVE_THREADS as u32,
                 0,
                 stream,
-                std::slice::from_mut(&mut p),
+                &params,
             )?;
             rt.barrier(stream)?;
             rt.launch(
-                "ep_combine_reduce_kernel",
+                &k.combine_reduce,
                 sms,
-                MOVE_THREADS,
+                MOVE_THREADS as u32,
                 0,
                 stream,
-                std::slice::from_mut(&mut p),
+                &params,
             )?;
             rt.barrier(stream)
         }

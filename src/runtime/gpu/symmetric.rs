@@ -20,10 +20,11 @@
 //! NVLink multicast objects are never created: only unicast peer mappings.
 
 use super::super::bootstrap::Bootstrap;
-use super::super::cuda::{check, Device, DeviceBuffer, Module};
+use super::super::cuda::{check, Device, DeviceBuffer};
 use super::super::group::HostGroup;
 use super::super::nccl::{self, CommHandle, DevComm, DevCommRequirements, Nccl, Window};
-use super::arg;
+use super::Kernels;
+use crate::abi::NcclPeerBasesParams;
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
@@ -313,7 +314,7 @@ impl NcclMemory {
     pub fn new(
         comm: Arc<CommHandle>,
         device: &Device,
-        module: &Module,
+        kernels: &Kernels,
         group: &dyn HostGroup,
         bytes: usize,
         gin_signals: usize,
@@ -358,7 +359,7 @@ impl NcclMemory {
         // SAFETY: a live communicator.
         memory.dev_comm = unsafe { nccl.dev_comm_create(comm, &requirements)? };
         memory.gin = gin_signals > 0;
-        memory.find_peers(module, group.rank())?;
+        memory.find_peers(kernels, group.rank())?;
         // SAFETY: synchronous copy of the host struct into its buffer.
         unsafe {
             check(
@@ -378,7 +379,7 @@ impl NcclMemory {
     /// Fills `peer_bases` with the LSA pointers of the window for the ranks
     /// of this rank's LSA team (consecutive world ranks) and 0 for the
     /// others, with a kernel (LSA pointers are device-side functions).
-    fn find_peers(&mut self, module: &Module, rank: usize) -> Result<()> {
+    fn find_peers(&mut self, kernels: &Kernels, rank: usize) -> Result<()> {
         let (lsa_rank, lsa_size) = (self.dev_comm.lsa_rank(), self.dev_comm.lsa_size());
         let world = self.reachable.len();
         if lsa_rank >= lsa_size || lsa_rank > rank || rank - lsa_rank + lsa_size > world {
@@ -390,28 +391,29 @@ impl NcclMemory {
         for (r, reachable) in self.reachable.iter_mut().enumerate() {
             *reachable = (first..first + lsa_size).contains(&r);
         }
-        let mut window = self.window as u64;
-        let mut first_arg = first as i32;
-        let mut lsa_size_arg = lsa_size as i32;
-        let mut world_arg = world as i32;
-        let mut out = self.peer_bases.ptr();
-        let mut params = [
-            arg(&mut window),
-            arg(&mut first_arg),
-            arg(&mut lsa_size_arg),
-            arg(&mut world_arg),
-            arg(&mut out),
-        ];
-        let kernel = module.function("ep_nccl_peer_bases_kernel")?;
+        let params = NcclPeerBasesParams {
+            window: self.window as u64,
+            peer_bases: self.peer_bases.ptr(),
+            first_lsa_rank: first as i32,
+            lsa_size: lsa_size as i32,
+            world: world as i32,
+        };
         let mut bases = vec![0u64; world];
-        // SAFETY: the parameters match the kernel; the null stream is
-        // synchronized before the table is read back.
+        let guard = self.device.bind()?;
+        // SAFETY: the parameters point to our own buffers; the null stream
+        // is synchronized before the table is read back.
         unsafe {
-            kernel.launch(1, PEER_BASES_THREADS, 0, std::ptr::null_mut(), &mut params)?;
-            let _context = self.device.bind()?;
+            kernels.nccl_peer_bases.launch(
+                &guard,
+                1,
+                PEER_BASES_THREADS,
+                0,
+                std::ptr::null_mut(),
+                &params,
+            )?;
             check(sys::cuCtxSynchronize(), "cuCtxSynchronize")?;
             check(
-                sys::cuMemcpyDtoH_v2(bases.as_mut_ptr().cast(), out, world * 8),
+                sys::cuMemcpyDtoH_v2(bases.as_mut_ptr().cast(), params.peer_bases, world * 8),
                 "cuMemcpyDtoH",
             )?;
         }

@@ -1,0 +1,344 @@
+// Every struct and constant that the runtime and the kernels share, defined
+// once. `build.rs` turns this file into `ep_abi.h` (in the build's output
+// directory), which every kernel includes; the header's static_asserts make
+// a kernel that disagrees with these layouts fail to compile. Included by
+// `src/abi/mod.rs` and by `build.rs`: items only, no `crate::` paths.
+//
+// Device pointers are `u64` here and name their C type (`=> "const int*"`);
+// a 0 means "not given" wherever the kernels accept an optional pointer.
+
+abi_consts! {
+    /// Largest `topk` (mirrors the public `EP_MAX_TOPK`).
+    MAX_TOPK: usize = 16;
+    /// Largest number of experts (mirrors the public `EP_MAX_EXPERTS`).
+    MAX_EXPERTS: usize = 1024;
+    /// Largest world size (mirrors the public `EP_MAX_WORLD_SIZE`).
+    MAX_WORLD_SIZE: usize = 64;
+    /// Largest low-latency batch (mirrors the public `EP_LL_MAX_TOKENS`).
+    LL_MAX_TOKENS: usize = 1024;
+    /// Largest hidden size (mirrors the public `EP_MAX_HIDDEN`).
+    MAX_HIDDEN: usize = 16384;
+    /// Hidden sizes and FP8 scaling blocks are multiples of this (mirrors
+    /// the public `EP_HIDDEN_ALIGNMENT`).
+    HIDDEN_ALIGNMENT: usize = 128;
+
+    /// Every rank's symmetric buffer starts with the barrier's `[world]` int
+    /// signal slots; at this offset follow the rank's own two barrier
+    /// words: barriers entered, then the last barrier passed.
+    BARRIER_COUNTER_OFFSET: usize = MAX_WORLD_SIZE * 4;
+    /// Threads of the barrier kernel's one block: one per possible rank.
+    BARRIER_THREADS: usize = MAX_WORLD_SIZE;
+    /// Threads per block of the layout kernel.
+    LAYOUT_THREADS: usize = 256;
+
+    /// Normal mode: tokens (= threads) per block of the count and stage
+    /// kernels.
+    CHUNK_TOKENS: usize = 256;
+    /// Normal mode: threads per block of the pull, send and reduce kernels.
+    MOVE_THREADS: usize = 512;
+
+    /// Low-latency mode: threads per block of both kernels.
+    LL_THREADS: usize = 512;
+    /// Low-latency dispatch message header: per slot of up to `MAX_TOPK`,
+    /// the route (int), then per slot the weight (float).
+    LL_HEADER_BYTES: usize = MAX_TOPK * 8;
+    /// Low-latency combine: channels of a return-row chunk, each chunk with
+    /// its own arrival tag (64 vectors of 8 BF16 values).
+    LL_CHUNK_CHANNELS: usize = 512;
+
+    /// `DeviceStatus::code`: no error.
+    STATUS_OK: i32 = 0;
+    /// A bounded wait passed its deadline.
+    STATUS_TIMEOUT: i32 = 1;
+    /// The host raised the abort flag while a kernel waited.
+    STATUS_ABORTED: i32 = 2;
+    /// An expert id outside [-1, num_experts), or listed twice by one token.
+    STATUS_INVALID_EXPERT: i32 = 3;
+    /// A kernel was launched with arguments it cannot work with.
+    STATUS_INVALID_ARGUMENT: i32 = 4;
+    /// A low-latency kernel read a device token count outside [0, num_tokens].
+    STATUS_INVALID_TOKEN_COUNT: i32 = 5;
+
+    /// `DeviceStatus::phase`: which kernel recorded the error.
+    PHASE_LAYOUT: i32 = 1;
+    PHASE_BARRIER: i32 = 2;
+    PHASE_DISPATCH: i32 = 3;
+    PHASE_COMBINE: i32 = 4;
+    PHASE_LL_DISPATCH: i32 = 5;
+    PHASE_LL_COMBINE: i32 = 6;
+}
+
+abi_struct! {
+    /// The first error a rank's kernels hit. It lives in host-mapped memory,
+    /// one per rank, zeroed by the host. `code` is claimed with an atomicCAS
+    /// from STATUS_OK, and only the thread that wins writes the other
+    /// fields: read them after the stream has synchronized.
+    pub struct DeviceStatus as "EpDeviceStatus" {
+        /// `STATUS_*`.
+        code: i32,
+        /// The rank a failed wait was waiting for; -1 if none.
+        rank: i32,
+        /// `PHASE_*`.
+        phase: i32,
+        /// Timeout or abort: the last value seen. Invalid expert: the flat
+        /// index `token * topk + slot`. Invalid token count: the count.
+        /// Invalid argument: 0 or the bad value.
+        detail: i32,
+    }
+}
+
+abi_struct! {
+    /// The barrier kernel's parameters (kernels/barrier.cu).
+    pub struct BarrierParams {
+        /// `[world]` address, valid on this GPU, of every rank's signal
+        /// slots (the start of its symmetric buffer).
+        peer_signals: u64 => "int* const*",
+        /// This rank's two barrier words (`BARRIER_COUNTER_OFFSET`).
+        epoch_counter: u64 => "int*",
+        abort_flag: u64 => "const int*",
+        status: u64 => "EpDeviceStatus*",
+        timeout_ns: u64,
+        rank: i32,
+        world: i32,
+    }
+}
+
+abi_struct! {
+    /// The layout kernel's parameters (kernels/layout.cu).
+    pub struct LayoutParams {
+        /// `[num_tokens, topk]` global expert ids.
+        topk_idx: u64 => "const int*",
+        /// `[world]` output.
+        tokens_per_rank: u64 => "int*",
+        /// `[num_experts]` output.
+        tokens_per_expert: u64 => "int*",
+        /// `[num_tokens, world]` output.
+        is_token_in_rank: u64 => "uint8_t*",
+        status: u64 => "EpDeviceStatus*",
+        num_tokens: i32,
+        topk: i32,
+        num_experts: i32,
+        world: i32,
+    }
+}
+
+abi_struct! {
+    /// Parameters of the normal-mode dispatch kernels (kernels/normal.cu).
+    /// Offsets `off_*` are bytes into the mode's area, which starts `area`
+    /// bytes into every rank's buffer (src/runtime/gpu/normal.rs).
+    pub struct DispatchParams {
+        /// The caller's inputs.
+        x: u64 => "const uint8_t*",
+        x_scales: u64 => "const float*",
+        topk_idx: u64 => "const int*",
+        topk_weights: u64 => "const float*",
+        /// `[world]` base address of every rank's buffer, as mapped here.
+        peer_bases: u64 => "const uint64_t*",
+        /// Source-order outputs; recv_x == nullptr when not requested.
+        recv_x: u64 => "uint8_t*",
+        recv_scales: u64 => "float*",
+        recv_topk_idx: u64 => "int*",
+        recv_topk_weights: u64 => "float*",
+        recv_src_info: u64 => "int*",
+        recv_num_rows: u64 => "int*",
+        /// Expert-major outputs; expert_x == nullptr when not requested.
+        expert_x: u64 => "uint8_t*",
+        expert_scales: u64 => "float*",
+        expert_weights: u64 => "float*",
+        expert_src_row: u64 => "int*",
+        expert_offsets: u64 => "int*",
+        expert_counts: u64 => "int*",
+        /// The handle: `[rows, 2]` (source rank, token) of each row.
+        handle_row_src: u64 => "int*",
+        /// `[rows, topk]` expert-major row of each (row, slot), or -1.
+        handle_row_expert_pos: u64 => "int*",
+        /// `[rows, topk]` weight of each (row, slot), or 0.
+        handle_row_weights: u64 => "float*",
+        /// `[1]` rows received.
+        handle_num_rows: u64 => "int*",
+        /// `[max_tokens, world]` whether this rank's tokens went to each rank.
+        handle_in_rank: u64 => "uint8_t*",
+        /// Host-mapped `[1 + local_experts]`: rows, then rows per local
+        /// expert; nullptr when the host does not wait for them.
+        host_counts: u64 => "int*",
+        status: u64 => "EpDeviceStatus*",
+        /// Offset of this mode's area in every buffer.
+        area: i64,
+        /// `[max_tokens, row_bytes]` tokens staged for the peers to pull.
+        off_staged_x: i64,
+        /// `[max_tokens, scale_cols]` their FP8 scales.
+        off_staged_scales: i64,
+        /// `[max_tokens, topk]` position of each pair in its expert.
+        off_slot_rank: i64,
+        /// `[max_tokens, world]` position of each token for each rank, or -1.
+        off_rank_pos: i64,
+        /// `[chunks, world + experts]` the count kernel's per-chunk counts.
+        off_chunk_counts: i64,
+        /// `[world + experts]` tokens per rank, then pairs per expert.
+        off_totals: i64,
+        /// Records pushed by the sources, `[world, max_tokens]` rows: the
+        /// token index, then per slot the local expert or -1, the position
+        /// in the expert, and the weight.
+        off_in_token: i64,
+        off_in_local: i64,
+        off_in_rank: i64,
+        off_in_weight: i64,
+        recv_capacity: i64,
+        expert_capacity: i64,
+        num_tokens: i32,
+        rank: i32,
+        world: i32,
+        num_experts: i32,
+        topk: i32,
+        /// Bytes of one token row (hidden * element size).
+        row_bytes: i32,
+        /// fp32 scales per row (0 for BF16).
+        scale_cols: i32,
+        max_tokens: i32,
+        /// Expert-major segment alignment in rows.
+        alignment: i32,
+    }
+}
+
+abi_struct! {
+    /// Parameters of the normal-mode combine kernels (kernels/normal.cu).
+    pub struct CombineParams {
+        /// The caller's rows (source order or expert-major).
+        x: u64 => "const __nv_bfloat16*",
+        /// `[num_tokens, hidden]` output.
+        out: u64 => "__nv_bfloat16*",
+        peer_bases: u64 => "const uint64_t*",
+        handle_row_src: u64 => "const int*",
+        handle_row_expert_pos: u64 => "const int*",
+        handle_row_weights: u64 => "const float*",
+        handle_num_rows: u64 => "const int*",
+        handle_in_rank: u64 => "const uint8_t*",
+        status: u64 => "EpDeviceStatus*",
+        area: i64,
+        /// `[world, max_tokens, hidden]` BF16 rows sent back.
+        off_returned: i64,
+        /// This rank's tokens of the handle's dispatch.
+        num_tokens: i32,
+        expert_major: i32,
+        rank: i32,
+        world: i32,
+        topk: i32,
+        hidden: i32,
+        max_tokens: i32,
+    }
+}
+
+abi_struct! {
+    /// Sequence numbers and arrival counters of the low-latency mode, in
+    /// this rank's area (kernels/low_latency.cu).
+    pub struct LlCounters {
+        /// Dispatch calls whose send phase has run.
+        dispatch_seq: i32,
+        combine_seq: i32,
+        /// Blocks of the running launch that have read the call number.
+        dispatch_arrivals: i32,
+        combine_arrivals: i32,
+    }
+}
+
+abi_struct! {
+    /// Parameters of both low-latency kernels (kernels/low_latency.cu).
+    pub struct LlParams {
+        /// Dispatch: the BF16 tokens `[num_tokens, H]`. Combine: the expert
+        /// rows `[L, W * M, H]` (the caller's, or the combine buffer).
+        x: u64 => "const __nv_bfloat16*",
+        /// `[num_tokens, K]`.
+        topk_idx: u64 => "const int*",
+        /// `[num_tokens, K]` or nullptr.
+        topk_weights: u64 => "const float*",
+        /// The caller's device token count, or nullptr.
+        device_num_tokens: u64 => "const int*",
+        /// Dispatch outputs.
+        recv_x: u64 => "uint8_t*",
+        recv_scales: u64 => "float*",
+        recv_count: u64 => "int*",
+        recv_src_info: u64 => "int*",
+        recv_layout_range: u64 => "int*",
+        /// Combine output `[num_tokens, H]`.
+        out: u64 => "__nv_bfloat16*",
+        /// `[W]` every rank's buffer, mapped here.
+        peer_bases: u64 => "const uint64_t*",
+        status: u64 => "EpDeviceStatus*",
+        abort_flag: u64 => "const int*",
+        timeout_ns: u64,
+        /// Offset of this mode's area in every buffer; then the offsets of
+        /// its arrays inside it (see the layout in kernels/low_latency.cu).
+        area: i64,
+        off_counters: i64,
+        off_dispatch_flags: i64,
+        off_dispatch_counts: i64,
+        off_dispatch_tags: i64,
+        off_dispatch_msgs: i64,
+        off_dispatch_acks: i64,
+        off_combine_tags: i64,
+        off_combine_rows: i64,
+        off_combine_acks: i64,
+        off_dispatch_tokens: i64,
+        off_token_rows: i64,
+        off_token_weights: i64,
+        msg_bytes: i64,
+        num_tokens: i32,
+        rank: i32,
+        world: i32,
+        num_experts: i32,
+        topk: i32,
+        hidden: i32,
+        max_tokens: i32,
+        /// Dispatch: quantize to E4M3 (else BF16 rows).
+        fp8: i32,
+        /// Dispatch: power-of-two scales.
+        ue8m0: i32,
+        /// Combine: topk_weights given (else weights at dispatch).
+        weighted: i32,
+        do_send: i32,
+        do_recv: i32,
+    }
+}
+
+abi_struct! {
+    /// Parameters of the kernel that reads where a symmetric NCCL window's
+    /// copies are on the ranks of this rank's LSA team
+    /// (kernels/nccl_window.cu).
+    pub struct NcclPeerBasesParams {
+        /// `ncclWindow_t` of the symmetric buffer.
+        window: u64 => "void*",
+        /// `[world]` output: the window's base on each rank, or 0.
+        peer_bases: u64 => "uint64_t*",
+        /// World rank of the team's first rank (the team is consecutive).
+        first_lsa_rank: i32,
+        lsa_size: i32,
+        world: i32,
+    }
+}
+
+/// The whole `ep_abi.h`, as build.rs writes it.
+pub fn c_header() -> String {
+    let mut out = String::from(
+        "// Generated by build.rs from src/abi/defs.rs: do not edit.\n\
+         // Structs and constants shared by the runtime and the kernels.\n\
+         #pragma once\n\n\
+         #include <cuda_bf16.h>\n\
+         #include <stddef.h>\n\
+         #include <stdint.h>\n\n",
+    );
+    out.push_str(&c_constants());
+    for definition in [
+        DeviceStatus::c_definition(),
+        BarrierParams::c_definition(),
+        LayoutParams::c_definition(),
+        DispatchParams::c_definition(),
+        CombineParams::c_definition(),
+        LlCounters::c_definition(),
+        LlParams::c_definition(),
+        NcclPeerBasesParams::c_definition(),
+    ] {
+        out.push('\n');
+        out.push_str(&definition);
+    }
+    out
+}
