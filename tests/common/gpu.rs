@@ -347,7 +347,12 @@ pub fn run_gpu_world<T: Send>(
 #[derive(Clone, Copy, Debug)]
 pub enum Ranks {
     Threads,
-    Processes { test: &'static str },
+    Processes {
+        test: &'static str,
+    },
+    /// Threads, rank r on GPU `r % device_count()`: several ranks share a
+    /// GPU when there are fewer GPUs than ranks.
+    SharedGpus,
 }
 
 /// Runs `body(rank, ctx)` on `world` ranks, rank r on GPU r with its own
@@ -362,6 +367,9 @@ pub fn run_gpu_ranks(
     match ranks {
         Ranks::Threads => {
             run_gpu_world(world, cfg, body);
+        }
+        Ranks::SharedGpus => {
+            run_gpu_world_shared(world, cfg, body);
         }
         Ranks::Processes { test } => run_ranks_in_processes(
             test,

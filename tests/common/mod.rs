@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod gpu;
+pub mod normal;
 
 use ep::capi::*;
 use half::bf16;

@@ -14,6 +14,7 @@
 //! wait, an invalid expert id) in a status word in host-mapped memory, which
 //! [`GpuMonitor`] reads from any thread.
 
+mod hierarchical;
 mod low_latency;
 mod normal;
 mod symmetric;
@@ -26,7 +27,7 @@ use super::group::{HostGroup, NcclGroup};
 use super::nccl::{self, CommHandle, UniqueId};
 use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp};
 use crate::abi::{
-    self, BarrierParams, CombineParams, DispatchParams, LayoutParams, LlParams,
+    self, BarrierParams, CombineParams, DispatchParams, HierParams, LayoutParams, LlParams,
     NcclPeerBasesParams, BARRIER_COUNTER_OFFSET, BARRIER_THREADS,
 };
 use crate::error::{Error, Result};
@@ -57,6 +58,12 @@ pub struct Kernels {
     pub ll_dispatch: Kernel<LlParams>,
     pub ll_combine: Kernel<LlParams>,
     pub nccl_peer_bases: Kernel<NcclPeerBasesParams>,
+    pub hier_stage: Kernel<HierParams>,
+    pub hier_send: Kernel<HierParams>,
+    pub hier_forward: Kernel<HierParams>,
+    pub hier_node_reduce: Kernel<HierParams>,
+    pub hier_wait: Kernel<HierParams>,
+    pub hier_rail_barrier: Kernel<HierParams>,
 }
 
 impl Kernels {
@@ -72,6 +79,12 @@ impl Kernels {
             ll_dispatch: module.function(c"ep_ll_dispatch_kernel")?,
             ll_combine: module.function(c"ep_ll_combine_kernel")?,
             nccl_peer_bases: module.function(c"ep_nccl_peer_bases_kernel")?,
+            hier_stage: module.function(c"ep_hier_stage_kernel")?,
+            hier_send: module.function(c"ep_hier_send_kernel")?,
+            hier_forward: module.function(c"ep_hier_forward_kernel")?,
+            hier_node_reduce: module.function(c"ep_hier_node_reduce_kernel")?,
+            hier_wait: module.function(c"ep_hier_wait_kernel")?,
+            hier_rail_barrier: module.function(c"ep_hier_rail_barrier_kernel")?,
         })
     }
 }
@@ -100,13 +113,14 @@ pub fn create(
         Box::new(NativeMemory::new(&device, &boot, buffer_bytes(cfg))?)
     } else {
         let comm = own_communicator(&boot, &device)?;
+        let gin = gin_signals(cfg, &comm);
         Box::new(NcclMemory::new(
             comm,
             &device,
             &kernels,
             &boot,
             buffer_bytes(cfg),
-            0,
+            gin,
         )?)
     };
     finish(
@@ -117,6 +131,21 @@ pub fn create(
         memory,
         aborted,
     )
+}
+
+/// GIN signals the device communicator needs: the network leg's, when the
+/// context has several nodes and some rank is outside this rank's NVLink
+/// domain (NCCL's LSA team); none otherwise (the leg is emulated over
+/// NVLink).
+fn gin_signals(cfg: &Config, comm: &CommHandle) -> usize {
+    // SAFETY: a live communicator.
+    let lsa = unsafe { comm.nccl.team_lsa(comm.comm) };
+    let nodes = cfg.nodes();
+    if nodes.is_hierarchical() && (lsa.ranks as usize) < cfg.world() {
+        hierarchical::gin_signals(nodes)
+    } else {
+        0
+    }
 }
 
 /// Whether `EP_TRANSPORT` asks for NCCL on one host (`nccl`), or not
@@ -193,7 +222,8 @@ pub unsafe fn create_from_nccl(
     agree_on_config(&group, cfg)?;
     let module = Module::load(&device)?;
     let kernels = Kernels::load(&module)?;
-    let memory = NcclMemory::new(comm, &device, &kernels, &group, buffer_bytes(cfg), 0)?;
+    let gin = gin_signals(cfg, &comm);
+    let memory = NcclMemory::new(comm, &device, &kernels, &group, buffer_bytes(cfg), gin)?;
     finish(
         cfg,
         device,
@@ -214,17 +244,7 @@ fn finish(
     memory: Box<dyn SymmetricMemory>,
     aborted: Arc<AtomicBool>,
 ) -> Result<(Box<dyn Backend>, Arc<dyn Monitor>)> {
-    if cfg.nodes().is_hierarchical() {
-        return Err(Error::unsupported(
-            "several nodes (ranks_per_node below the world size) need the hierarchical GPU modes, which this build does not have yet",
-        ));
-    }
-    if let Some(far) = memory.reachable().iter().position(|&r| !r) {
-        return Err(Error::unsupported(format!(
-            "rank {far} is not reachable over NVLink from rank {}: ranks in several NVLink domains need ranks_per_node set to the domain size",
-            cfg.rank
-        )));
-    }
+    check_reach(cfg, memory.as_ref())?;
     let monitor = Arc::new(GpuMonitor {
         status: MappedHost::new(&device, 1)?,
         abort_flag: MappedHost::new(&device, 1)?,
@@ -240,14 +260,60 @@ fn finish(
         monitor: monitor.clone(),
         timeout_ns: cfg.timeout.as_nanos() as u64,
     };
-    let normal = NormalMode::new(&rt, SIGNAL_BYTES)?;
-    let ll = LlMode::new(&rt, SIGNAL_BYTES + normal::buffer_bytes(cfg))?;
-    Ok((Box::new(GpuBackend { rt, normal, ll }), monitor))
+    let ll_offset = SIGNAL_BYTES + normal::buffer_bytes(cfg);
+    let hier_offset = ll_offset + low_latency::buffer_bytes(cfg);
+    let normal = NormalMode::new(&rt, SIGNAL_BYTES, hier_offset)?;
+    let ll = LlMode::new(&rt, ll_offset)?;
+    let all_reachable = rt.memory.reachable().iter().all(|&r| r);
+    Ok((
+        Box::new(GpuBackend {
+            rt,
+            normal,
+            ll,
+            all_reachable,
+        }),
+        monitor,
+    ))
 }
 
-/// Bytes of communication buffer one rank allocates for `cfg`.
+/// Which ranks this rank's GPU must reach by loads and stores: every rank
+/// of its node; with one node, every rank. The others (other nodes) need
+/// the GIN network leg.
+fn check_reach(cfg: &Config, memory: &dyn SymmetricMemory) -> Result<()> {
+    let nodes = cfg.nodes();
+    let reachable = memory.reachable();
+    let home = nodes.node_of(cfg.rank);
+    if let Some(far) = nodes.ranks_of(home).find(|&r| !reachable[r]) {
+        return Err(Error::unsupported(format!(
+            "rank {far} is on the node of rank {} (ranks_per_node = {}) but not reachable over NVLink: set ranks_per_node to the NVLink domain's size or less",
+            cfg.rank, nodes.ranks_per_node
+        )));
+    }
+    let gin = memory.nccl().is_some_and(|n| n.gin);
+    if let Some(far) = reachable.iter().position(|&r| !r) {
+        if !nodes.is_hierarchical() {
+            return Err(Error::unsupported(format!(
+                "rank {far} is not reachable over NVLink from rank {}: ranks in several NVLink domains need ranks_per_node set to the domain size",
+                cfg.rank
+            )));
+        }
+        if !gin {
+            return Err(Error::unsupported(format!(
+                "rank {far} is on another node and not reachable over NVLink, and NCCL gave no GIN network for the network leg"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Bytes of communication buffer one rank allocates for `cfg`: the
+/// runtime's signals, the normal mode's, the low-latency mode's, and with
+/// several nodes the hierarchical mode's (network leg buffers included).
 pub fn buffer_bytes(cfg: &Config) -> usize {
-    SIGNAL_BYTES + normal::buffer_bytes(cfg) + low_latency::buffer_bytes(cfg)
+    SIGNAL_BYTES
+        + normal::buffer_bytes(cfg)
+        + low_latency::buffer_bytes(cfg)
+        + hierarchical::buffer_bytes(cfg)
 }
 
 /// The host-mapped words the kernels and any host thread share.
@@ -405,6 +471,20 @@ struct GpuBackend {
     rt: Runtime,
     normal: NormalMode,
     ll: LlMode,
+    /// Every rank is reachable over NVLink (the low-latency mode's kernels
+    /// need it: they have no network leg yet).
+    all_reachable: bool,
+}
+
+impl GpuBackend {
+    fn check_ll(&self) -> Result<()> {
+        if self.all_reachable {
+            return Ok(());
+        }
+        Err(Error::unsupported(
+            "the low-latency mode across NVLink domains needs a GIN network leg, which this release does not have (it runs on virtual nodes of one NVLink domain)",
+        ))
+    }
 }
 
 impl Backend for GpuBackend {
@@ -430,10 +510,12 @@ impl Backend for GpuBackend {
     }
 
     fn ll_dispatch(&mut self, op: &LlDispatchOp, stream: Stream) -> Result<()> {
+        self.check_ll()?;
         self.ll.dispatch(&self.rt.bind()?, op, stream)
     }
 
     fn ll_combine(&mut self, op: &LlCombineOp, stream: Stream) -> Result<()> {
+        self.check_ll()?;
         self.ll.combine(&self.rt.bind()?, op, stream)
     }
 

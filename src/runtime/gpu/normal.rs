@@ -6,6 +6,7 @@
 //! dispatch/combine pair needs no host synchronisation and can be captured
 //! in a CUDA graph), and enqueues the launches.
 
+use super::hierarchical::{HierHandle, Hierarchy};
 use super::{check_aligned, ptr, Bound, Runtime};
 use crate::abi::{
     CombineParams, DispatchParams, LayoutParams, CHUNK_TOKENS, LAYOUT_THREADS, MOVE_THREADS,
@@ -22,38 +23,39 @@ const CHUNK_WARPS: usize = CHUNK_TOKENS / 32;
 
 /// Byte offsets of the mode's arrays inside its area of every rank's
 /// buffer (the same on every rank). `T` = max tokens per rank, `W` = world,
-/// `E` = experts.
+/// `E` = experts. The hierarchical mode keeps copies of the span from
+/// `staged_x` to `totals` for other nodes (see hierarchical.rs).
 #[derive(Debug, Clone, Copy)]
-struct Area {
+pub(super) struct Area {
     /// `[T, row]` this rank's tokens, for the peers to pull.
-    staged_x: usize,
+    pub(super) staged_x: usize,
     /// `[T, hidden / 128]` their FP8 scales.
-    staged_scales: usize,
+    pub(super) staged_scales: usize,
     /// `[T, topk]` position of each (token, slot) among its chunk's, then
     /// among all, pairs of its expert.
-    slot_rank: usize,
+    pub(super) slot_rank: usize,
     /// `[T, W]` position of each token among its chunk's tokens for each
     /// rank, or -1.
-    rank_pos: usize,
+    pub(super) rank_pos: usize,
     /// `[chunks, W + E]` the count kernel's per-chunk counts.
-    chunk_counts: usize,
+    pub(super) chunk_counts: usize,
     /// `[W + E]` tokens per rank, then pairs per expert (read by peers).
-    totals: usize,
+    pub(super) totals: usize,
     /// Records the sources push here, one per token they send, `[W, T]`
     /// rows: the token index, and per slot the local expert (or -1), its
     /// position among that source's pairs of the expert, and the weight.
-    in_token: usize,
-    in_local: usize,
-    in_rank: usize,
-    in_weight: usize,
+    pub(super) in_token: usize,
+    pub(super) in_local: usize,
+    pub(super) in_rank: usize,
+    pub(super) in_weight: usize,
     /// `[W, T, hidden]` BF16 rows the ranks return in a combine.
-    returned: usize,
+    pub(super) returned: usize,
     /// Bytes of the whole area.
-    bytes: usize,
+    pub(super) bytes: usize,
 }
 
 impl Area {
-    fn new(cfg: &Config) -> Area {
+    pub(super) fn new(cfg: &Config) -> Area {
         let t = &cfg.topo;
         let (tokens, world) = (cfg.max_tokens, t.world);
         let chunks = tokens.div_ceil(CHUNK_TOKENS);
@@ -100,6 +102,8 @@ struct GpuHandle {
     num_rows: DeviceBuffer,
     /// `[T, W]` whether each of this rank's tokens went to each rank.
     in_rank: DeviceBuffer,
+    /// The hierarchy's part, with several nodes.
+    hier: Option<HierHandle>,
     /// The last dispatch recorded here, if it succeeded.
     dispatched: Option<Dispatched>,
 }
@@ -118,15 +122,25 @@ pub struct NormalMode {
     /// `[1 + local experts]`: rows received, then rows per local expert,
     /// written by the pull kernel for the host-synchronised dispatch.
     host_counts: MappedHost<i32>,
+    /// With several nodes: the hierarchical exchange, which replaces the
+    /// single-node one.
+    hier: Option<Hierarchy>,
 }
 
 impl NormalMode {
-    /// The mode's area starts at `offset` of every rank's symmetric buffer.
-    pub fn new(rt: &Runtime, offset: usize) -> Result<NormalMode> {
+    /// The mode's area starts at `offset` of every rank's symmetric buffer;
+    /// with several nodes the hierarchical mode's at `hier_offset`.
+    pub fn new(rt: &Runtime, offset: usize, hier_offset: usize) -> Result<NormalMode> {
+        let hier = if rt.cfg.nodes().is_hierarchical() {
+            Some(Hierarchy::new(rt, offset, hier_offset)?)
+        } else {
+            None
+        };
         Ok(NormalMode {
             offset,
             area: Area::new(&rt.cfg),
             host_counts: MappedHost::new(&rt.device, 1 + rt.cfg.local_experts())?,
+            hier,
         })
     }
 
@@ -167,6 +181,7 @@ impl NormalMode {
             row_weights: DeviceBuffer::new(&rt.device, slots * 4)?,
             num_rows: DeviceBuffer::new(&rt.device, 4)?,
             in_rank: DeviceBuffer::new(&rt.device, cfg.max_tokens * cfg.world())?,
+            hier: self.hier.as_ref().map(|h| h.new_handle(rt)).transpose()?,
             dispatched: None,
         }))
     }
@@ -277,24 +292,31 @@ impl NormalMode {
                 stream,
                 &params,
             )?;
-            rt.launch(
-                &k.dispatch_stage,
-                chunks.max(sms),
-                CHUNK_TOKENS as u32,
-                (columns * 4) as u32,
-                stream,
-                &params,
-            )?;
-            rt.barrier(stream)?;
-            rt.launch(
-                &k.dispatch_pull,
-                sms,
-                MOVE_THREADS as u32,
-                0,
-                stream,
-                &params,
-            )?;
-            rt.barrier(stream)?;
+            match (&self.hier, &handle.hier) {
+                (Some(hier), Some(hier_handle)) => {
+                    hier.dispatch(rt, &params, hier_handle, stream)?;
+                }
+                _ => {
+                    rt.launch(
+                        &k.dispatch_stage,
+                        chunks.max(sms),
+                        CHUNK_TOKENS as u32,
+                        (columns * 4) as u32,
+                        stream,
+                        &params,
+                    )?;
+                    rt.barrier(stream)?;
+                    rt.launch(
+                        &k.dispatch_pull,
+                        sms,
+                        MOVE_THREADS as u32,
+                        0,
+                        stream,
+                        &params,
+                    )?;
+                    rt.barrier(stream)?;
+                }
+            }
         }
         let host_counts = if host_sync {
             rt.synchronize(stream)?;
@@ -375,6 +397,9 @@ impl NormalMode {
         let k = &rt.kernels;
         // SAFETY: buffers stay valid as for the dispatch.
         unsafe {
+            if let (Some(hier), Some(hier_handle)) = (&self.hier, &handle.hier) {
+                return hier.combine(rt, &params, hier_handle, stream);
+            }
             rt.launch(
                 &k.combine_send,
                 sms,

@@ -52,6 +52,8 @@ pub trait SymmetricMemory: Send {
     fn peer_bases(&self) -> u64;
     /// Host copy of which entries of `peer_bases` are mapped.
     fn reachable(&self) -> &[bool];
+    /// Host copy of `peer_bases`.
+    fn host_peer_bases(&self) -> &[u64];
     /// Bytes of each rank's buffer.
     fn size(&self) -> usize;
     /// The NCCL handles of the buffer, for the network kernels; `None` for
@@ -88,6 +90,7 @@ pub struct NativeMemory {
     mappings: Vec<Mapping>,
     /// `[world]` device pointers to every rank's buffer, for kernels.
     peer_bases: DeviceBuffer,
+    host_bases: Vec<u64>,
     reachable: Vec<bool>,
     rank: usize,
     size: usize,
@@ -226,14 +229,15 @@ impl NativeMemory {
             )?;
             mappings.push(map(device, handle, size)?);
         }
+        let bases: Vec<u64> = mappings.iter().map(|m| m.base).collect();
         let memory = NativeMemory {
             mappings,
             peer_bases: DeviceBuffer::new(device, boot.world() * 8)?,
+            host_bases: bases.clone(),
             reachable: vec![true; boot.world()],
             rank: boot.rank(),
             size,
         };
-        let bases: Vec<u64> = memory.mappings.iter().map(|m| m.base).collect();
         // SAFETY: synchronous copy to a buffer of `world` u64s; zero-fill of
         // our own mapping.
         unsafe {
@@ -267,6 +271,10 @@ impl SymmetricMemory for NativeMemory {
         &self.reachable
     }
 
+    fn host_peer_bases(&self) -> &[u64] {
+        &self.host_bases
+    }
+
     fn size(&self) -> usize {
         self.size
     }
@@ -295,6 +303,7 @@ pub struct NcclMemory {
     dev_comm_on_device: DeviceBuffer,
     gin: bool,
     peer_bases: DeviceBuffer,
+    host_bases: Vec<u64>,
     reachable: Vec<bool>,
     /// This rank's buffer as its kernels address it (its own LSA pointer).
     own_base: u64,
@@ -335,6 +344,7 @@ impl NcclMemory {
             dev_comm_on_device: DeviceBuffer::new(device, nccl::DEV_COMM_BYTES)?,
             gin: false,
             peer_bases: DeviceBuffer::new(device, world * 8)?,
+            host_bases: vec![0; world],
             reachable: vec![false; world],
             own_base: 0,
             size,
@@ -418,6 +428,7 @@ impl NcclMemory {
             )?;
         }
         self.own_base = bases[rank];
+        self.host_bases = bases;
         if self.own_base == 0 {
             return Err(Error::internal("NCCL gave no LSA pointer for this rank"));
         }
@@ -436,6 +447,10 @@ impl SymmetricMemory for NcclMemory {
 
     fn reachable(&self) -> &[bool] {
         &self.reachable
+    }
+
+    fn host_peer_bases(&self) -> &[u64] {
+        &self.host_bases
     }
 
     fn size(&self) -> usize {
