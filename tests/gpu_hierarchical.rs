@@ -21,7 +21,6 @@ use common::normal::*;
 use common::{last_error, Rng};
 use ep::capi::*;
 use ep::reference::{Dtype, Topology};
-use std::ptr::null_mut;
 use std::time::{Duration, Instant};
 
 /// The world sizes to test, from `EP_TEST_WORLDS`.
@@ -51,15 +50,15 @@ fn node_sizes(world: usize) -> Vec<usize> {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn virtual_nodes_match_the_reference() {
+    // One shape per node shape, in turn from this list.
+    let shapes = [(7168, 8, 256), (2048, 4, 64), (128, 1, 8), (4096, 16, 64)];
+    let mut next = 0;
     for world in worlds() {
         for rpn in node_sizes(world) {
-            for (i, (hidden, topk, experts)) in [(7168, 8, 256), (2048, 4, 64), (128, 1, 8)]
-                .into_iter()
-                .enumerate()
-            {
-                let seed = 5000 + 100 * world as u64 + 10 * rpn as u64 + i as u64;
-                check_shape_on_nodes(Ranks::SharedGpus, world, rpn, hidden, topk, experts, seed);
-            }
+            let (hidden, topk, experts) = shapes[next % shapes.len()];
+            next += 1;
+            let seed = 5000 + 100 * world as u64 + 10 * rpn as u64;
+            check_shape_on_nodes(Ranks::SharedGpus, world, rpn, hidden, topk, experts, seed);
         }
     }
 }
@@ -89,7 +88,7 @@ fn a_node_that_never_sends_makes_the_network_wait_time_out() {
             let args = out.args(&dev, 8, Dtype::Bf16, 1);
             let start = Instant::now();
             // SAFETY: device buffers of the sizes the arguments give.
-            let status = unsafe { ep_dispatch(ctx.0, &args, handle.0, null_mut()) };
+            let status = unsafe { ep_dispatch(ctx.0, &args, handle.0, stream()) };
             let took = start.elapsed();
             assert_eq!(status, EP_ERR_TIMEOUT, "{}", last_error());
             let message = last_error();
@@ -133,7 +132,7 @@ fn abort_ends_a_network_wait() {
                     unsafe { ep_ctx_abort(raw as *mut ep_ctx_t) };
                 });
                 // SAFETY: device buffers of the sizes the arguments give.
-                let status = unsafe { ep_dispatch(ctx.0, &args, handle.0, null_mut()) };
+                let status = unsafe { ep_dispatch(ctx.0, &args, handle.0, stream()) };
                 assert_eq!(status, EP_SUCCESS, "{}", last_error());
                 sync();
             });

@@ -39,10 +39,44 @@ pub fn use_device(ordinal: usize) {
     }
 }
 
-/// Waits for all work of the current context.
+thread_local! {
+    /// The stream of this thread's rank (null: the legacy default stream).
+    static STREAM: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// The stream this thread's ep calls and device copies use: the legacy
+/// default stream, or, when ranks share a GPU, the rank's own non-blocking
+/// stream (ranks of one GPU are threads of one CUDA context, whose legacy
+/// stream would put every rank's kernels in one queue, so a kernel waiting
+/// for a peer would block the peer's kernel behind it).
+pub fn stream() -> ep_stream_t {
+    STREAM.with(|s| s.get()) as ep_stream_t
+}
+
+/// Gives this thread (a rank) a stream of its own on the current context.
+pub fn use_own_stream() {
+    let mut stream = null_mut();
+    // SAFETY: creates a stream of the current context; it lives as long as
+    // the test process.
+    cu(
+        unsafe {
+            sys::cuStreamCreate(
+                &mut stream,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+            )
+        },
+        "cuStreamCreate",
+    );
+    STREAM.with(|s| s.set(stream as usize));
+}
+
+/// Waits for all work of this thread's stream (see [`stream`]).
 pub fn sync() {
-    // SAFETY: a plain driver call.
-    cu(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize");
+    // SAFETY: a plain driver call on a live stream (or the legacy one).
+    cu(
+        unsafe { sys::cuStreamSynchronize(stream() as sys::CUstream) },
+        "cuStreamSynchronize",
+    );
 }
 
 /// Device memory of the current context, filled with [`POISON`] when
@@ -50,6 +84,11 @@ pub fn sync() {
 pub struct DevBuf {
     pub ptr: u64,
     pub bytes: usize,
+    /// The stream it was allocated on when the rank has its own (see
+    /// [`stream`]): then it is allocated and freed stream-ordered, since
+    /// `cuMemFree` waits for the whole device, the other ranks' waiting
+    /// kernels included, and would stall a rank its peers wait for.
+    stream: usize,
 }
 
 impl DevBuf {
@@ -57,12 +96,26 @@ impl DevBuf {
     pub fn poisoned(bytes: usize) -> DevBuf {
         let alloc = bytes.max(4);
         let mut ptr = 0;
-        // SAFETY: allocation and fill of `alloc` bytes.
+        let stream = stream() as sys::CUstream;
+        // SAFETY: allocation of `alloc` bytes (stream-ordered on a rank's
+        // own stream, waited for by the poison below).
         unsafe {
-            cu(sys::cuMemAlloc_v2(&mut ptr, alloc), "cuMemAlloc");
-            cu(sys::cuMemsetD8_v2(ptr, POISON, alloc), "poison");
+            if stream.is_null() {
+                cu(sys::cuMemAlloc_v2(&mut ptr, alloc), "cuMemAlloc");
+            } else {
+                cu(
+                    sys::cuMemAllocAsync(&mut ptr, alloc, stream),
+                    "cuMemAllocAsync",
+                );
+            }
         }
-        DevBuf { ptr, bytes }
+        let buf = DevBuf {
+            ptr,
+            bytes,
+            stream: stream as usize,
+        };
+        buf.poison();
+        buf
     }
 
     /// Room for `len` values of `T`, poisoned.
@@ -86,21 +139,38 @@ impl DevBuf {
             self.bytes
         );
         if bytes > 0 {
-            // SAFETY: `bytes` fit the allocation.
+            // SAFETY: `bytes` fit the allocation; the copy ends before
+            // `host` can go away.
             cu(
-                unsafe { sys::cuMemcpyHtoD_v2(self.ptr, host.as_ptr() as *const _, bytes) },
+                unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(
+                        self.ptr,
+                        host.as_ptr() as *const _,
+                        bytes,
+                        stream() as sys::CUstream,
+                    )
+                },
                 "HtoD",
             );
+            sync();
         }
     }
 
     /// Fills the whole buffer with [`POISON`] again.
     pub fn poison(&self) {
-        // SAFETY: fills the allocation.
+        // SAFETY: fills the allocation, on this thread's stream.
         cu(
-            unsafe { sys::cuMemsetD8_v2(self.ptr, POISON, self.bytes.max(4)) },
+            unsafe {
+                sys::cuMemsetD8Async(
+                    self.ptr,
+                    POISON,
+                    self.bytes.max(4),
+                    stream() as sys::CUstream,
+                )
+            },
             "poison",
         );
+        sync();
     }
 
     /// The first `len` values, after all work of the context has finished.
@@ -112,14 +182,22 @@ impl DevBuf {
             "download of {bytes} B from {} B",
             self.bytes
         );
-        sync();
         if bytes > 0 {
-            // SAFETY: `bytes` fit both sides.
+            // SAFETY: `bytes` fit both sides; the copy ends before `out`
+            // is used.
             cu(
-                unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr() as *mut _, self.ptr, bytes) },
+                unsafe {
+                    sys::cuMemcpyDtoHAsync_v2(
+                        out.as_mut_ptr() as *mut _,
+                        self.ptr,
+                        bytes,
+                        stream() as sys::CUstream,
+                    )
+                },
                 "DtoH",
             );
         }
+        sync();
         out
     }
 
@@ -134,9 +212,15 @@ impl DevBuf {
 
 impl Drop for DevBuf {
     fn drop(&mut self) {
-        // SAFETY: allocated by cuMemAlloc; the tests synchronize before
+        // SAFETY: allocated as freed here; the tests synchronize before
         // buffers go out of scope.
-        unsafe { sys::cuMemFree_v2(self.ptr) };
+        unsafe {
+            if self.stream == 0 {
+                sys::cuMemFree_v2(self.ptr);
+            } else {
+                sys::cuMemFreeAsync(self.ptr, self.stream as sys::CUstream);
+            }
+        }
     }
 }
 
@@ -199,7 +283,13 @@ pub fn run_gpu_world_shared<T: Send>(
     let devices = device_count();
     run_ranks(
         world,
-        |rank, id| join_on_device(world, cfg, rank, rank % devices, id),
+        |rank, id| {
+            let ctx = join_on_device(world, cfg, rank, rank % devices, id);
+            if devices < world {
+                use_own_stream();
+            }
+            ctx
+        },
         body,
     )
 }

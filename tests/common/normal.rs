@@ -10,7 +10,6 @@ use ep::reference::hierarchical::{self, NodeShape};
 use ep::reference::normal::{combine, dispatch, expert_partials, Dispatched, RankTokens, Returned};
 use ep::reference::{Dtype, Topology};
 use half::bf16;
-use std::ptr::null_mut;
 
 /// One rank's dispatch input, owned.
 pub struct Input {
@@ -373,7 +372,7 @@ pub fn check_shape_on_nodes(
             }
             // SAFETY: device buffers of the sizes the arguments give.
             ok(
-                unsafe { ep_dispatch(ctx.0, &args, handle.0, null_mut()) },
+                unsafe { ep_dispatch(ctx.0, &args, handle.0, stream()) },
                 &what,
             );
             sync();
@@ -425,10 +424,7 @@ pub fn check_shape_on_nodes(
                 c.x = x.as_const();
                 c.out = y.as_mut();
                 // SAFETY: device buffers of the sizes the handle's dispatch gives.
-                ok(
-                    unsafe { ep_combine(ctx.0, &c, handle.0, null_mut()) },
-                    &what,
-                );
+                ok(unsafe { ep_combine(ctx.0, &c, handle.0, stream()) }, &what);
                 let got = y.download::<bf16>(n * hidden);
                 let kind = if expert_major {
                     "expert-major"
