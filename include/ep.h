@@ -197,7 +197,10 @@ typedef struct CUstream_st *ep_stream_t;
 // holds one row per (received token, local expert) pair, each local expert's
 // rows contiguous (in source order), each expert's segment starting at a
 // multiple of `expert_alignment`. Either output may be skipped by passing a
-// NULL `recv_x` or `expert_x`.
+// NULL `recv_x` or `expert_x`, not both. Within a requested output, only the
+// rows (and their FP8 scales) and `expert_offsets` are required: the other
+// arrays may be NULL, for callers that do not need them (the combine keeps
+// its own copy of the routing in the handle).
 //
 // On the GPU backend `x`, `recv_x` and `expert_x` must be 16-byte aligned
 // (rows move as 16-byte vectors; `cudaMalloc` memory is).
@@ -212,53 +215,76 @@ typedef struct ep_dispatch_args_t {
   int32_t num_tokens;
   // `EP_DTYPE_BF16` or `EP_DTYPE_FP8_E4M3`.
   int32_t dtype;
-  // `[num_tokens, hidden]` tokens.
+  // `[num_tokens, hidden]` tokens. Required when num_tokens > 0; may be
+  // NULL otherwise (then nothing is read).
   const void *x;
-  // FP8 only: `[num_tokens, hidden / 128]` fp32 scales.
+  // FP8 only: `[num_tokens, hidden / 128]` fp32 scales. Required when
+  // dtype is FP8 and num_tokens > 0; may be NULL otherwise (then nothing
+  // is read).
   const float *x_scales;
-  // `[num_tokens, topk]` global expert ids; -1 means no expert.
+  // `[num_tokens, topk]` global expert ids; -1 means no expert. Required
+  // when num_tokens > 0; may be NULL otherwise (then nothing is read).
   const int32_t *topk_idx;
-  // `[num_tokens, topk]` routing weights.
+  // `[num_tokens, topk]` routing weights. Required when num_tokens > 0;
+  // may be NULL otherwise (then nothing is read).
   const float *topk_weights;
   // Source-order output rows available (see `ep_get_dispatch_capacity`).
   int32_t recv_capacity;
   // Expert-major segment alignment in rows, 1 to 1024 (0 means 1).
   int32_t expert_alignment;
-  // `[recv_capacity, hidden]` received tokens; NULL skips the source-order
-  // output (the other `recv_*` pointers are then ignored).
+  // `[recv_capacity, hidden]` received tokens, the source-order output.
+  // Required when `expert_x` is NULL; may be NULL otherwise (then no
+  // source-order output; the other recv_* pointers are not used).
   void *recv_x;
-  // FP8 only: `[recv_capacity, hidden / 128]` scales.
+  // FP8 only: `[recv_capacity, hidden / 128]` scales. Required when
+  // `recv_x` is given and dtype is FP8; may be NULL otherwise (then not
+  // written).
   float *recv_x_scales;
   // `[recv_capacity, topk]` local expert ids (global id minus this rank's
   // first expert), -1 for experts on other ranks and dropped entries.
+  // May be NULL (then not written).
   int32_t *recv_topk_idx;
-  // `[recv_capacity, topk]` weights, 0 where `recv_topk_idx` is -1.
+  // `[recv_capacity, topk]` weights, 0 where `recv_topk_idx` is -1. May be
+  // NULL (then not written).
   float *recv_topk_weights;
   // `[recv_capacity, 2]` (source rank, source token index) of each row.
+  // May be NULL (then not written).
   int32_t *recv_src_info;
-  // Device scalar: number of source-order rows received. May be NULL.
+  // Device scalar: number of source-order rows received. May be NULL
+  // (then not written).
   int32_t *recv_num_tokens;
   // Expert-major output rows available (see `ep_get_dispatch_capacity`).
   int32_t expert_capacity;
-  // `[expert_capacity, hidden]` tokens in expert-major order; NULL skips
-  // the expert-major output (the other `expert_*` pointers are ignored).
+  // `[expert_capacity, hidden]` tokens in expert-major order, the
+  // expert-major output. Required when `recv_x` is NULL; may be NULL
+  // otherwise (then no expert-major output; the other expert_* pointers
+  // are not used).
   void *expert_x;
-  // FP8 only: `[expert_capacity, hidden / 128]` scales.
+  // FP8 only: `[expert_capacity, hidden / 128]` scales. Required when
+  // `expert_x` is given and dtype is FP8; may be NULL otherwise (then not
+  // written).
   float *expert_x_scales;
-  // `[expert_capacity]` routing weight of each row; 0 in padding rows.
+  // `[expert_capacity]` routing weight of each row; 0 in padding rows. May
+  // be NULL (then not written).
   float *expert_weights;
   // `[expert_capacity]` source-order row index of each row; -1 in padding.
+  // May be NULL (then not written).
   int32_t *expert_src_row;
   // `[local_experts + 1]` padded start of each expert's segment; the last
-  // entry is the total padded row count. Ready for a grouped GEMM.
+  // entry is the total padded row count. Ready for a grouped GEMM, and the
+  // only way to find the segments without a host synchronisation, hence
+  // required with the output. Required when `expert_x` is given; may be NULL
+  // otherwise (then not written).
   int32_t *expert_offsets;
-  // `[local_experts]` rows of each local expert, without padding.
+  // `[local_experts]` rows of each local expert, without padding. May be
+  // NULL (then not written).
   int32_t *expert_counts;
   // Host scalar, written before return unless `EP_DISPATCH_NO_HOST_SYNC`:
-  // source-order rows received. May be NULL.
+  // source-order rows received. May be NULL (then not written).
   int32_t *host_recv_num_tokens;
   // Host `[local_experts]`, written before return unless
-  // `EP_DISPATCH_NO_HOST_SYNC`: rows per local expert. May be NULL.
+  // `EP_DISPATCH_NO_HOST_SYNC`: rows per local expert. May be NULL (then
+  // not written).
   int32_t *host_expert_counts;
 } ep_dispatch_args_t;
 
@@ -284,9 +310,15 @@ typedef struct ep_combine_args_t {
   int32_t input_layout;
   // BF16 rows in the order the handle's dispatch produced them: its
   // source-order rows, or its expert-major rows (padding rows are ignored).
+  // The dispatch must have produced that output. Required when the
+  // handle's dispatch received rows for this layout or ran with
+  // EP_DISPATCH_NO_HOST_SYNC; may be NULL otherwise (then nothing is
+  // read).
   const void *x;
   // `[num_tokens, hidden]` BF16 output for this rank's tokens of the
-  // dispatch; a token routed nowhere gets zeros.
+  // dispatch; a token routed nowhere gets zeros. Here num_tokens is the
+  // dispatch's. Required when num_tokens > 0; may be NULL otherwise (then
+  // not written).
   void *out;
 } ep_combine_args_t;
 
@@ -308,22 +340,35 @@ typedef struct ep_ll_dispatch_args_t {
   int32_t num_tokens;
   // Output type: `EP_DTYPE_FP8_E4M3` (quantized online) or `EP_DTYPE_BF16`.
   int32_t out_dtype;
-  // `[num_tokens, hidden]` BF16 tokens.
+  // `[num_tokens, hidden]` BF16 tokens. Required when the send phase runs
+  // (no EP_LL_RECV_ONLY) and num_tokens > 0; may be NULL otherwise (then
+  // nothing is read).
   const void *x;
-  // `[num_tokens, topk]` global expert ids; -1 means no expert.
+  // `[num_tokens, topk]` global expert ids; -1 means no expert. Required
+  // when the send phase runs (no EP_LL_RECV_ONLY) and num_tokens > 0; may
+  // be NULL otherwise (then nothing is read).
   const int32_t *topk_idx;
-  // `[num_tokens, topk]` weights, or NULL. When given, `ep_ll_combine`
-  // may omit its weights and reduces on the expert side.
+  // `[num_tokens, topk]` weights. When given, `ep_ll_combine` may omit
+  // its weights and reduces on the expert side. May be NULL (then the
+  // matching ep_ll_combine must be given topk_weights).
   const float *topk_weights;
-  // `[local_experts, W * M, hidden]` received tokens.
+  // `[local_experts, W * M, hidden]` received tokens. Required when the
+  // receive phase runs (no EP_LL_SEND_ONLY); may be NULL otherwise (then
+  // not written).
   void *recv_x;
   // FP8 only: `[local_experts, W * M, hidden / 128]` fp32 scales.
+  // Required when the receive phase runs (no EP_LL_SEND_ONLY) and
+  // out_dtype is FP8; may be NULL otherwise (then not written).
   float *recv_x_scales;
-  // `[local_experts]` valid rows per local expert.
+  // `[local_experts]` valid rows per local expert. Required when the
+  // receive phase runs (no EP_LL_SEND_ONLY); may be NULL otherwise (then
+  // not written).
   int32_t *recv_count;
-  // `[local_experts, W * M]` source token index of each row.
+  // `[local_experts, W * M]` source token index of each row. May be NULL
+  // (then not written).
   int32_t *recv_src_info;
   // `[local_experts, W, 2]` (first row, row count) of each source rank.
+  // May be NULL (then not written).
   int32_t *recv_layout_range;
   // Device scalar, or NULL. When given, the call reads its token count
   // from it when it runs on the stream, and `num_tokens` is only the
@@ -332,7 +377,8 @@ typedef struct ep_ll_dispatch_args_t {
   // count outside `[0, num_tokens]` is `EP_ERR_INVALID_ARGUMENT`
   // (reported by `ep_ctx_get_async_error` on the GPU backend): the call
   // then sends no tokens, and the peers' matching calls may end in
-  // `EP_ERR_TIMEOUT`, as after any failed call.
+  // `EP_ERR_TIMEOUT`, as after any failed call. May be NULL (then
+  // num_tokens is the token count).
   const int32_t *device_num_tokens;
 } ep_ll_dispatch_args_t;
 
@@ -345,26 +391,40 @@ typedef struct ep_ll_combine_args_t {
   uint32_t version;
   // `EP_LL_SEND_ONLY`, `EP_LL_RECV_ONLY`, `EP_LL_ZERO_COPY`.
   uint32_t flags;
-  // Tokens of this rank in the matching dispatch (its bound when
-  // `device_num_tokens` is given).
+  // Tokens of this rank in the matching dispatch: its `num_tokens` (the
+  // bound when `device_num_tokens` is given), else
+  // `EP_ERR_INVALID_ARGUMENT`.
   int32_t num_tokens;
   // `[local_experts, W * M, hidden]` BF16 expert outputs in the masked
-  // layout of the matching dispatch.
+  // layout of the matching dispatch. Required when the send phase runs
+  // (no EP_LL_RECV_ONLY) and EP_LL_ZERO_COPY is not set; may be NULL
+  // otherwise (then nothing is read).
   const void *x;
-  // `[num_tokens, topk]` the dispatch's expert ids.
+  // `[num_tokens, topk]` the dispatch's expert ids. Required when the
+  // receive phase runs (no EP_LL_SEND_ONLY) and num_tokens > 0; may be
+  // NULL otherwise (then nothing is read).
   const int32_t *topk_idx;
-  // `[num_tokens, topk]` weights; NULL when the dispatch was given them.
+  // `[num_tokens, topk]` weights. Required when the matching
+  // ep_ll_dispatch was given no topk_weights; may be NULL otherwise (then
+  // the weights given to the dispatch apply). Every rank's dispatch must
+  // then have had weights, else `EP_ERR_INVALID_ARGUMENT` on every rank.
+  // A split call gives it to both halves or to neither.
   const float *topk_weights;
-  // The dispatch's `recv_src_info`.
+  // The dispatch's `recv_src_info`. Not used; may be NULL (the context
+  // keeps the layout of its dispatch).
   const int32_t *src_info;
-  // The dispatch's `recv_layout_range`.
+  // The dispatch's `recv_layout_range`. Not used; may be NULL (the context
+  // keeps the layout of its dispatch).
   const int32_t *layout_range;
-  // `[num_tokens, hidden]` BF16 output.
+  // `[num_tokens, hidden]` BF16 output. Required when the receive phase
+  // runs (no EP_LL_SEND_ONLY) and num_tokens > 0; may be NULL otherwise
+  // (then not written).
   void *out;
-  // Device scalar, or NULL: the token count read when the call runs, as
-  // in `ep_ll_dispatch_args_t` (give the matching dispatch's). A count
+  // Device scalar: the token count read when the call runs, as in
+  // `ep_ll_dispatch_args_t` (give the matching dispatch's). A count
   // outside `[0, num_tokens]` is `EP_ERR_INVALID_ARGUMENT`, and the call
-  // then writes no tokens.
+  // then writes no tokens. May be NULL (then num_tokens is the token
+  // count).
   const int32_t *device_num_tokens;
 } ep_ll_combine_args_t;
 
@@ -383,7 +443,7 @@ typedef struct ep_mega_args_t {
   // (`ep_mega_gemm_combine`, which reads `input_layout`, `x` and `out`).
   struct ep_dispatch_args_t dispatch;
   struct ep_combine_args_t combine;
-  // `[local_experts, k, n]` BF16 expert weights, row-major.
+  // `[local_experts, k, n]` BF16 expert weights, row-major. Required.
   const void *weights;
   // GEMM output columns.
   int32_t n;
@@ -391,7 +451,7 @@ typedef struct ep_mega_args_t {
   // size for GEMM+combine.
   int32_t k;
   // `[expert_capacity, n]` BF16 GEMM output (dispatch+GEMM), or the
-  // `[expert rows, k]` BF16 activations (GEMM+combine).
+  // `[expert rows, k]` BF16 activations (GEMM+combine). Required.
   void *gemm_io;
 } ep_mega_args_t;
 
@@ -438,7 +498,8 @@ typedef struct ep_mega_args_t {
 extern "C" {
 #endif // __cplusplus
 
-// Writes `EP_API_VERSION` of the loaded library to `*version`.
+// Writes `EP_API_VERSION` of the loaded library to `*version`. `version`
+// is required.
 ep_status_t ep_get_version(uint32_t *version);
 
 // A static, human-readable name of a status code. Never NULL.
@@ -449,13 +510,19 @@ const char *ep_get_error_string(ep_status_t status);
 // this thread; never NULL.
 const char *ep_get_last_error(void);
 
-// Fills `*config` with the defaults and its header.
+// Fills `*config` with the defaults and its header. `config` is required.
 ep_status_t ep_config_init(struct ep_config_t *config);
 
 // Makes a new unique id and starts its rendezvous service: a background
 // thread of the calling process, which must stay alive until every rank's
 // `ep_ctx_create` has returned. Call it on one rank and send the id to the
-// others. Thread-safe.
+// others. Thread-safe. An id serves one group: the service ends when the
+// group has formed, when an `ep_ctx_create` with this id fails in this
+// process (the ranks that joined are then refused with `EP_ERR_REMOTE`;
+// make a new id to try again), when a joined rank's `timeout_ms` runs out,
+// or 600 s after it started if no rank ever joins.
+//
+// Pointers: `id` is required.
 ep_status_t ep_get_unique_id(struct ep_unique_id_t *id);
 
 // Creates the context of rank `rank` of `world_size`, on CUDA device
@@ -464,7 +531,10 @@ ep_status_t ep_get_unique_id(struct ep_unique_id_t *id);
 // `EP_ERR_TIMEOUT` after `config->timeout_ms`. Every rank must pass the same
 // config. On the GPU backend, works on the device's primary context and
 // leaves the calling thread's current context as it was. Thread-safe for
-// distinct contexts.
+// distinct contexts. On failure `*ctx` is NULL, and if this process runs the
+// id's rendezvous service, it stops (see `ep_get_unique_id`).
+//
+// Pointers: `ctx` and `config` are required.
 ep_status_t ep_ctx_create(struct ep_ctx_t **ctx,
                           int32_t world_size,
                           struct ep_unique_id_t id,
@@ -491,28 +561,49 @@ ep_status_t ep_ctx_create(struct ep_ctx_t **ctx,
 // network kernels were compiled against (2.28.9): another is refused with
 // `EP_ERR_UNSUPPORTED` and a message naming both. `config->backend` must be
 // `EP_BACKEND_GPU` or `EP_BACKEND_AUTO` (which then means the GPU);
-// `ranks_per_node` 0 makes every LSA team a node.
+// `ranks_per_node` 0 makes every LSA team a node. On failure `*ctx` is
+// NULL.
+//
+// Pointers: `comm`, `config` and `ctx` are required.
 ep_status_t ep_ctx_create_from_nccl(struct ncclComm *comm,
                                     const struct ep_config_t *config,
                                     struct ep_ctx_t **ctx);
 
 // Frees a context and its buffers. The caller makes sure no work that uses
-// them is still running (synchronize its streams first). NULL is a no-op.
+// them is still running (synchronize its streams first). Destroying is
+// the only way out of a context that failed for good (see
+// `ep_ctx_get_async_error`). `ctx` may be NULL (then nothing happens).
 ep_status_t ep_ctx_destroy(struct ep_ctx_t *ctx);
 
 // Makes every waiting call and in-flight kernel of this context give up:
 // they end with `EP_ERR_ABORTED`, and so does every later call. Any thread,
-// any time; the context must still be destroyed.
+// any time; the context must still be destroyed. `ctx` is required.
 ep_status_t ep_ctx_abort(struct ep_ctx_t *ctx);
 
-// Writes to `*status` the error raised by enqueued work, such as a
-// device-side timeout (`EP_ERR_TIMEOUT`; `ep_get_last_error` then names the
-// rank and phase that stalled), or `EP_SUCCESS`. Any thread, any time.
+// Writes to `*status` the error that ended this context, or `EP_SUCCESS`:
+// an error raised by enqueued work, such as a device-side timeout
+// (`EP_ERR_TIMEOUT`; `ep_get_last_error` then names the rank and phase that
+// stalled), a collective of the host backend that lost or waited too long
+// for a peer, or `EP_ERR_ABORTED` after `ep_ctx_abort`. Any thread, any
+// time.
+//
+// Such an error is final: the context then refuses every operation,
+// `ep_handle_create` and `ep_ll_get_combine_buffer` with the same status,
+// until it is destroyed. What to do: synchronize the streams the context
+// used (on the GPU, a kernel that gave up has exited), destroy the context
+// and its handles, and create new contexts on every rank with a new unique
+// id. Peers that are still in a collective call with this rank end in
+// `EP_ERR_TIMEOUT` after `timeout_ms` and must do the same.
+//
+// Pointers: `ctx` and `status` are required.
 ep_status_t ep_ctx_get_async_error(struct ep_ctx_t *ctx,
                                    ep_status_t *status);
 
 // Writes this context's rank, world size, local expert count and backend
-// (`EP_BACKEND_GPU` or `EP_BACKEND_HOST`); any output may be NULL.
+// (`EP_BACKEND_GPU` or `EP_BACKEND_HOST`).
+//
+// Pointers: `ctx` is required. `rank`, `world_size`, `num_local_experts`,
+// `backend`: may be NULL (then not written).
 ep_status_t ep_ctx_get_info(const struct ep_ctx_t *ctx,
                             int32_t *rank,
                             int32_t *world_size,
@@ -520,14 +611,19 @@ ep_status_t ep_ctx_get_info(const struct ep_ctx_t *ctx,
                             int32_t *backend);
 
 // Writes this context's node shape: ranks per node (as configured, or as
-// the hosts decided when the config said 0) and the number of nodes; any
-// output may be NULL. More than one node means the hierarchical modes run.
+// the hosts decided when the config said 0) and the number of nodes. More
+// than one node means the hierarchical modes run.
+//
+// Pointers: `ctx` is required; `ranks_per_node` and `num_nodes` may be NULL
+// (then that value is not written).
 ep_status_t ep_ctx_get_node_info(const struct ep_ctx_t *ctx,
                                  int32_t *ranks_per_node,
                                  int32_t *num_nodes);
 
 // Bytes of communication buffer one rank allocates for `config` with
 // `world_size` ranks, on the backend the config selects.
+//
+// Pointers: `config` and `bytes` are required.
 ep_status_t ep_get_buffer_size_hint(const struct ep_config_t *config,
                                     int32_t world_size,
                                     size_t *bytes);
@@ -536,8 +632,15 @@ ep_status_t ep_get_buffer_size_hint(const struct ep_config_t *config,
 // topk]`, -1 = no expert): tokens per rank (`[world_size]`), tokens per
 // expert (`[num_experts]`, counting (token, slot) pairs) and whether each
 // token goes to each rank (`[num_tokens, world_size]`, 0 or 1). An expert id
-// out of range is an error (on the GPU, reported by
-// `ep_ctx_get_async_error` and the next call), never used as an address.
+// out of range, or listed twice for one token, is an error (on the GPU,
+// reported by `ep_ctx_get_async_error` and the next call), never used as an
+// address. Not collective.
+//
+// Pointers: `ctx` is required. `topk_idx`: required when num_tokens > 0;
+// may be NULL otherwise (then nothing is read). `num_tokens_per_rank`:
+// required. `num_tokens_per_expert`: required. `is_token_in_rank`: required
+// when num_tokens > 0; may be NULL otherwise (then not written). `stream`:
+// may be NULL (the legacy default stream).
 ep_status_t ep_get_dispatch_layout(struct ep_ctx_t *ctx,
                                    const int32_t *topk_idx,
                                    int32_t num_tokens,
@@ -548,32 +651,38 @@ ep_status_t ep_get_dispatch_layout(struct ep_ctx_t *ctx,
 
 // Worst-case output rows of one normal-mode dispatch on this context: the
 // source-order rows (`recv_capacity`) and the expert-major rows with the
-// given alignment (`expert_capacity`). Either output may be NULL.
+// given alignment (`expert_capacity`). `expert_alignment` takes the values
+// `ep_dispatch` takes (0 means 1, at most 1024).
+//
+// Pointers: `ctx` is required. `recv_rows`, `expert_rows`: may be NULL
+// (then not written).
 ep_status_t ep_get_dispatch_capacity(const struct ep_ctx_t *ctx,
                                      int32_t expert_alignment,
                                      int32_t *recv_rows,
                                      int32_t *expert_rows);
 
-// Fills `*args` with the defaults (no outputs, BF16) and its header.
+// Fills `*args` with the defaults (no outputs, BF16) and its header. `args` is required.
 ep_status_t ep_dispatch_args_init(struct ep_dispatch_args_t *args);
 
-// Fills `*args` with the defaults (source order) and its header.
+// Fills `*args` with the defaults (source order) and its header. `args` is required.
 ep_status_t ep_combine_args_init(struct ep_combine_args_t *args);
 
-// Fills `*args` with the defaults (FP8 output, both phases) and its header.
+// Fills `*args` with the defaults (FP8 output, both phases) and its header. `args` is required.
 ep_status_t ep_ll_dispatch_args_init(struct ep_ll_dispatch_args_t *args);
 
-// Fills `*args` with the defaults (both phases) and its header.
+// Fills `*args` with the defaults (both phases) and its header. `args` is required.
 ep_status_t ep_ll_combine_args_init(struct ep_ll_combine_args_t *args);
 
-// Fills `*args` with the defaults and its header.
+// Fills `*args` with the defaults and its header. `args` is required.
 ep_status_t ep_mega_args_init(struct ep_mega_args_t *args);
 
 // Creates a routing handle for `ctx`; free it with `ep_handle_destroy`.
+// Pointers: `ctx` and `handle` are required.
 ep_status_t ep_handle_create(struct ep_ctx_t *ctx,
                              struct ep_handle_t **handle);
 
-// Frees a handle (no work using it may still be running). NULL is a no-op.
+// Frees a handle (no work using it may still be running). `handle` may be
+// NULL (then nothing happens).
 ep_status_t ep_handle_destroy(struct ep_handle_t *handle);
 
 // Normal-mode dispatch: sends this rank's tokens to the ranks of their
@@ -581,6 +690,10 @@ ep_status_t ep_handle_destroy(struct ep_handle_t *handle);
 // recording the layout in `handle` for `ep_combine`. Unless
 // `EP_DISPATCH_NO_HOST_SYNC`, waits for the counts and writes the `host_*`
 // outputs before returning. Every rank of the context must call it.
+//
+// Pointers: `ctx`, `args` and `handle` are required; `stream` may be NULL
+// (the legacy default stream). The pointers in `args` follow their fields'
+// rules.
 ep_status_t ep_dispatch(struct ep_ctx_t *ctx,
                         const struct ep_dispatch_args_t *args,
                         struct ep_handle_t *handle,
@@ -588,7 +701,13 @@ ep_status_t ep_dispatch(struct ep_ctx_t *ctx,
 
 // Normal-mode combine: returns rows to the ranks their tokens came from and
 // sums them per token (see `ep_combine_args_t`), using the layout in
-// `handle`. Every rank of the context must call it.
+// `handle`, whose dispatch must have produced the rows of `input_layout`
+// (else `EP_ERR_INVALID_ARGUMENT`). Every rank of the context must call it,
+// with handles of the same dispatch call.
+//
+// Pointers: `ctx`, `args` and `handle` are required; `stream` may be NULL
+// (the legacy default stream). The pointers in `args` follow their fields'
+// rules.
 ep_status_t ep_combine(struct ep_ctx_t *ctx,
                        const struct ep_combine_args_t *args,
                        const struct ep_handle_t *handle,
@@ -603,6 +722,9 @@ ep_status_t ep_combine(struct ep_ctx_t *ctx,
 // The context's calls must run on the GPU in the order they are made (one
 // stream, or streams ordered by events): a call acknowledges to the peers
 // that the previous one has finished reading their data.
+//
+// Pointers: `ctx` and `args` are required; `stream` may be NULL (the legacy
+// default stream). The pointers in `args` follow their fields' rules.
 //
 // Calls in flight: dispatch and combine each alternate between two buffer
 // sets of the context. Any number of calls may be enqueued. A rank's call
@@ -620,7 +742,12 @@ ep_status_t ep_ll_dispatch(struct ep_ctx_t *ctx,
 // from and writes the weighted sums (see `ep_ll_combine_args_t`). Same phase
 // rules as `ep_ll_dispatch`. Every rank of the context must call it. It
 // combines the context's most recent low-latency dispatch: call the two in
-// pairs (dispatch, combine, dispatch, combine).
+// pairs (dispatch, combine, dispatch, combine), with the dispatch's
+// `num_tokens` and `topk_idx` (else `EP_ERR_INVALID_ARGUMENT`; the host
+// backend compares `topk_idx`, the GPU backend trusts it).
+//
+// Pointers: `ctx` and `args` are required; `stream` may be NULL (the legacy
+// default stream). The pointers in `args` follow their fields' rules.
 ep_status_t ep_ll_combine(struct ep_ctx_t *ctx,
                           const struct ep_ll_combine_args_t *args,
                           ep_stream_t stream);
@@ -629,12 +756,19 @@ ep_status_t ep_ll_combine(struct ep_ctx_t *ctx,
 // hidden]` BF16 (`*bytes` long): expert outputs written there in the masked
 // layout need no copy when combined with `EP_LL_ZERO_COPY`. Owned by the
 // context; valid until it is destroyed; written by the next `ep_ll_combine`.
+//
+// Pointers: `ctx` and `buffer` are required; `bytes` may be NULL (then not
+// written).
 ep_status_t ep_ll_get_combine_buffer(struct ep_ctx_t *ctx,
                                      void **buffer,
                                      size_t *bytes);
 
 // Fused dispatch + grouped GEMM (see `ep_mega_args_t`). Returns
 // `EP_ERR_UNSUPPORTED` in this release, after checking its arguments.
+//
+// Pointers: `ctx`, `args` and `handle` are required; `stream` may be NULL
+// (the legacy default stream). The pointers in `args` follow their fields'
+// rules (the dispatch half as for `ep_dispatch`).
 ep_status_t ep_mega_dispatch_gemm(struct ep_ctx_t *ctx,
                                   const struct ep_mega_args_t *args,
                                   struct ep_handle_t *handle,
@@ -642,6 +776,10 @@ ep_status_t ep_mega_dispatch_gemm(struct ep_ctx_t *ctx,
 
 // Fused grouped GEMM + combine (see `ep_mega_args_t`). Returns
 // `EP_ERR_UNSUPPORTED` in this release, after checking its arguments.
+//
+// Pointers: `ctx`, `args` and `handle` are required; `stream` may be NULL
+// (the legacy default stream). The pointers in `args` follow their fields'
+// rules (the combine half's `x` and `out` are required).
 ep_status_t ep_mega_gemm_combine(struct ep_ctx_t *ctx,
                                  const struct ep_mega_args_t *args,
                                  const struct ep_handle_t *handle,

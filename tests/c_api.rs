@@ -337,6 +337,9 @@ fn null_pointers_of_context_functions() {
         b.expert_x = o.ex_x.as_mut_ptr() as *mut _;
         expect_null(dispatch(&ctx, &b, &h), "ep_dispatch", "expert_x_scales");
         b.expert_x_scales = o.ex_scales.as_mut_ptr();
+        expect_null(dispatch(&ctx, &b, &h), "ep_dispatch", "expert_offsets");
+        let mut offsets = [0i32; 5];
+        b.expert_offsets = offsets.as_mut_ptr();
         assert_eq!(dispatch(&ctx, &b, &h), EP_SUCCESS, "{}", last_error());
         // Zero tokens need no input pointers.
         let mut b = a;
@@ -502,24 +505,14 @@ fn null_pointers_of_low_latency_functions() {
             "ep_ll_dispatch",
             "low-latency dispatch args",
         );
-        for field in [
-            "x",
-            "topk_idx",
-            "recv_x",
-            "recv_x_scales",
-            "recv_count",
-            "recv_src_info",
-            "recv_layout_range",
-        ] {
+        for field in ["x", "topk_idx", "recv_x", "recv_x_scales", "recv_count"] {
             let mut a = d;
             match field {
                 "x" => a.x = null(),
                 "topk_idx" => a.topk_idx = null(),
                 "recv_x" => a.recv_x = null_mut(),
                 "recv_x_scales" => a.recv_x_scales = null_mut(),
-                "recv_count" => a.recv_count = null_mut(),
-                "recv_src_info" => a.recv_src_info = null_mut(),
-                _ => a.recv_layout_range = null_mut(),
+                _ => a.recv_count = null_mut(),
             }
             expect_null(lld(&a), "ep_ll_dispatch", field);
         }
@@ -539,12 +532,10 @@ fn null_pointers_of_low_latency_functions() {
             "ep_ll_combine",
             "low-latency combine args",
         );
-        for field in ["x", "src_info", "layout_range", "topk_idx", "out"] {
+        for field in ["x", "topk_idx", "out"] {
             let mut a = c;
             match field {
                 "x" => a.x = null(),
-                "src_info" => a.src_info = null(),
-                "layout_range" => a.layout_range = null(),
                 "topk_idx" => a.topk_idx = null(),
                 _ => a.out = null_mut(),
             }
@@ -925,7 +916,9 @@ fn dispatch_arguments_are_checked() {
     let h = ctx.handle();
     let t = tokens(3);
     let mut o = outs(8);
-    let a = args_for(&t, &mut o);
+    let mut offsets = [0i32; 5];
+    let mut a = args_for(&t, &mut o);
+    a.expert_offsets = offsets.as_mut_ptr();
     let bad = |f: &dyn Fn(&mut ep_dispatch_args_t), needles: &[&str]| {
         let mut b = a;
         f(&mut b);
@@ -946,12 +939,13 @@ fn dispatch_arguments_are_checked() {
     bad(&|b| b.topk_idx = idx.as_ptr(), &["topk_idx[2][0] = -2"]);
     bad(&|b| b.dtype = 3, &["dtype = 3", "EP_DTYPE_"]);
     bad(&|b| b.flags = 0x40, &["unknown dispatch flags 0x40"]);
-    bad(
-        &|b| {
-            b.recv_x = null_mut();
-            b.expert_x = null_mut()
-        },
-        &["no output requested"],
+    let mut b = a;
+    b.recv_x = null_mut();
+    expect(
+        dispatch(&ctx, &b, &h),
+        EP_ERR_NULL_POINTER,
+        "ep_dispatch",
+        &["`recv_x` is NULL (required when `expert_x` is NULL)"],
     );
     bad(
         &|b| {
@@ -1276,6 +1270,7 @@ fn low_latency_arguments_are_checked() {
             "ep_ll_dispatch",
             &["device_num_tokens", "not 4-byte aligned"],
         );
+        assert_eq!(lld(&d), EP_SUCCESS, "{}", last_error());
         let mut a = c;
         a.device_num_tokens = (counts.as_ptr() as *const u8).add(2) as *const i32;
         expect(
@@ -1414,12 +1409,7 @@ fn low_latency_arguments_are_checked() {
         assert_eq!(lld(&d), EP_SUCCESS, "{}", last_error());
         let mut a = c;
         a.topk_weights = null();
-        expect(
-            llc(&a),
-            EP_ERR_INVALID_ARGUMENT,
-            "ep_ll_combine",
-            &["topk_weights is NULL"],
-        );
+        expect_null(llc(&a), "ep_ll_combine", "topk_weights");
     }
 }
 
@@ -1428,8 +1418,28 @@ fn megakernels_are_unsupported_after_argument_checks() {
     let ctx = Ctx::single(&small_config());
     let h = ctx.handle();
     let mut m = mega_args();
+    // Default halves lack their required pointers.
+    expect_null(
+        unsafe { ep_mega_dispatch_gemm(ctx.0, &m, h.0, null_mut()) },
+        "ep_mega_dispatch_gemm",
+        "recv_x",
+    );
+    let (mut rows, mut offsets, mut io) = (vec![0u16; 64 * 128], [0i32; 5], vec![0u16; 64]);
+    let y = vec![0u16; 64 * 128];
+    m.dispatch.expert_x = rows.as_mut_ptr() as *mut _;
+    m.dispatch.expert_capacity = 64;
+    m.dispatch.expert_offsets = offsets.as_mut_ptr();
+    m.combine.x = y.as_ptr() as *const _;
+    m.combine.out = rows.as_mut_ptr() as *mut _;
+    m.weights = y.as_ptr() as *const _;
+    expect_null(
+        unsafe { ep_mega_dispatch_gemm(ctx.0, &m, h.0, null_mut()) },
+        "ep_mega_dispatch_gemm",
+        "gemm_io",
+    );
+    m.gemm_io = io.as_mut_ptr() as *mut _;
     unsafe {
-        // Default (well-formed) halves: the release reports it is unsupported.
+        // Well-formed arguments: the release reports it is unsupported.
         let status = ep_mega_dispatch_gemm(ctx.0, &m, h.0, null_mut());
         expect(
             status,

@@ -10,7 +10,8 @@ use crate::runtime::context::Context;
 use crate::runtime::{gpu, host};
 use std::ffi::c_char;
 
-/// Writes `EP_API_VERSION` of the loaded library to `*version`.
+/// Writes `EP_API_VERSION` of the loaded library to `*version`. `version`
+/// is required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_get_version(version: *mut u32) -> ep_status_t {
     run("ep_get_version", || {
@@ -48,7 +49,7 @@ pub extern "C" fn ep_get_last_error() -> *const c_char {
     last_error_ptr()
 }
 
-/// Fills `*config` with the defaults and its header.
+/// Fills `*config` with the defaults and its header. `config` is required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_config_init(config: *mut ep_config_t) -> ep_status_t {
     run("ep_config_init", || init_versioned(config))
@@ -57,7 +58,13 @@ pub unsafe extern "C" fn ep_config_init(config: *mut ep_config_t) -> ep_status_t
 /// Makes a new unique id and starts its rendezvous service: a background
 /// thread of the calling process, which must stay alive until every rank's
 /// `ep_ctx_create` has returned. Call it on one rank and send the id to the
-/// others. Thread-safe.
+/// others. Thread-safe. An id serves one group: the service ends when the
+/// group has formed, when an `ep_ctx_create` with this id fails in this
+/// process (the ranks that joined are then refused with `EP_ERR_REMOTE`;
+/// make a new id to try again), when a joined rank's `timeout_ms` runs out,
+/// or 600 s after it started if no rank ever joins.
+///
+/// Pointers: `id` is required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_get_unique_id(id: *mut ep_unique_id_t) -> ep_status_t {
     run("ep_get_unique_id", || {
@@ -132,7 +139,10 @@ fn request_of(c: &ep_config_t, world: i32, rank: i32, device: i32) -> Result<Con
 /// `EP_ERR_TIMEOUT` after `config->timeout_ms`. Every rank must pass the same
 /// config. On the GPU backend, works on the device's primary context and
 /// leaves the calling thread's current context as it was. Thread-safe for
-/// distinct contexts.
+/// distinct contexts. On failure `*ctx` is NULL, and if this process runs the
+/// id's rendezvous service, it stops (see `ep_get_unique_id`).
+///
+/// Pointers: `ctx` and `config` are required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_ctx_create(
     ctx: *mut *mut ep_ctx_t,
@@ -143,14 +153,25 @@ pub unsafe extern "C" fn ep_ctx_create(
     config: *const ep_config_t,
 ) -> ep_status_t {
     run("ep_ctx_create", || {
-        if ctx.is_null() {
-            return Err(Error::null("ctx"));
+        let created = deref(ctx as *const *mut ep_ctx_t, "ctx")
+            .and_then(|_| config_of(config, world_size, rank, device))
+            .and_then(|cfg| Context::create(cfg, &id.internal));
+        match created {
+            Ok(inner) => {
+                *ctx = Box::into_raw(Box::new(ep_ctx_t { inner }));
+                Ok(())
+            }
+            Err(err) => {
+                // The group cannot form without this rank: stop the
+                // rendezvous root if this process runs it.
+                let reason = format!("rank {rank}'s ep_ctx_create failed: {}", err.message);
+                bootstrap::release_unique_id(&id.internal, &reason);
+                if !ctx.is_null() {
+                    *ctx = std::ptr::null_mut();
+                }
+                Err(err)
+            }
         }
-        *ctx = std::ptr::null_mut();
-        let cfg = config_of(config, world_size, rank, device)?;
-        let inner = Context::create(cfg, &id.internal)?;
-        *ctx = Box::into_raw(Box::new(ep_ctx_t { inner }));
-        Ok(())
     })
 }
 
@@ -173,7 +194,10 @@ pub unsafe extern "C" fn ep_ctx_create(
 /// network kernels were compiled against (2.28.9): another is refused with
 /// `EP_ERR_UNSUPPORTED` and a message naming both. `config->backend` must be
 /// `EP_BACKEND_GPU` or `EP_BACKEND_AUTO` (which then means the GPU);
-/// `ranks_per_node` 0 makes every LSA team a node.
+/// `ranks_per_node` 0 makes every LSA team a node. On failure `*ctx` is
+/// NULL.
+///
+/// Pointers: `comm`, `config` and `ctx` are required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_ctx_create_from_nccl(
     comm: *mut ncclComm,
@@ -207,7 +231,9 @@ pub unsafe extern "C" fn ep_ctx_create_from_nccl(
 }
 
 /// Frees a context and its buffers. The caller makes sure no work that uses
-/// them is still running (synchronize its streams first). NULL is a no-op.
+/// them is still running (synchronize its streams first). Destroying is
+/// the only way out of a context that failed for good (see
+/// `ep_ctx_get_async_error`). `ctx` may be NULL (then nothing happens).
 #[no_mangle]
 pub unsafe extern "C" fn ep_ctx_destroy(ctx: *mut ep_ctx_t) -> ep_status_t {
     run("ep_ctx_destroy", || {
@@ -220,7 +246,7 @@ pub unsafe extern "C" fn ep_ctx_destroy(ctx: *mut ep_ctx_t) -> ep_status_t {
 
 /// Makes every waiting call and in-flight kernel of this context give up:
 /// they end with `EP_ERR_ABORTED`, and so does every later call. Any thread,
-/// any time; the context must still be destroyed.
+/// any time; the context must still be destroyed. `ctx` is required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_ctx_abort(ctx: *mut ep_ctx_t) -> ep_status_t {
     run("ep_ctx_abort", || {
@@ -229,9 +255,22 @@ pub unsafe extern "C" fn ep_ctx_abort(ctx: *mut ep_ctx_t) -> ep_status_t {
     })
 }
 
-/// Writes to `*status` the error raised by enqueued work, such as a
-/// device-side timeout (`EP_ERR_TIMEOUT`; `ep_get_last_error` then names the
-/// rank and phase that stalled), or `EP_SUCCESS`. Any thread, any time.
+/// Writes to `*status` the error that ended this context, or `EP_SUCCESS`:
+/// an error raised by enqueued work, such as a device-side timeout
+/// (`EP_ERR_TIMEOUT`; `ep_get_last_error` then names the rank and phase that
+/// stalled), a collective of the host backend that lost or waited too long
+/// for a peer, or `EP_ERR_ABORTED` after `ep_ctx_abort`. Any thread, any
+/// time.
+///
+/// Such an error is final: the context then refuses every operation,
+/// `ep_handle_create` and `ep_ll_get_combine_buffer` with the same status,
+/// until it is destroyed. What to do: synchronize the streams the context
+/// used (on the GPU, a kernel that gave up has exited), destroy the context
+/// and its handles, and create new contexts on every rank with a new unique
+/// id. Peers that are still in a collective call with this rank end in
+/// `EP_ERR_TIMEOUT` after `timeout_ms` and must do the same.
+///
+/// Pointers: `ctx` and `status` are required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_ctx_get_async_error(
     ctx: *mut ep_ctx_t,
@@ -246,7 +285,10 @@ pub unsafe extern "C" fn ep_ctx_get_async_error(
 }
 
 /// Writes this context's rank, world size, local expert count and backend
-/// (`EP_BACKEND_GPU` or `EP_BACKEND_HOST`); any output may be NULL.
+/// (`EP_BACKEND_GPU` or `EP_BACKEND_HOST`).
+///
+/// Pointers: `ctx` is required. `rank`, `world_size`, `num_local_experts`,
+/// `backend`: may be NULL (then not written).
 #[no_mangle]
 pub unsafe extern "C" fn ep_ctx_get_info(
     ctx: *const ep_ctx_t,
@@ -277,8 +319,11 @@ pub unsafe extern "C" fn ep_ctx_get_info(
 }
 
 /// Writes this context's node shape: ranks per node (as configured, or as
-/// the hosts decided when the config said 0) and the number of nodes; any
-/// output may be NULL. More than one node means the hierarchical modes run.
+/// the hosts decided when the config said 0) and the number of nodes. More
+/// than one node means the hierarchical modes run.
+///
+/// Pointers: `ctx` is required; `ranks_per_node` and `num_nodes` may be NULL
+/// (then that value is not written).
 #[no_mangle]
 pub unsafe extern "C" fn ep_ctx_get_node_info(
     ctx: *const ep_ctx_t,
@@ -299,6 +344,8 @@ pub unsafe extern "C" fn ep_ctx_get_node_info(
 
 /// Bytes of communication buffer one rank allocates for `config` with
 /// `world_size` ranks, on the backend the config selects.
+///
+/// Pointers: `config` and `bytes` are required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_get_buffer_size_hint(
     config: *const ep_config_t,

@@ -7,10 +7,10 @@ use super::entry::{check_embedded, deref, read_versioned, run};
 use super::types::*;
 use crate::error::{Error, Result};
 use crate::reference::normal::worst_case_rows;
-use crate::runtime::context::Context;
+use crate::runtime::context::{Context, MegaHalf};
 use crate::runtime::ops::{
-    CombineOp, DispatchOp, ExpertMajorOut, LayoutOp, LlCombineOp, LlDispatchOp, Phases,
-    SourceOrderOut,
+    expert_alignment, CombineOp, DispatchOp, ExpertMajorOut, LayoutOp, LlCombineOp, LlDispatchOp,
+    MegaOp, Phases, SourceOrderOut,
 };
 use std::os::raw::c_void;
 
@@ -26,8 +26,15 @@ fn count(name: &str, value: i32) -> Result<usize> {
 /// topk]`, -1 = no expert): tokens per rank (`[world_size]`), tokens per
 /// expert (`[num_experts]`, counting (token, slot) pairs) and whether each
 /// token goes to each rank (`[num_tokens, world_size]`, 0 or 1). An expert id
-/// out of range is an error (on the GPU, reported by
-/// `ep_ctx_get_async_error` and the next call), never used as an address.
+/// out of range, or listed twice for one token, is an error (on the GPU,
+/// reported by `ep_ctx_get_async_error` and the next call), never used as an
+/// address. Not collective.
+///
+/// Pointers: `ctx` is required. `topk_idx`: required when num_tokens > 0;
+/// may be NULL otherwise (then nothing is read). `num_tokens_per_rank`:
+/// required. `num_tokens_per_expert`: required. `is_token_in_rank`: required
+/// when num_tokens > 0; may be NULL otherwise (then not written). `stream`:
+/// may be NULL (the legacy default stream).
 #[no_mangle]
 pub unsafe extern "C" fn ep_get_dispatch_layout(
     ctx: *mut ep_ctx_t,
@@ -40,17 +47,24 @@ pub unsafe extern "C" fn ep_get_dispatch_layout(
 ) -> ep_status_t {
     run("ep_get_dispatch_layout", || {
         let context = context(ctx)?;
-        let mut op = LayoutOp::new(context.config(), count("num_tokens", num_tokens)?, topk_idx)?;
-        op.tokens_per_rank = num_tokens_per_rank;
-        op.tokens_per_expert = num_tokens_per_expert;
-        op.is_token_in_rank = is_token_in_rank;
+        let op = LayoutOp {
+            num_tokens: count("num_tokens", num_tokens)?,
+            topk_idx,
+            tokens_per_rank: num_tokens_per_rank,
+            tokens_per_expert: num_tokens_per_expert,
+            is_token_in_rank,
+        };
         context.layout(&op, stream as *mut c_void)
     })
 }
 
 /// Worst-case output rows of one normal-mode dispatch on this context: the
 /// source-order rows (`recv_capacity`) and the expert-major rows with the
-/// given alignment (`expert_capacity`). Either output may be NULL.
+/// given alignment (`expert_capacity`). `expert_alignment` takes the values
+/// `ep_dispatch` takes (0 means 1, at most 1024).
+///
+/// Pointers: `ctx` is required. `recv_rows`, `expert_rows`: may be NULL
+/// (then not written).
 #[no_mangle]
 pub unsafe extern "C" fn ep_get_dispatch_capacity(
     ctx: *const ep_ctx_t,
@@ -60,7 +74,7 @@ pub unsafe extern "C" fn ep_get_dispatch_capacity(
 ) -> ep_status_t {
     run("ep_get_dispatch_capacity", || {
         let cfg = context(ctx)?.config();
-        let alignment = count("expert_alignment", expert_alignment)?.max(1);
+        let alignment = crate::runtime::ops::expert_alignment(expert_alignment)?;
         let (recv, expert) = worst_case_rows(cfg.topo, cfg.max_tokens, alignment);
         let fits = |rows: usize| {
             i32::try_from(rows).map_err(|_| Error::invalid("capacity exceeds INT32_MAX rows"))
@@ -75,7 +89,7 @@ pub unsafe extern "C" fn ep_get_dispatch_capacity(
     })
 }
 
-/// Fills `*args` with the defaults (no outputs, BF16) and its header.
+/// Fills `*args` with the defaults (no outputs, BF16) and its header. `args` is required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_dispatch_args_init(args: *mut ep_dispatch_args_t) -> ep_status_t {
     run("ep_dispatch_args_init", || {
@@ -83,7 +97,7 @@ pub unsafe extern "C" fn ep_dispatch_args_init(args: *mut ep_dispatch_args_t) ->
     })
 }
 
-/// Fills `*args` with the defaults (source order) and its header.
+/// Fills `*args` with the defaults (source order) and its header. `args` is required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_combine_args_init(args: *mut ep_combine_args_t) -> ep_status_t {
     run("ep_combine_args_init", || {
@@ -91,7 +105,7 @@ pub unsafe extern "C" fn ep_combine_args_init(args: *mut ep_combine_args_t) -> e
     })
 }
 
-/// Fills `*args` with the defaults (FP8 output, both phases) and its header.
+/// Fills `*args` with the defaults (FP8 output, both phases) and its header. `args` is required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_ll_dispatch_args_init(args: *mut ep_ll_dispatch_args_t) -> ep_status_t {
     run("ep_ll_dispatch_args_init", || {
@@ -99,7 +113,7 @@ pub unsafe extern "C" fn ep_ll_dispatch_args_init(args: *mut ep_ll_dispatch_args
     })
 }
 
-/// Fills `*args` with the defaults (both phases) and its header.
+/// Fills `*args` with the defaults (both phases) and its header. `args` is required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_ll_combine_args_init(args: *mut ep_ll_combine_args_t) -> ep_status_t {
     run("ep_ll_combine_args_init", || {
@@ -107,13 +121,14 @@ pub unsafe extern "C" fn ep_ll_combine_args_init(args: *mut ep_ll_combine_args_t
     })
 }
 
-/// Fills `*args` with the defaults and its header.
+/// Fills `*args` with the defaults and its header. `args` is required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_mega_args_init(args: *mut ep_mega_args_t) -> ep_status_t {
     run("ep_mega_args_init", || super::entry::init_versioned(args))
 }
 
 /// Creates a routing handle for `ctx`; free it with `ep_handle_destroy`.
+/// Pointers: `ctx` and `handle` are required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_handle_create(
     ctx: *mut ep_ctx_t,
@@ -130,7 +145,8 @@ pub unsafe extern "C" fn ep_handle_create(
     })
 }
 
-/// Frees a handle (no work using it may still be running). NULL is a no-op.
+/// Frees a handle (no work using it may still be running). `handle` may be
+/// NULL (then nothing happens).
 #[no_mangle]
 pub unsafe extern "C" fn ep_handle_destroy(handle: *mut ep_handle_t) -> ep_status_t {
     run("ep_handle_destroy", || {
@@ -161,11 +177,12 @@ fn dispatch_op(a: &ep_dispatch_args_t) -> Result<DispatchOp> {
             })
         })
         .transpose()?;
+    let alignment = expert_alignment(a.expert_alignment)?;
     let expert = (!a.expert_x.is_null())
         .then(|| -> Result<ExpertMajorOut> {
             Ok(ExpertMajorOut {
                 capacity: count("expert_capacity", a.expert_capacity)?,
-                alignment: count("expert_alignment", a.expert_alignment)?.max(1),
+                alignment,
                 x: a.expert_x as *mut u8,
                 scales: a.expert_x_scales,
                 weights: a.expert_weights,
@@ -196,6 +213,10 @@ fn dispatch_op(a: &ep_dispatch_args_t) -> Result<DispatchOp> {
 /// recording the layout in `handle` for `ep_combine`. Unless
 /// `EP_DISPATCH_NO_HOST_SYNC`, waits for the counts and writes the `host_*`
 /// outputs before returning. Every rank of the context must call it.
+///
+/// Pointers: `ctx`, `args` and `handle` are required; `stream` may be NULL
+/// (the legacy default stream). The pointers in `args` follow their fields'
+/// rules.
 #[no_mangle]
 pub unsafe extern "C" fn ep_dispatch(
     ctx: *mut ep_ctx_t,
@@ -230,7 +251,13 @@ fn combine_op(a: &ep_combine_args_t) -> Result<CombineOp> {
 
 /// Normal-mode combine: returns rows to the ranks their tokens came from and
 /// sums them per token (see `ep_combine_args_t`), using the layout in
-/// `handle`. Every rank of the context must call it.
+/// `handle`, whose dispatch must have produced the rows of `input_layout`
+/// (else `EP_ERR_INVALID_ARGUMENT`). Every rank of the context must call it,
+/// with handles of the same dispatch call.
+///
+/// Pointers: `ctx`, `args` and `handle` are required; `stream` may be NULL
+/// (the legacy default stream). The pointers in `args` follow their fields'
+/// rules.
 #[no_mangle]
 pub unsafe extern "C" fn ep_combine(
     ctx: *mut ep_ctx_t,
@@ -265,6 +292,9 @@ fn check_ll_flags(flags: u32, allowed: u32) -> Result<Phases> {
 /// The context's calls must run on the GPU in the order they are made (one
 /// stream, or streams ordered by events): a call acknowledges to the peers
 /// that the previous one has finished reading their data.
+///
+/// Pointers: `ctx` and `args` are required; `stream` may be NULL (the legacy
+/// default stream). The pointers in `args` follow their fields' rules.
 ///
 /// Calls in flight: dispatch and combine each alternate between two buffer
 /// sets of the context. Any number of calls may be enqueued. A rank's call
@@ -310,7 +340,12 @@ pub unsafe extern "C" fn ep_ll_dispatch(
 /// from and writes the weighted sums (see `ep_ll_combine_args_t`). Same phase
 /// rules as `ep_ll_dispatch`. Every rank of the context must call it. It
 /// combines the context's most recent low-latency dispatch: call the two in
-/// pairs (dispatch, combine, dispatch, combine).
+/// pairs (dispatch, combine, dispatch, combine), with the dispatch's
+/// `num_tokens` and `topk_idx` (else `EP_ERR_INVALID_ARGUMENT`; the host
+/// backend compares `topk_idx`, the GPU backend trusts it).
+///
+/// Pointers: `ctx` and `args` are required; `stream` may be NULL (the legacy
+/// default stream). The pointers in `args` follow their fields' rules.
 #[no_mangle]
 pub unsafe extern "C" fn ep_ll_combine(
     ctx: *mut ep_ctx_t,
@@ -341,6 +376,9 @@ pub unsafe extern "C" fn ep_ll_combine(
 /// hidden]` BF16 (`*bytes` long): expert outputs written there in the masked
 /// layout need no copy when combined with `EP_LL_ZERO_COPY`. Owned by the
 /// context; valid until it is destroyed; written by the next `ep_ll_combine`.
+///
+/// Pointers: `ctx` and `buffer` are required; `bytes` may be NULL (then not
+/// written).
 #[no_mangle]
 pub unsafe extern "C" fn ep_ll_get_combine_buffer(
     ctx: *mut ep_ctx_t,
@@ -361,20 +399,24 @@ pub unsafe extern "C" fn ep_ll_get_combine_buffer(
     })
 }
 
-fn mega_unsupported(args: *const ep_mega_args_t) -> Result<()> {
-    // SAFETY: `read_versioned` reads only the bytes the header announces.
-    let a = unsafe { read_versioned(args)? };
+/// Reads the megakernels' arguments: both halves and their own pointers.
+unsafe fn mega_op(args: *const ep_mega_args_t) -> Result<(DispatchOp, CombineOp, MegaOp)> {
+    let a = read_versioned(args)?;
     check_embedded(&a.dispatch)?;
     check_embedded(&a.combine)?;
-    dispatch_op(&a.dispatch)?;
-    combine_op(&a.combine)?;
-    Err(Error::unsupported(
-        "the fused dispatch+GEMM and GEMM+combine kernels are not available in this release",
-    ))
+    let mega = MegaOp {
+        weights: a.weights as *const u8,
+        gemm_io: a.gemm_io as *mut u8,
+    };
+    Ok((dispatch_op(&a.dispatch)?, combine_op(&a.combine)?, mega))
 }
 
 /// Fused dispatch + grouped GEMM (see `ep_mega_args_t`). Returns
 /// `EP_ERR_UNSUPPORTED` in this release, after checking its arguments.
+///
+/// Pointers: `ctx`, `args` and `handle` are required; `stream` may be NULL
+/// (the legacy default stream). The pointers in `args` follow their fields'
+/// rules (the dispatch half as for `ep_dispatch`).
 #[no_mangle]
 pub unsafe extern "C" fn ep_mega_dispatch_gemm(
     ctx: *mut ep_ctx_t,
@@ -382,16 +424,21 @@ pub unsafe extern "C" fn ep_mega_dispatch_gemm(
     handle: *mut ep_handle_t,
     stream: ep_stream_t,
 ) -> ep_status_t {
-    let _ = stream;
     run("ep_mega_dispatch_gemm", || {
-        context(ctx)?;
-        deref(handle, "handle")?;
-        mega_unsupported(args)
+        let context = context(ctx)?;
+        let handle = deref(handle, "handle")?;
+        let (dispatch, _, mega) = mega_op(args)?;
+        let half = MegaHalf::Dispatch(&dispatch);
+        context.mega(half, &mega, &handle.inner, stream as *mut c_void)
     })
 }
 
 /// Fused grouped GEMM + combine (see `ep_mega_args_t`). Returns
 /// `EP_ERR_UNSUPPORTED` in this release, after checking its arguments.
+///
+/// Pointers: `ctx`, `args` and `handle` are required; `stream` may be NULL
+/// (the legacy default stream). The pointers in `args` follow their fields'
+/// rules (the combine half's `x` and `out` are required).
 #[no_mangle]
 pub unsafe extern "C" fn ep_mega_gemm_combine(
     ctx: *mut ep_ctx_t,
@@ -399,10 +446,11 @@ pub unsafe extern "C" fn ep_mega_gemm_combine(
     handle: *const ep_handle_t,
     stream: ep_stream_t,
 ) -> ep_status_t {
-    let _ = stream;
     run("ep_mega_gemm_combine", || {
-        context(ctx)?;
-        deref(handle, "handle")?;
-        mega_unsupported(args)
+        let context = context(ctx)?;
+        let handle = deref(handle, "handle")?;
+        let (_, combine, mega) = mega_op(args)?;
+        let half = MegaHalf::Combine(&combine);
+        context.mega(half, &mega, &handle.inner, stream as *mut c_void)
     })
 }

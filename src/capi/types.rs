@@ -13,11 +13,25 @@
 //! - Operations enqueue work on the caller's stream and return; outputs are
 //!   ready when the stream reaches that point. The host backend computes
 //!   synchronously and ignores the stream.
-//! - Dispatch and combine are collective: every rank of the context calls
-//!   them in the same order. A call that fails its argument checks returns
-//!   at once on its rank; the matching calls of the other ranks then end with
-//!   `EP_ERR_TIMEOUT` after `timeout_ms` (as a mismatched NCCL collective
-//!   would hang, but bounded).
+//! - Pointers: the doc of every pointer field and parameter says "Required."
+//!   or when it may be NULL and what NULL then means. A required pointer that
+//!   is NULL is `EP_ERR_NULL_POINTER`, naming it, before anything is
+//!   enqueued; a NULL that is allowed is honoured (nothing read or written
+//!   there). Every pointer must be aligned to its element (4 bytes for
+//!   `int32_t` and `float`, 2 for BF16 rows), else `EP_ERR_INVALID_ARGUMENT`.
+//! - Dispatch and combine (both modes) are collective: every rank of the
+//!   context makes the same collective calls in the same order. Each
+//!   context numbers its collective calls, and every exchange between ranks
+//!   carries the operation and the number, so ranks in different calls all
+//!   stop with `EP_ERR_REMOTE` (naming both calls) instead of mixing data. A
+//!   call that fails its argument checks returns at once on its rank and is
+//!   not made there (it takes no number and changes nothing): the peers'
+//!   matching calls pair with that rank's next collective call if it is the
+//!   same operation, end in `EP_ERR_REMOTE` if it is another, and in
+//!   `EP_ERR_TIMEOUT` after `timeout_ms` if it does not come.
+//! - A context whose enqueued work failed (`ep_ctx_get_async_error` is not
+//!   `EP_SUCCESS`) refuses every call until it is destroyed; see
+//!   `ep_ctx_get_async_error` for what to do.
 #![allow(non_camel_case_types)]
 
 use std::os::raw::c_void;
@@ -239,7 +253,10 @@ pub const EP_CONFIG_MIN_SIZE: u32 = 32;
 /// holds one row per (received token, local expert) pair, each local expert's
 /// rows contiguous (in source order), each expert's segment starting at a
 /// multiple of `expert_alignment`. Either output may be skipped by passing a
-/// NULL `recv_x` or `expert_x`.
+/// NULL `recv_x` or `expert_x`, not both. Within a requested output, only the
+/// rows (and their FP8 scales) and `expert_offsets` are required: the other
+/// arrays may be NULL, for callers that do not need them (the combine keeps
+/// its own copy of the routing in the handle).
 ///
 /// On the GPU backend `x`, `recv_x` and `expert_x` must be 16-byte aligned
 /// (rows move as 16-byte vectors; `cudaMalloc` memory is).
@@ -256,56 +273,79 @@ pub struct ep_dispatch_args_t {
     pub num_tokens: i32,
     /// `EP_DTYPE_BF16` or `EP_DTYPE_FP8_E4M3`.
     pub dtype: i32,
-    /// `[num_tokens, hidden]` tokens.
+    /// `[num_tokens, hidden]` tokens. Required when num_tokens > 0; may be
+    /// NULL otherwise (then nothing is read).
     pub x: *const c_void,
-    /// FP8 only: `[num_tokens, hidden / 128]` fp32 scales.
+    /// FP8 only: `[num_tokens, hidden / 128]` fp32 scales. Required when
+    /// dtype is FP8 and num_tokens > 0; may be NULL otherwise (then nothing
+    /// is read).
     pub x_scales: *const f32,
-    /// `[num_tokens, topk]` global expert ids; -1 means no expert.
+    /// `[num_tokens, topk]` global expert ids; -1 means no expert. Required
+    /// when num_tokens > 0; may be NULL otherwise (then nothing is read).
     pub topk_idx: *const i32,
-    /// `[num_tokens, topk]` routing weights.
+    /// `[num_tokens, topk]` routing weights. Required when num_tokens > 0;
+    /// may be NULL otherwise (then nothing is read).
     pub topk_weights: *const f32,
 
     /// Source-order output rows available (see `ep_get_dispatch_capacity`).
     pub recv_capacity: i32,
     /// Expert-major segment alignment in rows, 1 to 1024 (0 means 1).
     pub expert_alignment: i32,
-    /// `[recv_capacity, hidden]` received tokens; NULL skips the source-order
-    /// output (the other `recv_*` pointers are then ignored).
+    /// `[recv_capacity, hidden]` received tokens, the source-order output.
+    /// Required when `expert_x` is NULL; may be NULL otherwise (then no
+    /// source-order output; the other recv_* pointers are not used).
     pub recv_x: *mut c_void,
-    /// FP8 only: `[recv_capacity, hidden / 128]` scales.
+    /// FP8 only: `[recv_capacity, hidden / 128]` scales. Required when
+    /// `recv_x` is given and dtype is FP8; may be NULL otherwise (then not
+    /// written).
     pub recv_x_scales: *mut f32,
     /// `[recv_capacity, topk]` local expert ids (global id minus this rank's
     /// first expert), -1 for experts on other ranks and dropped entries.
+    /// May be NULL (then not written).
     pub recv_topk_idx: *mut i32,
-    /// `[recv_capacity, topk]` weights, 0 where `recv_topk_idx` is -1.
+    /// `[recv_capacity, topk]` weights, 0 where `recv_topk_idx` is -1. May be
+    /// NULL (then not written).
     pub recv_topk_weights: *mut f32,
     /// `[recv_capacity, 2]` (source rank, source token index) of each row.
+    /// May be NULL (then not written).
     pub recv_src_info: *mut i32,
-    /// Device scalar: number of source-order rows received. May be NULL.
+    /// Device scalar: number of source-order rows received. May be NULL
+    /// (then not written).
     pub recv_num_tokens: *mut i32,
 
     /// Expert-major output rows available (see `ep_get_dispatch_capacity`).
     pub expert_capacity: i32,
-    /// `[expert_capacity, hidden]` tokens in expert-major order; NULL skips
-    /// the expert-major output (the other `expert_*` pointers are ignored).
+    /// `[expert_capacity, hidden]` tokens in expert-major order, the
+    /// expert-major output. Required when `recv_x` is NULL; may be NULL
+    /// otherwise (then no expert-major output; the other expert_* pointers
+    /// are not used).
     pub expert_x: *mut c_void,
-    /// FP8 only: `[expert_capacity, hidden / 128]` scales.
+    /// FP8 only: `[expert_capacity, hidden / 128]` scales. Required when
+    /// `expert_x` is given and dtype is FP8; may be NULL otherwise (then not
+    /// written).
     pub expert_x_scales: *mut f32,
-    /// `[expert_capacity]` routing weight of each row; 0 in padding rows.
+    /// `[expert_capacity]` routing weight of each row; 0 in padding rows. May
+    /// be NULL (then not written).
     pub expert_weights: *mut f32,
     /// `[expert_capacity]` source-order row index of each row; -1 in padding.
+    /// May be NULL (then not written).
     pub expert_src_row: *mut i32,
     /// `[local_experts + 1]` padded start of each expert's segment; the last
-    /// entry is the total padded row count. Ready for a grouped GEMM.
+    /// entry is the total padded row count. Ready for a grouped GEMM, and the
+    /// only way to find the segments without a host synchronisation, hence
+    /// required with the output. Required when `expert_x` is given; may be NULL
+    /// otherwise (then not written).
     pub expert_offsets: *mut i32,
-    /// `[local_experts]` rows of each local expert, without padding.
+    /// `[local_experts]` rows of each local expert, without padding. May be
+    /// NULL (then not written).
     pub expert_counts: *mut i32,
 
     /// Host scalar, written before return unless `EP_DISPATCH_NO_HOST_SYNC`:
-    /// source-order rows received. May be NULL.
+    /// source-order rows received. May be NULL (then not written).
     pub host_recv_num_tokens: *mut i32,
     /// Host `[local_experts]`, written before return unless
-    /// `EP_DISPATCH_NO_HOST_SYNC`: rows per local expert. May be NULL.
+    /// `EP_DISPATCH_NO_HOST_SYNC`: rows per local expert. May be NULL (then
+    /// not written).
     pub host_expert_counts: *mut i32,
 }
 
@@ -336,9 +376,15 @@ pub struct ep_combine_args_t {
     pub input_layout: i32,
     /// BF16 rows in the order the handle's dispatch produced them: its
     /// source-order rows, or its expert-major rows (padding rows are ignored).
+    /// The dispatch must have produced that output. Required when the
+    /// handle's dispatch received rows for this layout or ran with
+    /// EP_DISPATCH_NO_HOST_SYNC; may be NULL otherwise (then nothing is
+    /// read).
     pub x: *const c_void,
     /// `[num_tokens, hidden]` BF16 output for this rank's tokens of the
-    /// dispatch; a token routed nowhere gets zeros.
+    /// dispatch; a token routed nowhere gets zeros. Here num_tokens is the
+    /// dispatch's. Required when num_tokens > 0; may be NULL otherwise (then
+    /// not written).
     pub out: *mut c_void,
 }
 
@@ -365,22 +411,35 @@ pub struct ep_ll_dispatch_args_t {
     pub num_tokens: i32,
     /// Output type: `EP_DTYPE_FP8_E4M3` (quantized online) or `EP_DTYPE_BF16`.
     pub out_dtype: i32,
-    /// `[num_tokens, hidden]` BF16 tokens.
+    /// `[num_tokens, hidden]` BF16 tokens. Required when the send phase runs
+    /// (no EP_LL_RECV_ONLY) and num_tokens > 0; may be NULL otherwise (then
+    /// nothing is read).
     pub x: *const c_void,
-    /// `[num_tokens, topk]` global expert ids; -1 means no expert.
+    /// `[num_tokens, topk]` global expert ids; -1 means no expert. Required
+    /// when the send phase runs (no EP_LL_RECV_ONLY) and num_tokens > 0; may
+    /// be NULL otherwise (then nothing is read).
     pub topk_idx: *const i32,
-    /// `[num_tokens, topk]` weights, or NULL. When given, `ep_ll_combine`
-    /// may omit its weights and reduces on the expert side.
+    /// `[num_tokens, topk]` weights. When given, `ep_ll_combine` may omit
+    /// its weights and reduces on the expert side. May be NULL (then the
+    /// matching ep_ll_combine must be given topk_weights).
     pub topk_weights: *const f32,
-    /// `[local_experts, W * M, hidden]` received tokens.
+    /// `[local_experts, W * M, hidden]` received tokens. Required when the
+    /// receive phase runs (no EP_LL_SEND_ONLY); may be NULL otherwise (then
+    /// not written).
     pub recv_x: *mut c_void,
     /// FP8 only: `[local_experts, W * M, hidden / 128]` fp32 scales.
+    /// Required when the receive phase runs (no EP_LL_SEND_ONLY) and
+    /// out_dtype is FP8; may be NULL otherwise (then not written).
     pub recv_x_scales: *mut f32,
-    /// `[local_experts]` valid rows per local expert.
+    /// `[local_experts]` valid rows per local expert. Required when the
+    /// receive phase runs (no EP_LL_SEND_ONLY); may be NULL otherwise (then
+    /// not written).
     pub recv_count: *mut i32,
-    /// `[local_experts, W * M]` source token index of each row.
+    /// `[local_experts, W * M]` source token index of each row. May be NULL
+    /// (then not written).
     pub recv_src_info: *mut i32,
     /// `[local_experts, W, 2]` (first row, row count) of each source rank.
+    /// May be NULL (then not written).
     pub recv_layout_range: *mut i32,
     /// Device scalar, or NULL. When given, the call reads its token count
     /// from it when it runs on the stream, and `num_tokens` is only the
@@ -389,7 +448,8 @@ pub struct ep_ll_dispatch_args_t {
     /// count outside `[0, num_tokens]` is `EP_ERR_INVALID_ARGUMENT`
     /// (reported by `ep_ctx_get_async_error` on the GPU backend): the call
     /// then sends no tokens, and the peers' matching calls may end in
-    /// `EP_ERR_TIMEOUT`, as after any failed call.
+    /// `EP_ERR_TIMEOUT`, as after any failed call. May be NULL (then
+    /// num_tokens is the token count).
     pub device_num_tokens: *const i32,
 }
 
@@ -407,26 +467,40 @@ pub struct ep_ll_combine_args_t {
     pub version: u32,
     /// `EP_LL_SEND_ONLY`, `EP_LL_RECV_ONLY`, `EP_LL_ZERO_COPY`.
     pub flags: u32,
-    /// Tokens of this rank in the matching dispatch (its bound when
-    /// `device_num_tokens` is given).
+    /// Tokens of this rank in the matching dispatch: its `num_tokens` (the
+    /// bound when `device_num_tokens` is given), else
+    /// `EP_ERR_INVALID_ARGUMENT`.
     pub num_tokens: i32,
     /// `[local_experts, W * M, hidden]` BF16 expert outputs in the masked
-    /// layout of the matching dispatch.
+    /// layout of the matching dispatch. Required when the send phase runs
+    /// (no EP_LL_RECV_ONLY) and EP_LL_ZERO_COPY is not set; may be NULL
+    /// otherwise (then nothing is read).
     pub x: *const c_void,
-    /// `[num_tokens, topk]` the dispatch's expert ids.
+    /// `[num_tokens, topk]` the dispatch's expert ids. Required when the
+    /// receive phase runs (no EP_LL_SEND_ONLY) and num_tokens > 0; may be
+    /// NULL otherwise (then nothing is read).
     pub topk_idx: *const i32,
-    /// `[num_tokens, topk]` weights; NULL when the dispatch was given them.
+    /// `[num_tokens, topk]` weights. Required when the matching
+    /// ep_ll_dispatch was given no topk_weights; may be NULL otherwise (then
+    /// the weights given to the dispatch apply). Every rank's dispatch must
+    /// then have had weights, else `EP_ERR_INVALID_ARGUMENT` on every rank.
+    /// A split call gives it to both halves or to neither.
     pub topk_weights: *const f32,
-    /// The dispatch's `recv_src_info`.
+    /// The dispatch's `recv_src_info`. Not used; may be NULL (the context
+    /// keeps the layout of its dispatch).
     pub src_info: *const i32,
-    /// The dispatch's `recv_layout_range`.
+    /// The dispatch's `recv_layout_range`. Not used; may be NULL (the context
+    /// keeps the layout of its dispatch).
     pub layout_range: *const i32,
-    /// `[num_tokens, hidden]` BF16 output.
+    /// `[num_tokens, hidden]` BF16 output. Required when the receive phase
+    /// runs (no EP_LL_SEND_ONLY) and num_tokens > 0; may be NULL otherwise
+    /// (then not written).
     pub out: *mut c_void,
-    /// Device scalar, or NULL: the token count read when the call runs, as
-    /// in `ep_ll_dispatch_args_t` (give the matching dispatch's). A count
+    /// Device scalar: the token count read when the call runs, as in
+    /// `ep_ll_dispatch_args_t` (give the matching dispatch's). A count
     /// outside `[0, num_tokens]` is `EP_ERR_INVALID_ARGUMENT`, and the call
-    /// then writes no tokens.
+    /// then writes no tokens. May be NULL (then num_tokens is the token
+    /// count).
     pub device_num_tokens: *const i32,
 }
 
@@ -450,7 +524,7 @@ pub struct ep_mega_args_t {
     /// (`ep_mega_gemm_combine`, which reads `input_layout`, `x` and `out`).
     pub dispatch: ep_dispatch_args_t,
     pub combine: ep_combine_args_t,
-    /// `[local_experts, k, n]` BF16 expert weights, row-major.
+    /// `[local_experts, k, n]` BF16 expert weights, row-major. Required.
     pub weights: *const c_void,
     /// GEMM output columns.
     pub n: i32,
@@ -458,6 +532,6 @@ pub struct ep_mega_args_t {
     /// size for GEMM+combine.
     pub k: i32,
     /// `[expert_capacity, n]` BF16 GEMM output (dispatch+GEMM), or the
-    /// `[expert rows, k]` BF16 activations (GEMM+combine).
+    /// `[expert rows, k]` BF16 activations (GEMM+combine). Required.
     pub gemm_io: *mut c_void,
 }

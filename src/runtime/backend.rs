@@ -1,7 +1,10 @@
 //! The interface both backends implement. The context validates every
-//! operation against the configuration before calling into a backend.
+//! operation (values, pointers, the order of calls) before calling into a
+//! backend, and numbers the collective calls (`super::sequence`).
 
-use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp};
+use super::contract::PointerCheck;
+use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, Received};
+use super::sequence::Call;
 use crate::error::Result;
 use std::any::Any;
 use std::os::raw::c_void;
@@ -12,14 +15,52 @@ pub type Stream = *mut c_void;
 /// A backend's private routing state, kept in an `ep_handle_t`.
 pub type HandleState = Box<dyn Any + Send>;
 
-pub trait Backend: Send {
+/// A collective operation whose caller's arrays a backend may check before
+/// the call is made ([`Backend::check_inputs`]).
+#[derive(Clone, Copy)]
+pub enum Inputs<'a> {
+    Dispatch(&'a DispatchOp, &'a HandleState),
+    LlDispatch(&'a LlDispatchOp),
+    LlCombine(&'a LlCombineOp),
+}
+
+/// A backend. Its [`PointerCheck`] says whether a pointer is memory it can
+/// use: the host backend accepts any pointer; the GPU backend wants device
+/// memory of its device for [`super::contract::Memory::Device`] fields.
+pub trait Backend: PointerCheck + Send {
+    /// Checks that this context may enqueue work on `stream` (the GPU
+    /// backend: a stream of its device, or NULL); the host backend ignores
+    /// streams.
+    fn check_stream(&self, stream: Stream) -> Result<()>;
+
+    /// Checks what only this backend can check of the caller's arrays, before
+    /// the call is made: nothing may be communicated or enqueued, and a
+    /// failure leaves the backend as it was. The host backend reads the
+    /// arrays (expert ids, routing against the dispatch's); the GPU backend
+    /// cannot, and reports such errors from the device.
+    fn check_inputs(&mut self, inputs: Inputs<'_>) -> Result<()>;
+
     fn layout(&mut self, op: &LayoutOp, stream: Stream) -> Result<()>;
     fn new_handle_state(&mut self) -> Result<HandleState>;
-    fn dispatch(&mut self, op: &DispatchOp, handle: &mut HandleState, stream: Stream)
-        -> Result<()>;
-    fn combine(&mut self, op: &CombineOp, handle: &HandleState, stream: Stream) -> Result<()>;
-    fn ll_dispatch(&mut self, op: &LlDispatchOp, stream: Stream) -> Result<()>;
-    fn ll_combine(&mut self, op: &LlCombineOp, stream: Stream) -> Result<()>;
+    /// Returns the rows received when the host learned them (after a host
+    /// synchronisation, or from the handle's earlier dispatch when the
+    /// layout is reused), else `None`.
+    fn dispatch(
+        &mut self,
+        call: Call,
+        op: &DispatchOp,
+        handle: &mut HandleState,
+        stream: Stream,
+    ) -> Result<Option<Received>>;
+    fn combine(
+        &mut self,
+        call: Call,
+        op: &CombineOp,
+        handle: &HandleState,
+        stream: Stream,
+    ) -> Result<()>;
+    fn ll_dispatch(&mut self, call: Call, op: &LlDispatchOp, stream: Stream) -> Result<()>;
+    fn ll_combine(&mut self, call: Call, op: &LlCombineOp, stream: Stream) -> Result<()>;
     /// The buffer a caller may fill with expert outputs in the masked layout
     /// and pass to `ll_combine` with `zero_copy`: (pointer, bytes).
     fn ll_combine_buffer(&mut self) -> Result<(*mut u8, usize)>;
@@ -28,8 +69,10 @@ pub trait Backend: Send {
 /// The part of a backend that any thread may use while another thread is
 /// inside an operation (which holds the backend's lock).
 pub trait Monitor: Send + Sync {
-    /// An error raised by enqueued work (a device-side timeout), or `Aborted`
-    /// after `abort`.
+    /// The error that ended this context's usefulness, or `Ok`: an error
+    /// raised by enqueued work (a device-side timeout), a collective that
+    /// failed on the host (a peer gone or silent), or `Aborted` after
+    /// `abort`. Once set it stays, and the context refuses every call.
     fn async_error(&self) -> Result<()>;
     /// Makes waiting host calls and in-flight kernels give up.
     fn abort(&self);

@@ -2,11 +2,26 @@
 //! dispatch produced, kept for the combine that follows it.
 
 use super::backend::HandleState;
+use super::ops::Received;
 
 pub struct Handle {
     /// The context that made it; a handle is valid with that context only.
     pub ctx_id: u64,
     /// Set by a successful dispatch; combine refuses a handle without one.
-    pub has_layout: bool,
+    pub dispatch: Option<DispatchRecord>,
     pub state: HandleState,
+}
+
+/// What the runtime knows of the dispatch a handle holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DispatchRecord {
+    /// Its call number (`super::sequence`): a combine carries it, so every
+    /// rank checks that its peers combine the same dispatch.
+    pub call: u64,
+    pub num_tokens: usize,
+    /// Which outputs it produced: a combine reads rows of one of them.
+    pub source_order: bool,
+    pub expert_major: bool,
+    /// The rows it received, when the host learned them.
+    pub received: Option<Received>,
 }

@@ -1,18 +1,14 @@
 //! Operations as the runtime sees them: plain values and raw pointers (device
-//! pointers on the GPU backend, host pointers on the host backend), checked
-//! against the configuration by `validate` before any backend runs them.
+//! pointers on the GPU backend, host pointers on the host backend). Each
+//! operation checks its values against the configuration (`validate`) and
+//! states the facts its pointer rules depend on (`facts`); the context checks
+//! its pointers against the contract (`super::contract`) before any backend
+//! runs it.
 
 use super::config::{Config, MAX_EXPERT_ALIGNMENT};
+use super::contract::Facts;
 use crate::error::{Error, Result};
 use crate::reference::{normal, Dtype};
-
-fn require<T>(ptr: *const T, name: &str) -> Result<()> {
-    if ptr.is_null() {
-        Err(Error::null(name))
-    } else {
-        Ok(())
-    }
-}
 
 fn check_max(name: &str, value: usize, max: usize) -> Result<()> {
     if value > max {
@@ -23,15 +19,17 @@ fn check_max(name: &str, value: usize, max: usize) -> Result<()> {
     Ok(())
 }
 
-/// A low-latency call's optional device token count must be an aligned
-/// `int32_t`.
-fn check_device_count(ptr: *const i32) -> Result<()> {
-    if !ptr.is_aligned() {
-        return Err(Error::invalid(format!(
-            "device_num_tokens = {ptr:p} is not 4-byte aligned"
-        )));
+/// The expert-major segment alignment a caller asked for: 0 means 1, else
+/// 1 to `MAX_EXPERT_ALIGNMENT`. Shared by `ep_dispatch` and
+/// `ep_get_dispatch_capacity`, so both accept the same values.
+pub fn expert_alignment(requested: i32) -> Result<usize> {
+    match usize::try_from(requested) {
+        Ok(0) => Ok(1),
+        Ok(a) if a <= MAX_EXPERT_ALIGNMENT => Ok(a),
+        _ => Err(Error::invalid(format!(
+            "expert_alignment = {requested} is outside [1, {MAX_EXPERT_ALIGNMENT}] (0 means 1)"
+        ))),
     }
-    Ok(())
 }
 
 /// `ep_get_dispatch_layout`.
@@ -45,27 +43,15 @@ pub struct LayoutOp {
 }
 
 impl LayoutOp {
-    pub fn new(cfg: &Config, num_tokens: usize, topk_idx: *const i32) -> Result<LayoutOp> {
-        check_max("num_tokens", num_tokens, cfg.max_tokens)?;
-        if num_tokens > 0 {
-            require(topk_idx, "topk_idx")?;
-        }
-        Ok(LayoutOp {
-            num_tokens,
-            topk_idx,
-            tokens_per_rank: std::ptr::null_mut(),
-            tokens_per_expert: std::ptr::null_mut(),
-            is_token_in_rank: std::ptr::null_mut(),
-        })
+    pub fn validate(&self, cfg: &Config) -> Result<()> {
+        check_max("num_tokens", self.num_tokens, cfg.max_tokens)
     }
 
-    pub fn validate_outputs(&self) -> Result<()> {
-        require(self.tokens_per_rank, "num_tokens_per_rank")?;
-        require(self.tokens_per_expert, "num_tokens_per_expert")?;
-        if self.num_tokens > 0 {
-            require(self.is_token_in_rank, "is_token_in_rank")?;
+    pub fn facts(&self) -> Facts {
+        Facts {
+            tokens: self.num_tokens > 0,
+            ..Facts::default()
         }
-        Ok(())
     }
 }
 
@@ -119,25 +105,8 @@ impl DispatchOp {
                 "BF16 dispatch on a context configured with token_dtype FP8 (its buffers are sized for FP8)",
             ));
         }
-        let fp8 = self.dtype == Dtype::Fp8E4m3;
-        if self.num_tokens > 0 {
-            require(self.x, "x")?;
-            require(self.topk_idx, "topk_idx")?;
-            require(self.topk_weights, "topk_weights")?;
-            if fp8 {
-                require(self.x_scales, "x_scales")?;
-            }
-        }
-        if self.recv.is_none() && self.expert.is_none() {
-            return Err(Error::invalid(
-                "no output requested: set recv_x (source order), expert_x (expert-major), or both",
-            ));
-        }
         if let Some(recv) = &self.recv {
             let (worst, _) = normal::worst_case_rows(cfg.topo, cfg.max_tokens, 1);
-            if fp8 {
-                require(recv.scales, "recv_x_scales")?;
-            }
             if self.no_host_sync && recv.capacity < worst {
                 return Err(Error::invalid(format!(
                     "recv_capacity = {} is below the worst case {worst} that EP_DISPATCH_NO_HOST_SYNC needs",
@@ -146,15 +115,6 @@ impl DispatchOp {
             }
         }
         if let Some(expert) = &self.expert {
-            if !(1..=MAX_EXPERT_ALIGNMENT).contains(&expert.alignment) {
-                return Err(Error::invalid(format!(
-                    "expert_alignment = {} is outside [1, {MAX_EXPERT_ALIGNMENT}]",
-                    expert.alignment
-                )));
-            }
-            if fp8 {
-                require(expert.scales, "expert_x_scales")?;
-            }
             let (_, worst) = normal::worst_case_rows(cfg.topo, cfg.max_tokens, expert.alignment);
             if self.no_host_sync && expert.capacity < worst {
                 return Err(Error::invalid(format!(
@@ -165,6 +125,31 @@ impl DispatchOp {
         }
         Ok(())
     }
+
+    pub fn facts(&self) -> Facts {
+        Facts {
+            tokens: self.num_tokens > 0,
+            fp8: self.dtype == Dtype::Fp8E4m3,
+            source_order: self.recv.is_some(),
+            expert_major: self.expert.is_some(),
+            ..Facts::default()
+        }
+    }
+
+    /// Expert-major segment alignment (1 without that output).
+    pub fn alignment(&self) -> usize {
+        self.expert.map_or(1, |e| e.alignment)
+    }
+}
+
+/// Rows a dispatch received, when the host learned them (a host-synchronised
+/// dispatch, or one that reused such a dispatch's layout).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Received {
+    /// Source-order rows.
+    pub source_rows: usize,
+    /// Expert-major rows, padding included.
+    pub expert_rows: usize,
 }
 
 /// `ep_combine`.
@@ -229,24 +214,20 @@ impl LlDispatchOp {
     pub fn validate(&self, cfg: &Config) -> Result<()> {
         check_ll_enabled(cfg)?;
         check_max("num_tokens", self.num_tokens, cfg.ll_max_tokens)?;
-        check_device_count(self.device_num_tokens)?;
         if self.ue8m0 && self.out_dtype != Dtype::Fp8E4m3 {
             return Err(Error::invalid("EP_LL_UE8M0_SCALES needs out_dtype FP8"));
         }
-        if self.phases.send && self.num_tokens > 0 {
-            require(self.x, "x")?;
-            require(self.topk_idx, "topk_idx")?;
-        }
-        if self.phases.recv {
-            require(self.recv_x, "recv_x")?;
-            require(self.recv_count, "recv_count")?;
-            require(self.recv_src_info, "recv_src_info")?;
-            require(self.recv_layout_range, "recv_layout_range")?;
-            if self.out_dtype == Dtype::Fp8E4m3 {
-                require(self.recv_scales, "recv_x_scales")?;
-            }
-        }
         Ok(())
+    }
+
+    pub fn facts(&self) -> Facts {
+        Facts {
+            tokens: self.num_tokens > 0,
+            fp8: self.out_dtype == Dtype::Fp8E4m3,
+            send: self.phases.send,
+            recv: self.phases.recv,
+            ..Facts::default()
+        }
     }
 }
 
@@ -270,19 +251,31 @@ pub struct LlCombineOp {
 impl LlCombineOp {
     pub fn validate(&self, cfg: &Config) -> Result<()> {
         check_ll_enabled(cfg)?;
-        check_max("num_tokens", self.num_tokens, cfg.ll_max_tokens)?;
-        check_device_count(self.device_num_tokens)?;
-        if self.phases.send {
-            if !self.zero_copy {
-                require(self.x, "x")?;
-            }
-            require(self.src_info, "src_info")?;
-            require(self.layout_range, "layout_range")?;
-        }
-        if self.phases.recv && self.num_tokens > 0 {
-            require(self.topk_idx, "topk_idx")?;
-            require(self.out, "out")?;
-        }
-        Ok(())
+        check_max("num_tokens", self.num_tokens, cfg.ll_max_tokens)
     }
+
+    /// `dispatch_weighted`: the dispatch this combine pairs with had weights.
+    pub fn facts(&self, dispatch_weighted: bool) -> Facts {
+        Facts {
+            tokens: self.num_tokens > 0,
+            send: self.phases.send,
+            recv: self.phases.recv,
+            zero_copy: self.zero_copy,
+            unweighted: !dispatch_weighted,
+            ..Facts::default()
+        }
+    }
+
+    /// Whether the combine applies weights of its own (else the dispatch's).
+    pub fn weighted(&self) -> bool {
+        !self.topk_weights.is_null()
+    }
+}
+
+/// `ep_mega_dispatch_gemm` and `ep_mega_gemm_combine`: their own pointers
+/// (the halves are a `DispatchOp` and a `CombineOp`).
+#[derive(Debug, Clone, Copy)]
+pub struct MegaOp {
+    pub weights: *const u8,
+    pub gemm_io: *mut u8,
 }

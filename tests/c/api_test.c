@@ -452,9 +452,9 @@ static void test_operations(void) {
                   "expert_alignment");
     bad = da;
     bad.recv_x = NULL;
-    bad.expert_x = NULL;
-    EXPECT_STATUS(ep_dispatch(ctx, &bad, handle, NULL), EP_ERR_INVALID_ARGUMENT, "ep_dispatch",
-                  "no output");
+    bad.expert_x = NULL; /* no output at all: one of the two is required */
+    EXPECT_STATUS(ep_dispatch(ctx, &bad, handle, NULL), EP_ERR_NULL_POINTER, "ep_dispatch",
+                  "`recv_x` is NULL (required when `expert_x` is NULL)");
     bad = da;
     bad.dtype = EP_DTYPE_FP8_E4M3; /* FP8 without scales */
     EXPECT_STATUS(ep_dispatch(ctx, &bad, handle, NULL), EP_ERR_NULL_POINTER, "ep_dispatch",

@@ -544,3 +544,45 @@ impl Drop for Graph {
         }
     }
 }
+
+/// Device memory of the current CUDA context, for the contract walks and
+/// calls of [`super::calls`] (`Mem`): a GPU test runs the same walks as
+/// tests/contract.rs with `DeviceMem` in place of `HostMem`.
+pub struct DeviceMem {
+    /// See `Mem::combine_tolerance`.
+    pub combine_tolerance: f32,
+}
+
+impl super::calls::Buf for DevBuf {
+    fn ptr(&self) -> *mut u8 {
+        self.ptr as *mut u8
+    }
+    fn len(&self) -> usize {
+        self.bytes
+    }
+    fn write(&self, data: &[u8]) {
+        self.upload(data);
+    }
+    fn read(&self) -> Vec<u8> {
+        self.download(self.bytes)
+    }
+    fn poison(&self) {
+        DevBuf::poison(self);
+    }
+}
+
+impl super::calls::Mem for DeviceMem {
+    fn alloc(&self, bytes: usize) -> Box<dyn super::calls::Buf> {
+        Box::new(DevBuf::poisoned(bytes.max(16)))
+    }
+    fn write_at(&self, ptr: *mut u8, data: &[u8]) {
+        // SAFETY: `ptr` is device memory the library gave out, with room.
+        cu(
+            unsafe { sys::cuMemcpyHtoD_v2(ptr as u64, data.as_ptr() as *const _, data.len()) },
+            "HtoD",
+        );
+    }
+    fn combine_tolerance(&self) -> f32 {
+        self.combine_tolerance
+    }
+}

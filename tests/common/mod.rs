@@ -1,11 +1,14 @@
 //! Helpers shared by the C API tests: a deterministic RNG, BF16 conversion,
 //! host-backend configs, a runner that starts ranks as threads, and poisoned
-//! output buffers.
+//! output buffers; every operation as a ready call ([`calls`]) and the
+//! contract walks over them ([`walk`]).
 
 #![allow(dead_code)]
 
+pub mod calls;
 pub mod gpu;
 pub mod normal;
+pub mod walk;
 
 use ep::capi::*;
 use half::bf16;

@@ -95,8 +95,20 @@ fn start_root(addr: SocketAddr) -> Result<[u8; UNIQUE_ID_BYTES]> {
         .local_addr()
         .map_err(|e| Error::system("getsockname", e))?;
     let id = UniqueId::generate(bound)?;
-    root::spawn(listener, id.secret)?;
+    root::spawn(listener, id.secret, id.session)?;
     Ok(id.encode())
+}
+
+/// Gives up on group `id` from this process: if this process runs its
+/// rendezvous root and the group has not formed yet, the root stops now
+/// (freeing its thread and port) and tells the ranks that joined `reason`
+/// (`EP_ERR_REMOTE`). Called when a rank's `ep_ctx_create` fails, since the
+/// group can then never form. Ids that are not ours, or whose root is
+/// elsewhere or gone, are left alone.
+pub fn release_unique_id(id: &[u8; UNIQUE_ID_BYTES], reason: &str) {
+    if let Ok(id) = UniqueId::decode(id) {
+        root::stop(id.session, reason.to_string());
+    }
 }
 
 /// One rank's membership in a joined group.

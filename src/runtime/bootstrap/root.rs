@@ -2,6 +2,11 @@
 //! and answers all of them at once, with the table of ranks or with the
 //! reason the group cannot form. Then it exits.
 //!
+//! It also exits early, telling the ranks that joined why, when
+//! [`stop`] is called for it: a rank of this process whose `ep_ctx_create`
+//! failed before it could join means the group can never form, so the root
+//! releases its thread and port at once rather than after its timeout.
+//!
 //! The thread serves one group and trusts nothing it receives: a connection
 //! must open with the secret and a hello of the exact size, within
 //! [`HANDSHAKE_TIMEOUT`], or it is closed without a word. Connections are
@@ -10,6 +15,7 @@
 use std::net::TcpListener;
 use std::ops::ControlFlow;
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use super::net::{
@@ -34,16 +40,55 @@ const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
 /// length (u32), then the hello.
 const OPENING_BYTES: usize = SECRET_BYTES + 4;
 
-/// Starts the root thread for one group.
-pub(super) fn spawn(listener: TcpListener, secret: [u8; SECRET_BYTES]) -> Result<()> {
+/// A request to stop a root early, with the reason its ranks are told.
+#[derive(Default)]
+struct StopRequest {
+    reason: Mutex<Option<String>>,
+}
+
+/// The roots this process runs, by session id. An entry dies with its root
+/// thread (which holds the only strong reference).
+static ROOTS: Mutex<Vec<(u64, Weak<StopRequest>)>> = Mutex::new(Vec::new());
+
+/// Stops the root of group `session`, if this process runs it and it has
+/// not finished: the ranks that joined are refused with `reason`
+/// (`EP_ERR_REMOTE`). Returns whether such a root was found.
+pub(super) fn stop(session: u64, reason: String) -> bool {
+    let roots = ROOTS.lock().unwrap_or_else(PoisonError::into_inner);
+    let found = roots
+        .iter()
+        .find(|(s, _)| *s == session)
+        .and_then(|(_, request)| request.upgrade());
+    match found {
+        Some(request) => {
+            let mut slot = request
+                .reason
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            slot.get_or_insert(reason);
+            true
+        }
+        None => false,
+    }
+}
+
+/// Starts the root thread for group `session`.
+pub(super) fn spawn(listener: TcpListener, secret: [u8; SECRET_BYTES], session: u64) -> Result<()> {
     listener
         .set_nonblocking(true)
         .map_err(|e| Error::system("making the rendezvous listener non-blocking", e))?;
+    let stop_request = Arc::new(StopRequest::default());
+    {
+        let mut roots = ROOTS.lock().unwrap_or_else(PoisonError::into_inner);
+        roots.retain(|(_, r)| r.strong_count() > 0);
+        roots.push((session, Arc::downgrade(&stop_request)));
+    }
     let root = Root {
         listener,
         secret,
         pending: Vec::new(),
         group: None,
+        stop_request,
     };
     std::thread::Builder::new()
         .name("ep-bootstrap-root".into())
@@ -59,6 +104,7 @@ struct Root {
     pending: Vec<Incoming>,
     /// Formed by the first valid hello.
     group: Option<Group>,
+    stop_request: Arc<StopRequest>,
 }
 
 struct Group {
@@ -77,6 +123,12 @@ impl Root {
     fn run(mut self) {
         let idle_until = Instant::now() + IDLE_LIMIT;
         loop {
+            let stop = (self.stop_request.reason.lock())
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone();
+            if let Some(reason) = stop {
+                return self.refuse_all(ErrorKind::Remote, reason);
+            }
             let now = Instant::now();
             match &self.group {
                 None if now >= idle_until => return,
@@ -222,6 +274,13 @@ impl Root {
             members.into_iter().flatten().map(|(_, fd)| fd),
         );
         ControlFlow::Break(())
+    }
+
+    /// Tells every rank that joined that the group will not form.
+    fn refuse_all(self, kind: ErrorKind, message: String) {
+        let Some(group) = self.group else { return };
+        let members = group.members.into_iter().flatten().map(|(_, fd)| fd);
+        tell_all(&refused(kind, message), members);
     }
 
     /// The deadline passed with ranks missing: tell those who came.

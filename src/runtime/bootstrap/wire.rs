@@ -178,7 +178,7 @@ pub(super) struct Member {
 pub(super) enum Verdict {
     /// Everyone arrived: one row per rank, index = rank.
     Table(Vec<Member>),
-    /// The group cannot form; `kind` is InvalidArgument or Timeout.
+    /// The group cannot form; `kind` is InvalidArgument, Timeout or Remote.
     Refused { kind: ErrorKind, message: String },
 }
 
@@ -197,6 +197,7 @@ impl Verdict {
                 out.push(REPLY_ERROR);
                 out.push(match kind {
                     ErrorKind::Timeout => 2,
+                    ErrorKind::Remote => 3,
                     _ => 1,
                 });
                 let mut end = message.len().min(MAX_ERROR_TEXT);
@@ -230,6 +231,7 @@ impl Verdict {
             REPLY_ERROR => {
                 let kind = match r.u8()? {
                     2 => ErrorKind::Timeout,
+                    3 => ErrorKind::Remote,
                     _ => ErrorKind::InvalidArgument,
                 };
                 let message = String::from_utf8_lossy(r.rest()).into_owned();

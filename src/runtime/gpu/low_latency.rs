@@ -2,9 +2,9 @@
 //!
 //! The kernels, the buffer layout and the signal protocol are described in
 //! `kernels/low_latency.cu`. This side carves the mode's area of the
-//! symmetric buffer, checks what only the host can check (alignment, the
-//! order of send-only and receive-only calls, whether the dispatch had
-//! weights), and enqueues one launch per call.
+//! symmetric buffer and enqueues one launch per call. The runtime has
+//! checked the arguments, the order of send-only and receive-only calls and
+//! whether the dispatch had weights (`crate::runtime::context`).
 //!
 //! # Calls in flight
 //! Each operation (dispatch, combine) alternates between two buffer sets,
@@ -14,10 +14,8 @@
 //! before writing it waits (bounded) until the peer has acknowledged reading
 //! call `n - 2`, which the peer does when its call `n - 1` starts. This
 //! relies on the context's calls running in order on the GPU (one stream,
-//! or streams ordered by events), which the call numbers need anyway. On
-//! one context, an `EP_LL_SEND_ONLY` call must be followed by its
-//! `EP_LL_RECV_ONLY` call before any other low-latency call: this is
-//! checked here and answered with `EP_ERR_INVALID_ARGUMENT`. A peer that does
+//! or streams ordered by events), which the call numbers need anyway. A
+//! peer that does
 //! not keep up (or never calls) ends in `EP_ERR_TIMEOUT` from the async error
 //! status, never in rows of another call.
 //!
@@ -25,14 +23,13 @@
 //! The combine returns the rows of this context's LAST dispatch: which rows
 //! belong to which (source, token, slot), and the weights given at dispatch,
 //! are kept on the device by that dispatch. `src_info` and `layout_range`
-//! must be that dispatch's outputs (as the API requires); the kernels do not
-//! read them. Weights at dispatch are checked on this rank only (its last
+//! are not read. Weights at dispatch are checked on this rank only (its last
 //! dispatch had weights); if ranks disagree, those that expect rows no peer
 //! sends time out.
 
-use super::{check_aligned, ptr, Bound, Runtime};
+use super::{ptr, Bound, Runtime};
 use crate::abi::{LlCounters, LlParams, LL_CHUNK_CHANNELS, LL_HEADER_BYTES, LL_THREADS};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::reference::Dtype;
 use crate::runtime::backend::Stream;
 use crate::runtime::config::Config;
@@ -121,26 +118,12 @@ pub fn buffer_bytes(cfg: &Config) -> usize {
     Area::new(cfg).bytes
 }
 
-/// The receive phase a send-only call left due.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Pending {
-    DispatchRecv,
-    /// `weighted`: the send phase had weights at combine.
-    CombineRecv {
-        weighted: bool,
-    },
-}
-
 pub struct LlMode {
     /// Where the mode's area starts in every rank's buffer.
     offset: usize,
     area: Area,
     /// Blocks per launch: one per SM.
     grid: u32,
-    pending: Option<Pending>,
-    /// Whether this rank's last dispatch was given weights (`None` before
-    /// the first dispatch).
-    dispatch_had_weights: Option<bool>,
 }
 
 impl LlMode {
@@ -150,8 +133,6 @@ impl LlMode {
             offset,
             area: Area::new(&rt.cfg),
             grid: rt.device.sm_count()?,
-            pending: None,
-            dispatch_had_weights: None,
         })
     }
 
@@ -188,26 +169,6 @@ impl LlMode {
         }
     }
 
-    /// Checks the order of split calls: a send phase needs nothing due, a
-    /// receive-only call needs its send-only call (`want`) just before.
-    fn expect_pending(&self, want: Option<Pending>) -> Result<()> {
-        if self.pending == want {
-            return Ok(());
-        }
-        Err(Error::invalid(match (self.pending, want) {
-            (Some(Pending::DispatchRecv), _) => {
-                "a low-latency dispatch ran its send phase only: call it again with EP_LL_RECV_ONLY first"
-            }
-            (Some(Pending::CombineRecv { .. }), Some(Pending::CombineRecv { .. })) => {
-                "EP_LL_RECV_ONLY combine with topk_weights given or not unlike its EP_LL_SEND_ONLY call"
-            }
-            (Some(Pending::CombineRecv { .. }), _) => {
-                "a low-latency combine ran its send phase only: call it again with EP_LL_RECV_ONLY first"
-            }
-            (None, _) => "EP_LL_RECV_ONLY without a matching EP_LL_SEND_ONLY call",
-        }))
-    }
-
     /// Launches `kernel` with `params` on `stream`.
     fn launch(
         &self,
@@ -224,13 +185,6 @@ impl LlMode {
 
     pub fn dispatch(&mut self, rt: &Bound, op: &LlDispatchOp, stream: Stream) -> Result<()> {
         let phases = op.phases;
-        self.expect_pending((!phases.send).then_some(Pending::DispatchRecv))?;
-        if phases.send && op.num_tokens > 0 {
-            check_aligned("x", op.x)?;
-        }
-        if phases.recv {
-            check_aligned("recv_x", op.recv_x)?;
-        }
         let params = LlParams {
             x: ptr(op.x),
             topk_idx: ptr(op.topk_idx),
@@ -248,42 +202,17 @@ impl LlMode {
             do_recv: phases.recv as i32,
             ..self.params(rt)
         };
-        self.launch(rt, &rt.kernels.ll_dispatch, &params, stream)?;
-        if phases.send {
-            self.dispatch_had_weights = Some(!op.topk_weights.is_null());
-        }
-        self.pending = (!phases.recv).then_some(Pending::DispatchRecv);
-        Ok(())
+        self.launch(rt, &rt.kernels.ll_dispatch, &params, stream)
     }
 
     pub fn combine(&mut self, rt: &Bound, op: &LlCombineOp, stream: Stream) -> Result<()> {
         let phases = op.phases;
-        let weighted = !op.topk_weights.is_null();
-        self.expect_pending((!phases.send).then_some(Pending::CombineRecv { weighted }))?;
+        let weighted = op.weighted();
         let x = if op.zero_copy {
             self.combine_buffer(rt)?.0 as *const u8
         } else {
             op.x
         };
-        if phases.send {
-            check_aligned("x", x)?;
-            match self.dispatch_had_weights {
-                None => {
-                    return Err(Error::invalid(
-                        "low-latency combine before any low-latency dispatch on this context",
-                    ))
-                }
-                Some(false) if !weighted => {
-                    return Err(Error::invalid(
-                        "topk_weights is NULL but this rank's low-latency dispatch was given no weights",
-                    ))
-                }
-                _ => {}
-            }
-        }
-        if phases.recv && op.num_tokens > 0 {
-            check_aligned("out", op.out)?;
-        }
         let params = LlParams {
             x: ptr(x),
             topk_idx: ptr(op.topk_idx),
@@ -296,9 +225,7 @@ impl LlMode {
             do_recv: phases.recv as i32,
             ..self.params(rt)
         };
-        self.launch(rt, &rt.kernels.ll_combine, &params, stream)?;
-        self.pending = (!phases.recv).then_some(Pending::CombineRecv { weighted });
-        Ok(())
+        self.launch(rt, &rt.kernels.ll_combine, &params, stream)
     }
 
     /// This rank's BF16 `[L, W * M, hidden]` zero-copy combine buffer. Only

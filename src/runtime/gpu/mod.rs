@@ -19,13 +19,15 @@ mod low_latency;
 mod normal;
 mod symmetric;
 
-use super::backend::{Backend, HandleState, Monitor, Stream};
+use super::backend::{Backend, HandleState, Inputs, Monitor, Stream};
 use super::bootstrap::Bootstrap;
 use super::config::{agree_on_config, Config};
+use super::contract::{Field, Memory, PointerCheck};
 use super::cuda::{ContextGuard, Device, DeviceStatus, Kernel, MappedHost, Module};
 use super::group::{HostGroup, NcclGroup};
 use super::nccl::{self, CommHandle, UniqueId};
-use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp};
+use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, Received};
+use super::sequence::Call;
 use crate::abi::{
     self, BarrierParams, CombineParams, DispatchParams, HierParams, LayoutParams, LlParams,
     NcclPeerBasesParams, BARRIER_COUNTER_OFFSET, BARRIER_THREADS,
@@ -33,6 +35,7 @@ use crate::abi::{
 use crate::error::{Error, Result};
 use low_latency::LlMode;
 use normal::NormalMode;
+use std::ffi::c_void;
 use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -456,14 +459,37 @@ pub fn ptr<T>(p: *const T) -> u64 {
     p as u64
 }
 
-/// Checks that a caller's row array is 16-byte aligned: the kernels move
-/// rows as 16-byte vectors.
-pub fn check_aligned<T>(name: &str, p: *const T) -> Result<()> {
-    if !(p as usize).is_multiple_of(16) {
-        return Err(Error::invalid(format!(
-            "{name} = {p:p} is not 16-byte aligned (the GPU backend moves rows as 16-byte vectors)"
-        )));
-    }
+/// Alignment of every token-row array: the kernels move rows as 16-byte
+/// vectors.
+const ROW_ALIGNMENT: usize = 16;
+
+/// Checks that `ptr` (not NULL) is memory that kernels on `device` may read
+/// and write, for the contract's [`Memory::Device`] fields.
+///
+/// To do (it accepts every pointer today): ask the driver about `ptr`
+/// (`cuPointerGetAttributes` with `CU_POINTER_ATTRIBUTE_MEMORY_TYPE`,
+/// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL` and
+/// `CU_POINTER_ATTRIBUTE_IS_MANAGED`) and accept device memory of `device`
+/// (`cuMemAlloc`, `cuMemCreate`/`cuMemMap`, a pool, or this context's own
+/// buffers), managed memory, and host memory that is mapped for `device`
+/// (`cuMemHostAlloc` with `CU_MEMHOSTALLOC_DEVICEMAP`, or registered). Refuse
+/// anything else with [`wrong_memory`](super::contract::wrong_memory), saying
+/// what it is: "host memory" for pageable memory the driver does not know,
+/// "device memory of device N" for another GPU's memory.
+pub fn check_device_memory(device: &Device, field: &Field, ptr: *const c_void) -> Result<()> {
+    let _ = (device, field, ptr);
+    Ok(())
+}
+
+/// Checks that kernels of this context may be enqueued on `stream`.
+///
+/// To do (it accepts every stream today): NULL (the legacy default stream)
+/// and `CU_STREAM_PER_THREAD` are fine; any other stream must belong to
+/// `device`'s primary context (`cuStreamGetCtx` compared with the primary
+/// context the runtime uses, or `cuStreamGetDevice`), else
+/// `EP_ERR_INVALID_ARGUMENT` naming the stream's device and this context's.
+pub fn check_stream(device: &Device, stream: Stream) -> Result<()> {
+    let _ = (device, stream);
     Ok(())
 }
 
@@ -487,7 +513,32 @@ impl GpuBackend {
     }
 }
 
+impl PointerCheck for GpuBackend {
+    fn check_pointer(&self, field: &Field, ptr: *const c_void) -> Result<()> {
+        if field.rows && !(ptr as usize).is_multiple_of(ROW_ALIGNMENT) {
+            return Err(Error::invalid(format!(
+                "`{}` = {ptr:p} is not {ROW_ALIGNMENT}-byte aligned (the GPU backend moves rows as {ROW_ALIGNMENT}-byte vectors)",
+                field.name
+            )));
+        }
+        match field.memory {
+            Memory::Device => check_device_memory(&self.rt.device, field, ptr),
+            Memory::Host => Ok(()),
+        }
+    }
+}
+
 impl Backend for GpuBackend {
+    fn check_stream(&self, stream: Stream) -> Result<()> {
+        check_stream(&self.rt.device, stream)
+    }
+
+    /// The caller's arrays are device memory: their contents are checked by
+    /// the kernels, which report errors through the async status.
+    fn check_inputs(&mut self, _inputs: Inputs<'_>) -> Result<()> {
+        Ok(())
+    }
+
     fn layout(&mut self, op: &LayoutOp, stream: Stream) -> Result<()> {
         self.normal.layout(&self.rt.bind()?, op, stream)
     }
@@ -498,23 +549,30 @@ impl Backend for GpuBackend {
 
     fn dispatch(
         &mut self,
+        _call: Call,
         op: &DispatchOp,
         handle: &mut HandleState,
         stream: Stream,
-    ) -> Result<()> {
+    ) -> Result<Option<Received>> {
         self.normal.dispatch(&self.rt.bind()?, op, handle, stream)
     }
 
-    fn combine(&mut self, op: &CombineOp, handle: &HandleState, stream: Stream) -> Result<()> {
+    fn combine(
+        &mut self,
+        _call: Call,
+        op: &CombineOp,
+        handle: &HandleState,
+        stream: Stream,
+    ) -> Result<()> {
         self.normal.combine(&self.rt.bind()?, op, handle, stream)
     }
 
-    fn ll_dispatch(&mut self, op: &LlDispatchOp, stream: Stream) -> Result<()> {
+    fn ll_dispatch(&mut self, _call: Call, op: &LlDispatchOp, stream: Stream) -> Result<()> {
         self.check_ll()?;
         self.ll.dispatch(&self.rt.bind()?, op, stream)
     }
 
-    fn ll_combine(&mut self, op: &LlCombineOp, stream: Stream) -> Result<()> {
+    fn ll_combine(&mut self, _call: Call, op: &LlCombineOp, stream: Stream) -> Result<()> {
         self.check_ll()?;
         self.ll.combine(&self.rt.bind()?, op, stream)
     }

@@ -7,7 +7,7 @@
 //! in a CUDA graph), and enqueues the launches.
 
 use super::hierarchical::{HierHandle, Hierarchy};
-use super::{check_aligned, ptr, Bound, Runtime};
+use super::{ptr, Bound, Runtime};
 use crate::abi::{
     CombineParams, DispatchParams, LayoutParams, CHUNK_TOKENS, LAYOUT_THREADS, MOVE_THREADS,
 };
@@ -16,7 +16,7 @@ use crate::reference::{normal::worst_case_rows, Dtype};
 use crate::runtime::backend::{HandleState, Stream};
 use crate::runtime::config::Config;
 use crate::runtime::cuda::{DeviceBuffer, MappedHost};
-use crate::runtime::ops::{CombineOp, DispatchOp, LayoutOp};
+use crate::runtime::ops::{CombineOp, DispatchOp, LayoutOp, Received};
 
 /// Warps per block of the count kernel (`EP_CHUNK_WARPS`).
 const CHUNK_WARPS: usize = CHUNK_TOKENS / 32;
@@ -192,21 +192,12 @@ impl NormalMode {
         op: &DispatchOp,
         handle: &mut HandleState,
         stream: Stream,
-    ) -> Result<()> {
+    ) -> Result<Option<Received>> {
         let handle = handle
             .downcast_mut::<GpuHandle>()
             .ok_or_else(|| Error::internal("not a GPU handle"))?;
         let cfg = &rt.cfg;
         let topo = cfg.topo;
-        if op.num_tokens > 0 {
-            check_aligned("x", op.x)?;
-        }
-        if let Some(recv) = &op.recv {
-            check_aligned("recv_x", recv.x)?;
-        }
-        if let Some(expert) = &op.expert {
-            check_aligned("expert_x", expert.x)?;
-        }
         // A reused layout needs no host synchronisation: the host counts
         // are those of the handle's earlier dispatch of the same routing.
         let cached = match (&handle.dispatched, op.reuse_layout) {
@@ -344,11 +335,15 @@ impl NormalMode {
                 }
             }
         }
+        let received = host_counts.as_ref().map(|counts| Received {
+            source_rows: counts[0] as usize,
+            expert_rows: padded_rows(&counts[1..], op.alignment()),
+        });
         handle.dispatched = Some(Dispatched {
             num_tokens: op.num_tokens,
             host_counts,
         });
-        Ok(())
+        Ok(received)
     }
 
     pub fn combine(
@@ -365,13 +360,6 @@ impl NormalMode {
             .dispatched
             .as_ref()
             .ok_or_else(|| Error::invalid("the handle holds no successful dispatch"))?;
-        // A NULL `x` is fine when no rows arrived; the send kernel reports it
-        // otherwise (the row count is only known on the device).
-        if dispatched.num_tokens > 0 && op.out.is_null() {
-            return Err(Error::null("out"));
-        }
-        check_aligned("x", op.x)?;
-        check_aligned("out", op.out)?;
         let cfg = &rt.cfg;
         let params = CombineParams {
             x: ptr(op.x),
@@ -435,10 +423,7 @@ fn check_capacity(op: &DispatchOp, counts: &[i32]) -> Result<()> {
         }
     }
     if let Some(expert) = &op.expert {
-        let padded: usize = counts[1..]
-            .iter()
-            .map(|&c| (c as usize).div_ceil(expert.alignment) * expert.alignment)
-            .sum();
+        let padded = padded_rows(&counts[1..], expert.alignment);
         if padded > expert.capacity {
             return Err(Error::invalid(format!(
                 "expert_capacity = {} but {padded} expert-major rows are needed; no rows were written",
@@ -447,4 +432,13 @@ fn check_capacity(op: &DispatchOp, counts: &[i32]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Expert-major rows of experts with `counts` rows, each segment padded to
+/// `alignment`.
+fn padded_rows(counts: &[i32], alignment: usize) -> usize {
+    counts
+        .iter()
+        .map(|&c| (c as usize).div_ceil(alignment) * alignment)
+        .sum()
 }

@@ -1,11 +1,12 @@
 //! The host backend: the whole API on host memory, computed by the reference
 //! code. Ranks are threads or processes of one host.
 //!
-//! Each rank owns one shared region (a memfd that every rank maps). An
-//! operation runs in two steps separated by bootstrap barriers:
-//! 1. publish: each rank copies its inputs into its own region, then barrier;
+//! Each rank owns one shared region (a memfd that every rank maps). A
+//! collective call runs in two steps, each ending in an all-gather of the
+//! call's tag (`Call::tag`: operation, call number, step):
+//! 1. publish: each rank copies its inputs into its own region, then step 0;
 //! 2. gather: each rank reads every rank's published inputs, computes its own
-//!    outputs with the reference code, then barrier (so no rank overwrites its
+//!    outputs with the reference code, then step 1 (so no rank overwrites its
 //!    region while another still reads it).
 //!
 //! With several nodes (`ranks_per_node`) the results are the GPU's
@@ -13,16 +14,29 @@
 //! (`reference::hierarchical::combine`); dispatch and the low-latency mode
 //! give the same results on any node shape.
 //!
-//! The low-latency send/receive split maps onto these steps: `EP_LL_SEND_ONLY`
-//! publishes, `EP_LL_RECV_ONLY` gathers. Errors found after the first barrier
-//! are returned only after the second, so no rank is left waiting.
+//! Every rank sees every rank's tag at each step, so ranks in different calls
+//! all stop at the same step with `EP_ERR_REMOTE` and read nothing. Errors
+//! found between the steps are returned only after step 1, so no rank is
+//! left waiting. The caller's arrays are checked before the call is made
+//! ([`Backend::check_inputs`]); after that the reference code only sees data
+//! that it accepts, so it cannot panic on a caller's mistake.
+//!
+//! The low-latency send/receive split maps onto the steps: `EP_LL_SEND_ONLY`
+//! publishes, `EP_LL_RECV_ONLY` gathers. A low-latency combine returns rows
+//! by the layout that this backend kept from its last dispatch, never by
+//! arrays the caller passes back.
+//!
+//! A failed step (a peer gone or silent, an abort) breaks the context for
+//! good: [`HostMonitor`] then reports it and the context refuses every call.
 
 mod shm;
 
-use super::backend::{Backend, HandleState, Monitor, Stream};
+use super::backend::{Backend, HandleState, Inputs, Monitor, Stream};
 use super::bootstrap::Bootstrap;
 use super::config::{agree_on_config, Config};
-use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp};
+use super::contract::{Field, PointerCheck};
+use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, Received};
+use super::sequence::Call;
 use crate::error::{Error, ErrorKind, Result};
 use crate::reference::hierarchical;
 use crate::reference::layout::{dispatch_layout, validate_experts, InvalidExpert};
@@ -35,8 +49,13 @@ use half::bf16;
 use shm::Mapping;
 use std::borrow::Cow;
 use std::os::fd::AsFd;
+use std::os::raw::c_void;
 use std::sync::atomic::{fence, AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+/// The steps of a collective call.
+const PUBLISH: u32 = 0;
+const GATHER: u32 = 1;
 
 pub fn create(
     cfg: &mut Config,
@@ -69,19 +88,23 @@ pub fn create(
             None => Err(Error::internal("a rank on this host sent no shared buffer")),
         })
         .collect::<Result<Vec<_>>>()?;
+    let broken = Arc::new(Mutex::new(None));
     let backend = HostBackend {
         cfg: *cfg,
         boot,
         regions,
         areas,
-        pending: None,
-        ll_recv_weights: None,
+        broken: broken.clone(),
+        ll_sent: None,
+        ll_received: None,
     };
-    Ok((Box::new(backend), Arc::new(HostMonitor { aborted })))
+    Ok((Box::new(backend), Arc::new(HostMonitor { aborted, broken })))
 }
 
 struct HostMonitor {
     aborted: Arc<AtomicBool>,
+    /// The failure of a step, once one failed.
+    broken: Arc<Mutex<Option<Error>>>,
 }
 
 impl Monitor for HostMonitor {
@@ -89,7 +112,17 @@ impl Monitor for HostMonitor {
         if self.aborted.load(Ordering::Acquire) {
             return Err(Error::new(ErrorKind::Aborted, "the context was aborted"));
         }
-        Ok(())
+        let broken = self.broken.lock().unwrap_or_else(|p| p.into_inner());
+        match broken.as_ref() {
+            None => Ok(()),
+            Some(e) => Err(Error::new(
+                e.kind,
+                format!(
+                    "the context is unusable since a collective call failed (destroy it): {}",
+                    e.message
+                ),
+            )),
+        }
     }
 
     fn abort(&self) {
@@ -107,6 +140,8 @@ struct Header {
     ll_tokens: u64,
     ll_has_weights: u64,
     ll_combine_has_weights: u64,
+    /// The rank holds the layout of its low-latency dispatch for a combine.
+    ll_combine_ready: u64,
 }
 
 /// Byte offsets of the published arrays inside every rank's region. Normal
@@ -189,13 +224,6 @@ impl Areas {
     }
 }
 
-/// A low-latency call whose send phase ran and whose receive phase is due.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Pending {
-    LlDispatchRecv,
-    LlCombineRecv,
-}
-
 /// What a dispatch leaves in its handle for the combine.
 #[derive(Default)]
 struct HostHandle {
@@ -204,16 +232,31 @@ struct HostHandle {
     dispatched: Option<Dispatched>,
 }
 
+/// The tokens this rank sent in its last low-latency dispatch.
+struct LlSent {
+    num_tokens: usize,
+    topk_idx: Vec<i32>,
+}
+
+/// What this rank received in its last low-latency dispatch: the layout its
+/// combine returns rows by.
+struct LlReceived {
+    src_info: Vec<i32>,
+    layout_range: Vec<i32>,
+    /// Per-row routing weights, when every source gave weights.
+    weights: Option<Vec<f32>>,
+}
+
 struct HostBackend {
     cfg: Config,
     boot: Bootstrap,
     /// Every rank's region, index = rank (this rank's too).
     regions: Vec<Mapping>,
     areas: Areas,
-    pending: Option<Pending>,
-    /// Per-row routing weights of the last low-latency dispatch, when its
-    /// caller gave weights (for the expert-side reduction of the combine).
-    ll_recv_weights: Option<Vec<f32>>,
+    /// Shared with the monitor: the failure of a step, once one failed.
+    broken: Arc<Mutex<Option<Error>>>,
+    ll_sent: Option<LlSent>,
+    ll_received: Option<LlReceived>,
 }
 
 fn invalid_expert(bad: InvalidExpert) -> Error {
@@ -251,6 +294,24 @@ unsafe fn give<T: Copy>(dst: *mut T, src: &[T]) {
     }
 }
 
+/// Why the tags of a step differ: names this rank's call and the first
+/// other rank's.
+fn mismatch(me: usize, mine: &Call, step: u32, peer: usize, theirs: &[u8]) -> Error {
+    let theirs = match Call::from_tag(theirs) {
+        Some((Ok(call), their_step)) if their_step != step => {
+            format!("{call} (step {their_step}, this rank step {step})")
+        }
+        Some((Ok(call), _)) => call.to_string(),
+        Some((Err(code), _)) => format!("an unknown operation (code {code})"),
+        None => "a malformed step".to_string(),
+    };
+    Error::remote(format!(
+        "rank {peer} is in {theirs} while rank {me} (this rank) is in {mine}: \
+         every rank must make the same collective calls in the same order \
+         (a call that fails its argument checks is not made on its rank)"
+    ))
+}
+
 impl HostBackend {
     fn rank(&self) -> usize {
         self.cfg.rank
@@ -261,7 +322,7 @@ impl HostBackend {
         let region = &self.regions[rank];
         assert!(offset + len * std::mem::size_of::<T>() <= region.len());
         // SAFETY: in bounds (checked above), 64-byte aligned, and only read
-        // between the barriers that order it after the owner's writes.
+        // between the steps that order it after the owner's writes.
         unsafe { std::slice::from_raw_parts(region.base().add(offset) as *const T, len) }
     }
 
@@ -271,7 +332,7 @@ impl HostBackend {
         let bytes = std::mem::size_of_val(src);
         assert!(offset + bytes <= region.len());
         // SAFETY: in bounds (checked above); no other rank reads this area
-        // until the barrier that follows publishing.
+        // until the step that follows publishing.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 src.as_ptr() as *const u8,
@@ -291,32 +352,92 @@ impl HostBackend {
         self.publish(0, std::slice::from_ref(&header));
     }
 
-    /// A barrier that also orders this rank's plain memory accesses to the
-    /// shared regions against the other ranks'.
-    fn barrier(&self) -> Result<()> {
+    /// One step of `call`: every rank's tag is gathered (which also orders
+    /// this rank's plain accesses to the shared regions against the other
+    /// ranks'), and any rank in another call or step stops every rank.
+    fn step(&self, call: &Call, step: u32) -> Result<()> {
+        let mine = call.tag(step);
         fence(Ordering::SeqCst);
-        self.boot.barrier()?;
+        let tags = self.boot.all_gather(&mine).inspect_err(|e| {
+            let mut broken = self.broken.lock().unwrap_or_else(|p| p.into_inner());
+            broken.get_or_insert_with(|| e.clone());
+        })?;
         fence(Ordering::SeqCst);
-        Ok(())
-    }
-
-    fn expect_pending(&self, want: Option<Pending>) -> Result<()> {
-        if self.pending == want {
-            return Ok(());
+        match tags.iter().position(|t| t[..] != mine[..]) {
+            None => Ok(()),
+            Some(peer) => Err(mismatch(self.rank(), call, step, peer, &tags[peer])),
         }
-        Err(Error::invalid(match (self.pending, want) {
-            (Some(Pending::LlDispatchRecv), _) => {
-                "a low-latency dispatch ran its send phase only: call it again with EP_LL_RECV_ONLY first"
-            }
-            (Some(Pending::LlCombineRecv), _) => {
-                "a low-latency combine ran its send phase only: call it again with EP_LL_RECV_ONLY first"
-            }
-            (None, _) => "EP_LL_RECV_ONLY without a matching EP_LL_SEND_ONLY call",
-        }))
+    }
+}
+
+impl PointerCheck for HostBackend {
+    /// Host memory is all the host backend uses: any pointer will do.
+    fn check_pointer(&self, _field: &Field, _ptr: *const c_void) -> Result<()> {
+        Ok(())
     }
 }
 
 impl Backend for HostBackend {
+    fn check_stream(&self, _stream: Stream) -> Result<()> {
+        Ok(())
+    }
+
+    fn check_inputs(&mut self, inputs: Inputs<'_>) -> Result<()> {
+        let topo = self.cfg.topo;
+        match inputs {
+            Inputs::Dispatch(op, handle) => {
+                // SAFETY: the context checked the pointer for `n` tokens.
+                let topk_idx = unsafe { caller(op.topk_idx, op.num_tokens * topo.topk) };
+                validate_experts(topo, topk_idx, op.num_tokens).map_err(invalid_expert)?;
+                let state = host_handle(handle)?;
+                if op.reuse_layout
+                    && (state.num_tokens != op.num_tokens || state.topk_idx != topk_idx)
+                {
+                    return Err(Error::invalid(
+                        "EP_DISPATCH_REUSE_LAYOUT with routing that differs from the handle's dispatch",
+                    ));
+                }
+            }
+            Inputs::LlDispatch(op) if op.phases.send => {
+                // SAFETY: the context checked the pointers; the count is
+                // NULL or the caller's aligned `int32_t`.
+                let n = unsafe { ll_count(op.num_tokens, op.device_num_tokens) }.unwrap_or(0);
+                let topk_idx = unsafe { caller(op.topk_idx, n * topo.topk) };
+                validate_experts(topo, topk_idx, n).map_err(invalid_expert)?;
+            }
+            Inputs::LlCombine(op) if op.phases.recv => {
+                // A count out of range is reported when the call runs.
+                // SAFETY: as for the dispatch.
+                let Ok(n) = (unsafe { ll_count(op.num_tokens, op.device_num_tokens) }) else {
+                    return Ok(());
+                };
+                let sent = self.ll_sent.as_ref().ok_or_else(|| {
+                    Error::internal("low-latency combine without a dispatch on the host backend")
+                })?;
+                if n != sent.num_tokens {
+                    return Err(Error::invalid(format!(
+                        "the combine has {n} tokens but the low-latency dispatch it combines had {}",
+                        sent.num_tokens
+                    )));
+                }
+                // SAFETY: the context checked the pointer for `n` tokens.
+                let topk_idx = unsafe { caller(op.topk_idx, n * topo.topk) };
+                validate_experts(topo, topk_idx, n).map_err(invalid_expert)?;
+                if let Some(i) = (0..topk_idx.len()).find(|&i| topk_idx[i] != sent.topk_idx[i]) {
+                    return Err(Error::invalid(format!(
+                        "topk_idx[{}][{}] = {} but the low-latency dispatch it combines had {}: pass the dispatch's topk_idx",
+                        i / topo.topk,
+                        i % topo.topk,
+                        topk_idx[i],
+                        sent.topk_idx[i]
+                    )));
+                }
+            }
+            Inputs::LlDispatch(_) | Inputs::LlCombine(_) => {}
+        }
+        Ok(())
+    }
+
     fn layout(&mut self, op: &LayoutOp, _stream: Stream) -> Result<()> {
         let topo = self.cfg.topo;
         // SAFETY: the context checked the pointers; sizes follow the config.
@@ -336,11 +457,11 @@ impl Backend for HostBackend {
 
     fn dispatch(
         &mut self,
+        call: Call,
         op: &DispatchOp,
         handle: &mut HandleState,
         _stream: Stream,
-    ) -> Result<()> {
-        self.expect_pending(None)?;
+    ) -> Result<Option<Received>> {
         let topo = self.cfg.topo;
         let (n, fp8) = (op.num_tokens, op.dtype == Dtype::Fp8E4m3);
         let row_bytes = topo.hidden * op.dtype.elem_bytes();
@@ -358,16 +479,6 @@ impl Backend for HostBackend {
                 caller(op.topk_weights, n * topo.topk),
             )
         };
-        validate_experts(topo, topk_idx, n).map_err(invalid_expert)?;
-        let state = handle
-            .downcast_mut::<HostHandle>()
-            .ok_or_else(|| Error::internal("not a host handle"))?;
-        if op.reuse_layout && (state.num_tokens != n || state.topk_idx != topk_idx) {
-            return Err(Error::invalid(
-                "EP_DISPATCH_REUSE_LAYOUT with routing that differs from the handle's dispatch",
-            ));
-        }
-
         let a = &self.areas;
         let offsets = (
             a.dispatch_x,
@@ -383,7 +494,7 @@ impl Backend for HostBackend {
             h.dispatch_tokens = n as u64;
             h.dispatch_dtype = fp8 as u64;
         });
-        self.barrier()?;
+        self.step(&call, PUBLISH)?;
 
         let gathered = (0..topo.world)
             .map(|r| {
@@ -407,28 +518,34 @@ impl Backend for HostBackend {
                 })
             })
             .collect::<Result<Vec<_>>>()
-            .map(|sources| {
-                let alignment = op.expert.map_or(1, |e| e.alignment);
-                dispatch(topo, op.dtype, &sources, self.rank(), alignment)
-            });
-        self.barrier()?;
+            .map(|sources| dispatch(topo, op.dtype, &sources, self.rank(), op.alignment()));
+        self.step(&call, GATHER)?;
         let d = gathered?;
 
-        // SAFETY: the context checked every output pointer and capacity.
-        let result = unsafe { write_dispatch_outputs(op, &d, &topo) };
+        // SAFETY: the context checked every output pointer; capacities are
+        // checked against the rows before any row is written.
+        unsafe { write_dispatch_outputs(op, &d, &topo) }?;
+        let received = (!op.no_host_sync).then_some(Received {
+            source_rows: d.num_rows,
+            expert_rows: d.expert_rows,
+        });
+        let state = host_handle_mut(handle)?;
         state.num_tokens = n;
         state.topk_idx = topk_idx.to_vec();
         state.dispatched = Some(d);
-        result
+        Ok(received)
     }
 
-    fn combine(&mut self, op: &CombineOp, handle: &HandleState, _stream: Stream) -> Result<()> {
-        self.expect_pending(None)?;
+    fn combine(
+        &mut self,
+        call: Call,
+        op: &CombineOp,
+        handle: &HandleState,
+        _stream: Stream,
+    ) -> Result<()> {
         let topo = self.cfg.topo;
         let hidden = topo.hidden;
-        let state = handle
-            .downcast_ref::<HostHandle>()
-            .ok_or_else(|| Error::internal("not a host handle"))?;
+        let state = host_handle(handle)?;
         let d = state
             .dispatched
             .as_ref()
@@ -438,13 +555,8 @@ impl Backend for HostBackend {
         } else {
             d.num_rows
         };
-        if input_rows > 0 && op.x.is_null() {
-            return Err(Error::null("x"));
-        }
-        if state.num_tokens > 0 && op.out.is_null() {
-            return Err(Error::null("out"));
-        }
-        // SAFETY: `x` holds the rows of the handle's dispatch.
+        // SAFETY: `x` holds the rows of the handle's dispatch (the context
+        // checked that it is given where there are rows).
         let x = unsafe { caller(op.x as *const bf16, input_rows * hidden) };
         let rows: Cow<[bf16]> = if op.expert_major {
             Cow::Owned(expert_partials(topo, d, x))
@@ -455,7 +567,10 @@ impl Backend for HostBackend {
         self.publish(rows_at, &rows);
         self.publish(src_at, &d.src_info);
         self.set_header(|h| h.combine_rows = d.num_rows as u64);
-        self.barrier()?;
+        self.step(&call, PUBLISH)?;
+        // Every rank combines the same dispatch (the step compared the
+        // dispatch call numbers), so every row addressed here names one of
+        // this rank's tokens of it.
         let returned: Vec<Returned> = (0..topo.world)
             .map(|r| {
                 let m = self.header(r).combine_rows as usize;
@@ -473,22 +588,24 @@ impl Backend for HostBackend {
         } else {
             combine(topo, self.rank(), state.num_tokens, &returned)
         };
-        self.barrier()?;
-        // SAFETY: `out` has room for the dispatch's tokens (checked above).
+        self.step(&call, GATHER)?;
+        // SAFETY: `out` has room for the dispatch's tokens (checked by the
+        // context where there are any).
         unsafe { give(op.out as *mut bf16, &out) };
         Ok(())
     }
 
-    fn ll_dispatch(&mut self, op: &LlDispatchOp, _stream: Stream) -> Result<()> {
+    fn ll_dispatch(&mut self, call: Call, op: &LlDispatchOp, _stream: Stream) -> Result<()> {
         let topo = self.cfg.topo;
         let (m, hidden, topk) = (self.cfg.ll_max_tokens, topo.hidden, topo.topk);
         let a = (self.areas.ll_x, self.areas.ll_topk, self.areas.ll_weights);
         let mut count_check = Ok(());
         if op.phases.send {
-            self.expect_pending(None)?;
-            // SAFETY: the context checked the pointer's alignment; it is NULL
-            // or the caller's count.
-            let n = unsafe { ll_tokens(op.num_tokens, op.device_num_tokens, &mut count_check) };
+            // SAFETY: the context checked the count pointer's alignment.
+            let n = unsafe { ll_count(op.num_tokens, op.device_num_tokens) }.unwrap_or_else(|e| {
+                count_check = Err(e);
+                0
+            });
             // SAFETY: the context checked the pointers for `n` tokens.
             let (x, topk_idx, weights) = unsafe {
                 (
@@ -497,7 +614,6 @@ impl Backend for HostBackend {
                     (!op.topk_weights.is_null()).then(|| caller(op.topk_weights, n * topk)),
                 )
             };
-            validate_experts(topo, topk_idx, n).map_err(invalid_expert)?;
             self.publish(a.0, x);
             self.publish(a.1, topk_idx);
             self.publish(a.2, weights.unwrap_or(&[]));
@@ -505,11 +621,14 @@ impl Backend for HostBackend {
                 h.ll_tokens = n as u64;
                 h.ll_has_weights = weights.is_some() as u64;
             });
-            self.barrier()?;
-            self.pending = Some(Pending::LlDispatchRecv);
+            self.ll_sent = Some(LlSent {
+                num_tokens: n,
+                topk_idx: topk_idx.to_vec(),
+            });
+            self.ll_received = None;
+            self.step(&call, PUBLISH)?;
         }
         if op.phases.recv {
-            self.expect_pending(Some(Pending::LlDispatchRecv))?;
             let sources: Vec<LlRankTokens> = (0..topo.world)
                 .map(|r| {
                     let h = self.header(r);
@@ -523,8 +642,7 @@ impl Backend for HostBackend {
                 })
                 .collect();
             let d = ll_dispatch(topo, m, &sources, self.rank(), op.out_dtype, op.ue8m0);
-            self.barrier()?;
-            self.pending = None;
+            self.step(&call, GATHER)?;
             // SAFETY: the context checked the output pointers; sizes follow
             // the masked layout of the config.
             unsafe {
@@ -536,15 +654,20 @@ impl Backend for HostBackend {
                 give(op.recv_src_info, &d.recv_src_info);
                 give(op.recv_layout_range, &d.recv_layout_range);
             }
-            self.ll_recv_weights = d.recv_weights;
+            self.ll_received = Some(LlReceived {
+                src_info: d.recv_src_info,
+                layout_range: d.recv_layout_range,
+                weights: d.recv_weights,
+            });
         }
         count_check
     }
 
-    fn ll_combine(&mut self, op: &LlCombineOp, _stream: Stream) -> Result<()> {
+    fn ll_combine(&mut self, call: Call, op: &LlCombineOp, _stream: Stream) -> Result<()> {
         let topo = self.cfg.topo;
         let (m, hidden, topk) = (self.cfg.ll_max_tokens, topo.hidden, topo.topk);
         let slots = self.cfg.local_experts() * topo.world * m;
+        let ranges = slots / m * 2;
         let a = &self.areas;
         let (y_at, src_at, range_at, w_at) = (
             a.ll_combine_y,
@@ -553,58 +676,80 @@ impl Backend for HostBackend {
             a.ll_combine_weights,
         );
         if op.phases.send {
-            self.expect_pending(None)?;
-            // SAFETY: the context checked the pointers; sizes follow the
-            // masked layout of the config.
-            unsafe {
-                if !op.zero_copy {
-                    self.publish(y_at, caller(op.x as *const bf16, slots * hidden));
-                }
-                self.publish(src_at, caller(op.src_info, slots));
-                self.publish(range_at, caller(op.layout_range, slots / m * 2));
+            if !op.zero_copy {
+                // SAFETY: the context checked the pointer; its size is the
+                // masked layout of the config.
+                let y = unsafe { caller(op.x as *const bf16, slots * hidden) };
+                self.publish(y_at, y);
             }
-            let weights = self.ll_recv_weights.take();
-            self.publish(w_at, weights.as_deref().unwrap_or(&[]));
-            self.set_header(|h| h.ll_combine_has_weights = weights.is_some() as u64);
-            self.ll_recv_weights = weights;
-            self.barrier()?;
-            self.pending = Some(Pending::LlCombineRecv);
+            // The layout kept from this rank's dispatch (none if that
+            // dispatch did not complete: every rank then learns it below).
+            let received = self.ll_received.take();
+            let (src_info, range, weights) = match &received {
+                Some(r) => (&r.src_info[..], &r.layout_range[..], r.weights.as_deref()),
+                None => (&[][..], &[][..], None),
+            };
+            self.publish(src_at, src_info);
+            self.publish(range_at, range);
+            self.publish(w_at, weights.unwrap_or(&[]));
+            self.set_header(|h| {
+                h.ll_combine_has_weights = weights.is_some() as u64;
+                h.ll_combine_ready = received.is_some() as u64;
+            });
+            self.ll_received = received;
+            self.step(&call, PUBLISH)?;
         }
         let mut count_check = Ok(());
         if op.phases.recv {
-            self.expect_pending(Some(Pending::LlCombineRecv))?;
-            // SAFETY: as in `ll_dispatch`.
-            let n = unsafe { ll_tokens(op.num_tokens, op.device_num_tokens, &mut count_check) };
+            // SAFETY: the context checked the count pointer's alignment.
+            let n = unsafe { ll_count(op.num_tokens, op.device_num_tokens) }.unwrap_or_else(|e| {
+                count_check = Err(e);
+                0
+            });
+            let unready = (0..topo.world).find(|&r| self.header(r).ll_combine_ready == 0);
             let experts: Vec<LlExpertOutputs> = (0..topo.world)
                 .map(|r| LlExpertOutputs {
                     y: self.view(r, y_at, slots * hidden),
                     src_info: self.view(r, src_at, slots),
-                    layout_range: self.view(r, range_at, slots / m * 2),
+                    layout_range: self.view(r, range_at, ranges),
                     weights: (self.header(r).ll_combine_has_weights != 0)
                         .then(|| self.view(r, w_at, slots)),
                 })
                 .collect();
             let weights_missing =
                 op.topk_weights.is_null() && experts.iter().any(|e| e.weights.is_none());
-            let out = (!weights_missing).then(|| {
-                // SAFETY: the context checked the pointers for `n` tokens.
-                let (topk_idx, weights) = unsafe {
-                    (
-                        caller(op.topk_idx, n * topk),
-                        (!op.topk_weights.is_null()).then(|| caller(op.topk_weights, n * topk)),
-                    )
-                };
-                ll_combine(topo, m, self.rank(), n, topk_idx, weights, &experts)
-            });
-            self.barrier()?;
-            self.pending = None;
-            let out = out.ok_or_else(|| {
-                Error::invalid(
+            let out = match unready {
+                Some(r) => Err(Error::invalid(format!(
+                    "rank {r} has no layout of the low-latency dispatch this combine pairs with (call #{}): that dispatch failed",
+                    call.pairs_with
+                ))),
+                None if weights_missing => Err(Error::invalid(
                     "topk_weights is NULL but not every rank's dispatch was given weights",
-                )
-            })?;
+                )),
+                None => {
+                    // SAFETY: the context checked the pointers for `n` tokens,
+                    // and `check_inputs` that they are the dispatch's routing.
+                    let (topk_idx, weights) = unsafe {
+                        (
+                            caller(op.topk_idx, n * topk),
+                            (!op.topk_weights.is_null())
+                                .then(|| caller(op.topk_weights, n * topk)),
+                        )
+                    };
+                    Ok(ll_combine(
+                        topo,
+                        m,
+                        self.rank(),
+                        n,
+                        topk_idx,
+                        weights,
+                        &experts,
+                    ))
+                }
+            };
+            self.step(&call, GATHER)?;
             // SAFETY: `out` has room for `n` tokens (checked by the context).
-            unsafe { give(op.out as *mut bf16, &out) };
+            unsafe { give(op.out as *mut bf16, &out?) };
         }
         count_check
     }
@@ -617,26 +762,34 @@ impl Backend for HostBackend {
     }
 }
 
+fn host_handle(handle: &HandleState) -> Result<&HostHandle> {
+    handle
+        .downcast_ref::<HostHandle>()
+        .ok_or_else(|| Error::internal("not a host handle"))
+}
+
+fn host_handle_mut(handle: &mut HandleState) -> Result<&mut HostHandle> {
+    handle
+        .downcast_mut::<HostHandle>()
+        .ok_or_else(|| Error::internal("not a host handle"))
+}
+
 /// The tokens of a low-latency call: `*device_num_tokens` when given, else
-/// `bound`. As on the GPU, a count outside `[0, bound]` lets the call go on
-/// with no tokens and leaves the error in `check`, to be returned when the
-/// call ends.
+/// `bound`. As on the GPU, a count outside `[0, bound]` is an error that the
+/// call reports when it ends, having run with no tokens.
 ///
 /// # Safety
-/// `device_num_tokens` is NULL or points to an `i32`.
-unsafe fn ll_tokens(bound: usize, device_num_tokens: *const i32, check: &mut Result<()>) -> usize {
+/// `device_num_tokens` is NULL or points to an aligned `i32`.
+unsafe fn ll_count(bound: usize, device_num_tokens: *const i32) -> Result<usize> {
     if device_num_tokens.is_null() {
-        return bound;
+        return Ok(bound);
     }
     let n = *device_num_tokens;
     match usize::try_from(n) {
-        Ok(n) if n <= bound => n,
-        _ => {
-            *check = Err(Error::invalid(format!(
-                "*device_num_tokens = {n} is outside [0, num_tokens = {bound}]; the call ran with no tokens"
-            )));
-            0
-        }
+        Ok(n) if n <= bound => Ok(n),
+        _ => Err(Error::invalid(format!(
+            "*device_num_tokens = {n} is outside [0, num_tokens = {bound}]; the call ran with no tokens"
+        ))),
     }
 }
 

@@ -1,0 +1,1045 @@
+//! The contract walks, for any backend and memory:
+//! - [`walk_nulls`] sets each pointer of a call to NULL in turn and expects
+//!   what the runtime's contract table says: `EP_ERR_NULL_POINTER` naming
+//!   the field with nothing written for a required pointer, success and the
+//!   reference result (with nothing written through the NULL) for an
+//!   optional one;
+//! - [`walk_bad`] makes each call with one bad value (counts, struct
+//!   headers, flags, expert ids, misaligned pointers) and expects its status
+//!   and message.
+//!
+//! After every call, a correct call must still work and give the reference
+//! result. Every rank runs the same walk with the same facts, so a call that
+//! fails its local checks fails on every rank and the ranks stay in step.
+
+use super::calls::*;
+use super::{last_error, Ctx, Handle};
+use ep::capi::*;
+use ep::runtime::contract::{self, Facts, Field};
+use std::ptr::null_mut;
+
+/// A call's pointers, whatever its args struct.
+pub trait Pointers {
+    fn is_set(&mut self, name: &str) -> bool;
+    fn null(&mut self, name: &str);
+    fn restore(&mut self);
+    fn poison(&self);
+    fn untouched(&self) -> bool;
+}
+
+impl<A: PointerFields> Pointers for Call<'_, A> {
+    fn is_set(&mut self, name: &str) -> bool {
+        Call::is_set(self, name)
+    }
+    fn null(&mut self, name: &str) {
+        Call::null(self, name)
+    }
+    fn restore(&mut self) {
+        Call::restore(self)
+    }
+    fn poison(&self) {
+        Call::poison(self)
+    }
+    fn untouched(&self) -> bool {
+        Call::untouched(self)
+    }
+}
+
+/// An operation under test: one call of one rank, made of one or two
+/// halves (`EP_LL_SEND_ONLY` then `EP_LL_RECV_ONLY`).
+pub trait Op {
+    fn label(&self) -> String;
+    /// The C function, which every message names.
+    fn function(&self) -> &'static str;
+    /// The runtime's rules for its pointers.
+    fn fields(&self) -> Vec<Field>;
+    /// The facts of each half, as this test states them.
+    fn phases(&self) -> Vec<Facts>;
+    fn pointers(&mut self) -> &mut dyn Pointers;
+    /// Makes what the call needs first (a dispatch before a combine).
+    fn prepare(&mut self, ctx: &Ctx);
+    fn run(&mut self, ctx: &Ctx, phase: usize) -> ep_status_t;
+    /// Compares the outputs with the reference.
+    fn check(&mut self) -> Result<(), String>;
+    /// The status of a correct call.
+    fn success(&self) -> ep_status_t {
+        EP_SUCCESS
+    }
+}
+
+/// Runs every half of a correct call and checks it.
+fn correct_call(op: &mut dyn Op, ctx: &Ctx, rank: usize, after: &str) {
+    op.pointers().restore();
+    op.prepare(ctx);
+    op.pointers().poison();
+    for phase in 0..op.phases().len() {
+        let status = op.run(ctx, phase);
+        assert_eq!(
+            status,
+            op.success(),
+            "rank {rank}: {} after {after}: {}",
+            op.label(),
+            last_error()
+        );
+    }
+    if let Err(e) = op.check() {
+        panic!("rank {rank}: {} after {after}: {e}", op.label());
+    }
+}
+
+/// Asserts `status` and that the last error names `function` and contains
+/// every needle.
+#[track_caller]
+pub fn expect_error(
+    status: ep_status_t,
+    want: ep_status_t,
+    function: &str,
+    needles: &[&str],
+    what: &str,
+) {
+    let msg = last_error();
+    assert_eq!(status, want, "{what}: status {status}, message {msg:?}");
+    assert!(
+        msg.starts_with(&format!("{function}: ")),
+        "{what}: the message does not name {function}: {msg:?}"
+    );
+    for needle in needles {
+        assert!(
+            msg.contains(needle),
+            "{what}: the message lacks {needle:?}: {msg:?}"
+        );
+    }
+}
+
+/// Asserts that a call with `field` NULL was refused for it.
+#[track_caller]
+pub fn expect_null(status: ep_status_t, function: &str, field: &str, what: &str) {
+    let needle = format!("`{field}` is NULL");
+    expect_error(status, EP_ERR_NULL_POINTER, function, &[&needle], what);
+}
+
+/// Sets each pointer that `op` passes to NULL in turn (see the module doc).
+pub fn walk_nulls(op: &mut dyn Op, ctx: &Ctx, rank: usize) {
+    let phases = op.phases();
+    for field in op.fields() {
+        if !op.pointers().is_set(field.name) {
+            continue;
+        }
+        let what = format!("rank {rank}: {} with `{}` NULL", op.label(), field.name);
+        op.pointers().restore();
+        op.prepare(ctx);
+        op.pointers().null(field.name);
+        op.pointers().poison();
+        let mut refused = None;
+        for (phase, facts) in phases.iter().enumerate() {
+            let status = op.run(ctx, phase);
+            if field.required(facts) {
+                expect_null(status, op.function(), field.name, &what);
+                assert!(op.pointers().untouched(), "{what}: an output was written");
+                refused = Some(phase);
+                break;
+            }
+            assert_eq!(
+                status,
+                op.success(),
+                "{what} (half {phase}): {}",
+                last_error()
+            );
+        }
+        match refused {
+            // The refused half again, correctly: a split call's receive
+            // half is still due.
+            Some(phase) => {
+                op.pointers().restore();
+                for rest in phase..phases.len() {
+                    let status = op.run(ctx, rest);
+                    assert_eq!(
+                        status,
+                        op.success(),
+                        "{what}, then correct: {}",
+                        last_error()
+                    );
+                }
+                op.check()
+                    .unwrap_or_else(|e| panic!("{what}, then correct: {e}"));
+            }
+            None => op.check().unwrap_or_else(|e| panic!("{what}: {e}")),
+        }
+        correct_call(op, ctx, rank, &format!("`{}` NULL", field.name));
+    }
+}
+
+/// One bad input of an operation `T`.
+pub struct Bad<'a, T: ?Sized> {
+    pub what: &'static str,
+    pub apply: Box<dyn Fn(&mut T) + 'a>,
+    pub status: ep_status_t,
+    pub needles: Vec<String>,
+    /// Found by the host backend reading the caller's arrays; the GPU
+    /// backend reports it from the device instead.
+    pub host_only: bool,
+}
+
+impl<'a, T: ?Sized> Bad<'a, T> {
+    pub fn new(
+        what: &'static str,
+        apply: impl Fn(&mut T) + 'a,
+        status: ep_status_t,
+        needles: &[&str],
+    ) -> Bad<'a, T> {
+        Bad {
+            what,
+            apply: Box::new(apply),
+            status,
+            needles: needles.iter().map(|n| n.to_string()).collect(),
+            host_only: false,
+        }
+    }
+
+    pub fn host_only(mut self) -> Self {
+        self.host_only = true;
+        self
+    }
+}
+
+/// Makes `op`'s call with each bad input (its first half), expects its
+/// status and message and no output written, then a correct call.
+pub fn walk_bad<T: Op>(op: &mut T, bads: &[Bad<'_, T>], ctx: &Ctx, rank: usize, host: bool) {
+    for bad in bads.iter().filter(|b| host || !b.host_only) {
+        let what = format!("rank {rank}: {} with {}", op.label(), bad.what);
+        op.pointers().restore();
+        op.prepare(ctx);
+        op.pointers().poison();
+        (bad.apply)(op);
+        let status = op.run(ctx, 0);
+        let needles: Vec<&str> = bad.needles.iter().map(|s| s.as_str()).collect();
+        expect_error(status, bad.status, op.function(), &needles, &what);
+        assert!(op.pointers().untouched(), "{what}: an output was written");
+        correct_call(op, ctx, rank, bad.what);
+    }
+}
+
+fn facts_of_tokens(n: usize) -> Facts {
+    Facts {
+        tokens: n > 0,
+        ..Facts::default()
+    }
+}
+
+/// `ep_get_dispatch_layout`.
+pub struct LayoutOp<'m> {
+    pub call: LayoutCall<'m>,
+    n: usize,
+}
+
+impl<'m> LayoutOp<'m> {
+    pub fn new(mem: &'m dyn Mem, shape: &Shape, tokens: &Tokens, rank: usize) -> Self {
+        let mut call = LayoutCall::new(mem, shape, &tokens.idx[rank], tokens.n[rank]);
+        call.call.save();
+        LayoutOp {
+            call,
+            n: tokens.n[rank],
+        }
+    }
+}
+
+impl Op for LayoutOp<'_> {
+    fn label(&self) -> String {
+        format!("layout of {} tokens", self.n)
+    }
+    fn function(&self) -> &'static str {
+        "ep_get_dispatch_layout"
+    }
+    fn fields(&self) -> Vec<Field> {
+        contract::fields(contract::LAYOUT).copied().collect()
+    }
+    fn phases(&self) -> Vec<Facts> {
+        vec![facts_of_tokens(self.n)]
+    }
+    fn pointers(&mut self) -> &mut dyn Pointers {
+        &mut self.call.call
+    }
+    fn prepare(&mut self, _ctx: &Ctx) {}
+    fn run(&mut self, ctx: &Ctx, _phase: usize) -> ep_status_t {
+        self.call.run(ctx)
+    }
+    fn check(&mut self) -> Result<(), String> {
+        self.call.check()
+    }
+}
+
+fn dispatch_facts(case: &DispatchCase, n: usize, fp8: bool) -> Facts {
+    Facts {
+        tokens: n > 0,
+        fp8,
+        source_order: case.source_order,
+        expert_major: case.expert_major,
+        ..Facts::default()
+    }
+}
+
+/// `ep_dispatch`.
+pub struct DispatchOp<'m> {
+    pub call: DispatchCall<'m>,
+    pub handle: Handle,
+    n: usize,
+    fp8: bool,
+}
+
+impl<'m> DispatchOp<'m> {
+    pub fn new(
+        mem: &'m dyn Mem,
+        ctx: &Ctx,
+        shape: &Shape,
+        tokens: &Tokens,
+        rank: usize,
+        case: DispatchCase,
+    ) -> Self {
+        let mut call = DispatchCall::new(mem, shape, tokens, rank, case);
+        call.call.save();
+        DispatchOp {
+            call,
+            handle: ctx.handle(),
+            n: tokens.n[rank],
+            fp8: tokens.fp8,
+        }
+    }
+}
+
+impl Op for DispatchOp<'_> {
+    fn label(&self) -> String {
+        let c = &self.call.case;
+        format!(
+            "dispatch of {} {} tokens (source order {}, expert-major {})",
+            self.n,
+            if self.fp8 { "FP8" } else { "BF16" },
+            c.source_order,
+            c.expert_major
+        )
+    }
+    fn function(&self) -> &'static str {
+        "ep_dispatch"
+    }
+    fn fields(&self) -> Vec<Field> {
+        contract::fields(contract::DISPATCH).copied().collect()
+    }
+    fn phases(&self) -> Vec<Facts> {
+        vec![dispatch_facts(&self.call.case, self.n, self.fp8)]
+    }
+    fn pointers(&mut self) -> &mut dyn Pointers {
+        &mut self.call.call
+    }
+    fn prepare(&mut self, _ctx: &Ctx) {}
+    fn run(&mut self, ctx: &Ctx, _phase: usize) -> ep_status_t {
+        self.call.run(ctx, self.handle.0)
+    }
+    fn check(&mut self) -> Result<(), String> {
+        self.call.check()
+    }
+}
+
+/// `ep_combine` in one layout, after a dispatch with both outputs.
+pub struct CombineOp<'m> {
+    pub dispatch: DispatchCall<'m>,
+    pub call: CombineCall<'m>,
+    pub handle: Handle,
+    expert_major: bool,
+    facts: Facts,
+    tolerance: f32,
+}
+
+impl<'m> CombineOp<'m> {
+    pub fn new(
+        mem: &'m dyn Mem,
+        ctx: &Ctx,
+        shape: &Shape,
+        tokens: &Tokens,
+        rank: usize,
+        seed: u64,
+        expert_major: bool,
+    ) -> Self {
+        let case = DispatchCase {
+            source_order: true,
+            expert_major: true,
+            alignment: 4,
+            no_host_sync: false,
+        };
+        let dispatch = DispatchCall::new(mem, shape, tokens, rank, case);
+        let all: Vec<_> = (0..shape.world)
+            .map(|r| tokens.dispatched(shape, r, case.alignment))
+            .collect();
+        let n = tokens.n[rank];
+        let mut call = CombineCall::new(mem, shape, rank, n, &all, seed, expert_major);
+        call.call.save();
+        let d = &all[rank];
+        let rows = if expert_major {
+            d.expert_rows
+        } else {
+            d.num_rows
+        };
+        CombineOp {
+            dispatch,
+            call,
+            handle: ctx.handle(),
+            expert_major,
+            facts: Facts {
+                tokens: n > 0,
+                rows: rows > 0,
+                ..Facts::default()
+            },
+            tolerance: mem.combine_tolerance(),
+        }
+    }
+}
+
+impl Op for CombineOp<'_> {
+    fn label(&self) -> String {
+        let layout = if self.expert_major {
+            "expert-major"
+        } else {
+            "source-order"
+        };
+        format!("{layout} combine ({:?})", self.facts)
+    }
+    fn function(&self) -> &'static str {
+        "ep_combine"
+    }
+    fn fields(&self) -> Vec<Field> {
+        contract::fields(contract::COMBINE).copied().collect()
+    }
+    fn phases(&self) -> Vec<Facts> {
+        vec![self.facts]
+    }
+    fn pointers(&mut self) -> &mut dyn Pointers {
+        &mut self.call.call
+    }
+    fn prepare(&mut self, ctx: &Ctx) {
+        let status = self.dispatch.run(ctx, self.handle.0);
+        assert_eq!(
+            status,
+            EP_SUCCESS,
+            "dispatch before a combine: {}",
+            last_error()
+        );
+    }
+    fn run(&mut self, ctx: &Ctx, _phase: usize) -> ep_status_t {
+        self.call.run(ctx, self.handle.0)
+    }
+    fn check(&mut self) -> Result<(), String> {
+        self.call.check(self.tolerance)
+    }
+}
+
+fn ll_facts(split: bool, base: Facts) -> Vec<Facts> {
+    if split {
+        vec![Facts { send: true, ..base }, Facts { recv: true, ..base }]
+    } else {
+        vec![Facts {
+            send: true,
+            recv: true,
+            ..base
+        }]
+    }
+}
+
+/// `ep_ll_dispatch`.
+pub struct LlDispatchOp<'m> {
+    pub call: LlDispatchCall<'m>,
+    n: usize,
+}
+
+impl<'m> LlDispatchOp<'m> {
+    pub fn new(
+        mem: &'m dyn Mem,
+        shape: &Shape,
+        tokens: &LlTokens,
+        rank: usize,
+        case: LlDispatchCase,
+    ) -> Self {
+        let mut call = LlDispatchCall::new(mem, shape, tokens, rank, case);
+        call.call.save();
+        LlDispatchOp {
+            call,
+            n: tokens.n[rank],
+        }
+    }
+}
+
+impl Op for LlDispatchOp<'_> {
+    fn label(&self) -> String {
+        format!(
+            "low-latency dispatch of {} tokens {:?}",
+            self.n, self.call.case
+        )
+    }
+    fn function(&self) -> &'static str {
+        "ep_ll_dispatch"
+    }
+    fn fields(&self) -> Vec<Field> {
+        contract::fields(contract::LL_DISPATCH).copied().collect()
+    }
+    fn phases(&self) -> Vec<Facts> {
+        let base = Facts {
+            tokens: self.n > 0,
+            fp8: self.call.case.fp8,
+            ..Facts::default()
+        };
+        ll_facts(self.call.case.split, base)
+    }
+    fn pointers(&mut self) -> &mut dyn Pointers {
+        &mut self.call.call
+    }
+    fn prepare(&mut self, _ctx: &Ctx) {}
+    fn run(&mut self, ctx: &Ctx, phase: usize) -> ep_status_t {
+        self.call.run(ctx, phase)
+    }
+    fn check(&mut self) -> Result<(), String> {
+        self.call.check()
+    }
+}
+
+/// `ep_ll_combine`, after a low-latency dispatch.
+pub struct LlCombineOp<'m> {
+    pub dispatch: LlDispatchCall<'m>,
+    pub call: LlCombineCall<'m>,
+    mem: &'m dyn Mem,
+    n: usize,
+}
+
+impl<'m> LlCombineOp<'m> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        mem: &'m dyn Mem,
+        shape: &Shape,
+        tokens: &LlTokens,
+        rank: usize,
+        seed: u64,
+        dispatch_case: LlDispatchCase,
+        case: LlCombineCase,
+    ) -> Self {
+        let dispatch = LlDispatchCall::new(mem, shape, tokens, rank, dispatch_case);
+        let all: Vec<_> = (0..shape.world)
+            .map(|r| tokens.dispatched(shape, r, &dispatch_case))
+            .collect();
+        let mut call = LlCombineCall::new(mem, shape, tokens, &all, rank, seed, case);
+        call.call.save();
+        LlCombineOp {
+            dispatch,
+            call,
+            mem,
+            n: tokens.n[rank],
+        }
+    }
+}
+
+impl Op for LlCombineOp<'_> {
+    fn label(&self) -> String {
+        format!(
+            "low-latency combine of {} tokens {:?} after {:?}",
+            self.n, self.call.case, self.dispatch.case
+        )
+    }
+    fn function(&self) -> &'static str {
+        "ep_ll_combine"
+    }
+    fn fields(&self) -> Vec<Field> {
+        contract::fields(contract::LL_COMBINE).copied().collect()
+    }
+    fn phases(&self) -> Vec<Facts> {
+        let base = Facts {
+            tokens: self.n > 0,
+            zero_copy: self.call.case.zero_copy,
+            unweighted: !self.dispatch.case.weights,
+            ..Facts::default()
+        };
+        ll_facts(self.call.case.split, base)
+    }
+    fn pointers(&mut self) -> &mut dyn Pointers {
+        &mut self.call.call
+    }
+    fn prepare(&mut self, ctx: &Ctx) {
+        let status = self.dispatch.run_all(ctx);
+        assert_eq!(
+            status,
+            EP_SUCCESS,
+            "dispatch before a combine: {}",
+            last_error()
+        );
+        self.call.fill_combine_buffer(ctx, self.mem);
+    }
+    fn run(&mut self, ctx: &Ctx, phase: usize) -> ep_status_t {
+        self.call.run(ctx, phase)
+    }
+    fn check(&mut self) -> Result<(), String> {
+        self.call.check(self.mem.combine_tolerance())
+    }
+}
+
+/// `ep_mega_dispatch_gemm` or `ep_mega_gemm_combine` as they are today:
+/// every argument checked, then `EP_ERR_UNSUPPORTED`.
+pub struct MegaOp<'m> {
+    pub call: Call<'m, MegaArgs>,
+    pub handle: Handle,
+    facts: Facts,
+}
+
+impl<'m> MegaOp<'m> {
+    /// The dispatch half with `tokens`, both outputs.
+    pub fn dispatch(
+        mem: &'m dyn Mem,
+        ctx: &Ctx,
+        shape: &Shape,
+        tokens: &Tokens,
+        rank: usize,
+    ) -> Self {
+        let case = DispatchCase {
+            source_order: true,
+            expert_major: true,
+            alignment: 1,
+            no_host_sync: true,
+        };
+        let dispatch = DispatchCall::new(mem, shape, tokens, rank, case);
+        let mut args = super::mega_args();
+        args.dispatch = dispatch.call.args;
+        let call = dispatch.call.into_args(MegaArgs {
+            args,
+            combine: false,
+        });
+        let facts = dispatch_facts(&case, tokens.n[rank], tokens.fp8);
+        MegaOp::finish(call, ctx, shape, facts)
+    }
+
+    /// The combine half, expert-major.
+    pub fn combine(mem: &'m dyn Mem, ctx: &Ctx, shape: &Shape) -> Self {
+        let mut args = super::mega_args();
+        args.combine.input_layout = EP_COMBINE_EXPERT_MAJOR;
+        let mut call = Call::new(
+            mem,
+            MegaArgs {
+                args,
+                combine: true,
+            },
+        );
+        call.input("x", &vec![0u16; 64 * shape.hidden]);
+        call.output("out", 64 * shape.hidden * 2);
+        let facts = Facts {
+            tokens: true,
+            rows: true,
+            ..Facts::default()
+        };
+        MegaOp::finish(call, ctx, shape, facts)
+    }
+
+    /// Adds the megakernels' own buffers.
+    fn finish(mut call: Call<'m, MegaArgs>, ctx: &Ctx, shape: &Shape, facts: Facts) -> Self {
+        call.args.args.n = 128;
+        call.args.args.k = shape.hidden as i32;
+        call.input("weights", &vec![0u16; shape.local() * shape.hidden * 128]);
+        call.output("gemm_io", 1 << 16);
+        call.save();
+        MegaOp {
+            call,
+            handle: ctx.handle(),
+            facts,
+        }
+    }
+}
+
+impl Op for MegaOp<'_> {
+    fn label(&self) -> String {
+        self.function().to_string()
+    }
+    fn function(&self) -> &'static str {
+        if self.call.args.combine {
+            "ep_mega_gemm_combine"
+        } else {
+            "ep_mega_dispatch_gemm"
+        }
+    }
+    fn fields(&self) -> Vec<Field> {
+        let mut fields: Vec<Field> = if self.call.args.combine {
+            contract::fields(contract::COMBINE).copied().collect()
+        } else {
+            contract::fields(contract::DISPATCH).copied().collect()
+        };
+        fields.extend(contract::fields(contract::MEGA));
+        fields
+    }
+    fn phases(&self) -> Vec<Facts> {
+        vec![self.facts]
+    }
+    fn pointers(&mut self) -> &mut dyn Pointers {
+        &mut self.call
+    }
+    fn prepare(&mut self, _ctx: &Ctx) {}
+    fn run(&mut self, ctx: &Ctx, _phase: usize) -> ep_status_t {
+        let (args, handle) = (&self.call.args.args, self.handle.0);
+        // SAFETY: live context and handle; buffers as the API says.
+        unsafe {
+            if self.call.args.combine {
+                ep_mega_gemm_combine(ctx.0, args, handle, null_mut())
+            } else {
+                ep_mega_dispatch_gemm(ctx.0, args, handle, null_mut())
+            }
+        }
+    }
+    fn check(&mut self) -> Result<(), String> {
+        Ok(())
+    }
+    fn success(&self) -> ep_status_t {
+        EP_ERR_UNSUPPORTED
+    }
+}
+
+const INVALID: ep_status_t = EP_ERR_INVALID_ARGUMENT;
+
+/// A struct header made bad in the ways every versioned struct is checked.
+macro_rules! header_bads {
+    ($op:ty, |$o:ident| $args:expr, $min:expr, $size:expr, $name:expr) => {
+        vec![
+            Bad::new(
+                "struct_size below the minimum",
+                move |$o: &mut $op| $args.struct_size = $min - 4,
+                INVALID,
+                &[$name, "struct_size"],
+            ),
+            Bad::new(
+                "struct_size above this release's",
+                move |$o: &mut $op| $args.struct_size = $size + 8,
+                INVALID,
+                &[$name, "struct_size"],
+            ),
+            Bad::new(
+                "a bad magic",
+                move |$o: &mut $op| $args.magic ^= 0x0101_0101,
+                INVALID,
+                &[$name, "bad magic"],
+            ),
+            Bad::new(
+                "version 0",
+                move |$o: &mut $op| $args.version = 0,
+                INVALID,
+                &[$name, "version is 0"],
+            ),
+        ]
+    };
+}
+
+/// A token count above the configured `max`, and a negative one, set by
+/// `set`.
+fn bad_counts<'a, T: Op + 'a>(max: usize, set: fn(&mut T, i32)) -> Vec<Bad<'a, T>> {
+    let max = max as i32;
+    let above = format!(
+        "num_tokens = {} is above the configured maximum {max}",
+        max + 1
+    );
+    vec![
+        Bad::new(
+            "num_tokens above the maximum",
+            move |o: &mut T| set(o, max + 1),
+            INVALID,
+            &[&above],
+        ),
+        Bad::new(
+            "a negative num_tokens",
+            move |o: &mut T| set(o, -1),
+            INVALID,
+            &["num_tokens = -1 is negative"],
+        ),
+    ]
+}
+
+/// Points an operation's `topk_idx` to a changed copy of its routing.
+type ReplaceRouting<T> = fn(&mut T, &dyn Fn(&mut Vec<i32>));
+
+/// Bad routing: an id out of range, a negative id other than -1, and (with
+/// topk > 1) an expert listed twice for token 0.
+fn bad_routing<'a, T: Op + 'a>(shape: &Shape, replace: ReplaceRouting<T>) -> Vec<Bad<'a, T>> {
+    let e = shape.experts as i32;
+    let mut bads = vec![
+        Bad::new(
+            "an expert id out of range",
+            move |o: &mut T| replace(o, &|idx| idx[0] = e),
+            INVALID,
+            &[&format!("topk_idx[0][0] = {e} is not an expert id")],
+        )
+        .host_only(),
+        Bad::new(
+            "a negative expert id",
+            move |o: &mut T| replace(o, &|idx| idx[0] = -2),
+            INVALID,
+            &["topk_idx[0][0] = -2 is not an expert id"],
+        )
+        .host_only(),
+    ];
+    if shape.topk > 1 {
+        bads.push(
+            Bad::new(
+                "an expert listed twice for one token",
+                move |o: &mut T| {
+                    replace(o, &|idx| {
+                        idx[0] = 0;
+                        idx[1] = 0;
+                    })
+                },
+                INVALID,
+                &["topk_idx[0][1] = 0 is listed twice"],
+            )
+            .host_only(),
+        );
+    }
+    bads
+}
+
+/// Routing that differs from `idx` in one slot and is still valid.
+pub fn other_routing(idx: &mut [i32]) {
+    match idx.iter().position(|&id| id >= 0) {
+        Some(at) => idx[at] = -1,
+        None => idx[0] = 0,
+    }
+}
+
+/// Bad inputs of `ep_get_dispatch_layout` (`max` tokens per rank).
+pub fn bad_layout<'m>(shape: &Shape) -> Vec<Bad<'m, LayoutOp<'m>>> {
+    let mut bads = bad_counts(shape.max_tokens, |o: &mut LayoutOp<'m>, n| {
+        o.call.call.args.num_tokens = n
+    });
+    bads.extend([Bad::new(
+        "a misaligned topk_idx",
+        |o: &mut LayoutOp<'m>| o.call.call.offset("topk_idx", 2),
+        INVALID,
+        &["`topk_idx`", "is not 4-byte aligned"],
+    )]);
+    bads.extend(bad_routing(shape, |o: &mut LayoutOp<'m>, f| {
+        o.call.call.replace("topk_idx", f)
+    }));
+    bads
+}
+
+/// Bad inputs of `ep_dispatch` (both outputs requested).
+pub fn bad_dispatch<'m>(shape: &Shape) -> Vec<Bad<'m, DispatchOp<'m>>> {
+    let size = std::mem::size_of::<ep_dispatch_args_t>() as u32;
+    let mut bads = header_bads!(
+        DispatchOp,
+        |o| o.call.call.args,
+        EP_DISPATCH_ARGS_MIN_SIZE,
+        size,
+        "dispatch args"
+    );
+    bads.extend(bad_counts(shape.max_tokens, |o: &mut DispatchOp<'m>, n| {
+        o.call.call.args.num_tokens = n
+    }));
+    bads.extend([
+        Bad::new(
+            "an unknown flag",
+            |o: &mut DispatchOp<'m>| o.call.call.args.flags |= 0x40,
+            INVALID,
+            &["unknown dispatch flags"],
+        ),
+        Bad::new(
+            "an unknown dtype",
+            |o: &mut DispatchOp<'m>| o.call.call.args.dtype = 9,
+            INVALID,
+            &["dtype = 9 is not an EP_DTYPE_* value"],
+        ),
+        Bad::new(
+            "expert_alignment 1025",
+            |o: &mut DispatchOp<'m>| o.call.call.args.expert_alignment = 1025,
+            INVALID,
+            &["expert_alignment = 1025 is outside [1, 1024]"],
+        ),
+        Bad::new(
+            "a negative recv_capacity",
+            |o: &mut DispatchOp<'m>| o.call.call.args.recv_capacity = -1,
+            INVALID,
+            &["recv_capacity = -1 is negative"],
+        ),
+        Bad::new(
+            "EP_DISPATCH_NO_HOST_SYNC below the worst case",
+            |o: &mut DispatchOp<'m>| {
+                o.call.call.args.flags |= EP_DISPATCH_NO_HOST_SYNC;
+                o.call.call.args.expert_capacity = 1;
+            },
+            INVALID,
+            &["expert_capacity = 1 is below the worst case"],
+        ),
+        Bad::new(
+            "a misaligned topk_weights",
+            |o: &mut DispatchOp<'m>| o.call.call.offset("topk_weights", 1),
+            INVALID,
+            &["`topk_weights`", "is not 4-byte aligned"],
+        ),
+        Bad::new(
+            "a misaligned expert_offsets",
+            |o: &mut DispatchOp<'m>| o.call.call.offset("expert_offsets", 2),
+            INVALID,
+            &["`expert_offsets`", "is not 4-byte aligned"],
+        ),
+    ]);
+    bads.extend(bad_routing(shape, |o: &mut DispatchOp<'m>, f| {
+        o.call.call.replace("topk_idx", f)
+    }));
+    bads
+}
+
+/// Bad inputs of `ep_combine`.
+pub fn bad_combine<'m>() -> Vec<Bad<'m, CombineOp<'m>>> {
+    let size = std::mem::size_of::<ep_combine_args_t>() as u32;
+    let mut bads = header_bads!(
+        CombineOp,
+        |o| o.call.call.args,
+        EP_COMBINE_ARGS_MIN_SIZE,
+        size,
+        "combine args"
+    );
+    bads.extend([
+        Bad::new(
+            "an unknown input_layout",
+            |o: &mut CombineOp<'m>| o.call.call.args.input_layout = 7,
+            INVALID,
+            &["input_layout = 7 is not an EP_COMBINE_* value"],
+        ),
+        Bad::new(
+            "a misaligned x",
+            |o: &mut CombineOp<'m>| o.call.call.offset("x", 1),
+            INVALID,
+            &["`x`", "is not 2-byte aligned"],
+        ),
+    ]);
+    bads
+}
+
+/// Bad inputs of `ep_ll_dispatch` (FP8 output).
+pub fn bad_ll_dispatch<'m>(shape: &Shape) -> Vec<Bad<'m, LlDispatchOp<'m>>> {
+    let size = std::mem::size_of::<ep_ll_dispatch_args_t>() as u32;
+    let mut bads = header_bads!(
+        LlDispatchOp,
+        |o| o.call.call.args,
+        EP_LL_DISPATCH_ARGS_MIN_SIZE,
+        size,
+        "low-latency dispatch args"
+    );
+    bads.extend(bad_counts(shape.ll_max, |o: &mut LlDispatchOp<'m>, n| {
+        o.call.call.args.num_tokens = n
+    }));
+    bads.extend([
+        Bad::new(
+            "a misaligned device_num_tokens",
+            |o: &mut LlDispatchOp<'m>| o.call.call.offset("device_num_tokens", 1),
+            INVALID,
+            &["`device_num_tokens`", "is not 4-byte aligned"],
+        ),
+        Bad::new(
+            "an unknown out_dtype",
+            |o: &mut LlDispatchOp<'m>| o.call.call.args.out_dtype = 0,
+            INVALID,
+            &["out_dtype = 0 is not an EP_DTYPE_* value"],
+        ),
+        Bad::new(
+            "a combine-only flag",
+            |o: &mut LlDispatchOp<'m>| o.call.call.args.flags = EP_LL_ZERO_COPY,
+            INVALID,
+            &["unknown low-latency flags 0x8"],
+        ),
+        Bad::new(
+            "EP_LL_SEND_ONLY and EP_LL_RECV_ONLY",
+            |o: &mut LlDispatchOp<'m>| o.call.call.args.flags = EP_LL_SEND_ONLY | EP_LL_RECV_ONLY,
+            INVALID,
+            &["EP_LL_SEND_ONLY and EP_LL_RECV_ONLY together"],
+        ),
+        Bad::new(
+            "EP_LL_RECV_ONLY without a send",
+            |o: &mut LlDispatchOp<'m>| o.call.call.args.flags = EP_LL_RECV_ONLY,
+            INVALID,
+            &["EP_LL_RECV_ONLY without a matching EP_LL_SEND_ONLY call"],
+        ),
+        Bad::new(
+            "EP_LL_UE8M0_SCALES with BF16 output",
+            |o: &mut LlDispatchOp<'m>| {
+                o.call.call.args.out_dtype = EP_DTYPE_BF16;
+                o.call.call.args.flags = EP_LL_UE8M0_SCALES;
+            },
+            INVALID,
+            &["EP_LL_UE8M0_SCALES needs out_dtype FP8"],
+        ),
+    ]);
+    bads.extend(bad_routing(shape, |o: &mut LlDispatchOp<'m>, f| {
+        o.call.call.replace("topk_idx", f)
+    }));
+    bads
+}
+
+/// Bad inputs of `ep_ll_combine` (after a dispatch of the same tokens).
+pub fn bad_ll_combine<'m>(shape: &Shape) -> Vec<Bad<'m, LlCombineOp<'m>>> {
+    let size = std::mem::size_of::<ep_ll_combine_args_t>() as u32;
+    let e = shape.experts as i32;
+    let mut bads = header_bads!(
+        LlCombineOp,
+        |o| o.call.call.args,
+        EP_LL_COMBINE_ARGS_MIN_SIZE,
+        size,
+        "low-latency combine args"
+    );
+    bads.extend([
+        Bad::new(
+            "fewer tokens than its dispatch",
+            |o: &mut LlCombineOp<'m>| o.call.call.args.num_tokens -= 1,
+            INVALID,
+            &["but the low-latency dispatch it combines", "had num_tokens"],
+        ),
+        Bad::new(
+            "a misaligned device_num_tokens",
+            |o: &mut LlCombineOp<'m>| o.call.call.offset("device_num_tokens", 2),
+            INVALID,
+            &["`device_num_tokens`", "is not 4-byte aligned"],
+        ),
+        Bad::new(
+            "a dispatch-only flag",
+            |o: &mut LlCombineOp<'m>| o.call.call.args.flags = EP_LL_UE8M0_SCALES,
+            INVALID,
+            &["unknown low-latency flags 0x4"],
+        ),
+        Bad::new(
+            "EP_LL_RECV_ONLY without a send",
+            |o: &mut LlCombineOp<'m>| o.call.call.args.flags = EP_LL_RECV_ONLY,
+            INVALID,
+            &["EP_LL_RECV_ONLY without a matching EP_LL_SEND_ONLY call"],
+        ),
+        Bad::new(
+            "a topk_idx out of range",
+            move |o: &mut LlCombineOp<'m>| {
+                o.call
+                    .call
+                    .replace("topk_idx", |idx: &mut Vec<i32>| idx[0] = e)
+            },
+            INVALID,
+            &[&format!("topk_idx[0][0] = {e} is not an expert id")],
+        )
+        .host_only(),
+        Bad::new(
+            "a topk_idx other than its dispatch's",
+            |o: &mut LlCombineOp<'m>| {
+                o.call
+                    .call
+                    .replace("topk_idx", |idx: &mut Vec<i32>| other_routing(idx))
+            },
+            INVALID,
+            &["but the low-latency dispatch it combines had"],
+        )
+        .host_only(),
+    ]);
+    bads
+}
+
+/// Bad headers of the megakernels' args.
+pub fn bad_mega_dispatch<'m>() -> Vec<Bad<'m, MegaOp<'m>>> {
+    let size = std::mem::size_of::<ep_mega_args_t>() as u32;
+    let mut bads = header_bads!(MegaOp, |o| o.call.args.args, size, size, "megakernel args");
+    bads.push(Bad::new(
+        "an embedded struct with a bad magic",
+        |o: &mut MegaOp<'m>| o.call.args.args.dispatch.magic = 1,
+        INVALID,
+        &["embedded dispatch args"],
+    ));
+    bads
+}
