@@ -47,6 +47,7 @@ class ep_config_t(Structure):
         ("num_sms", c_int32),
         ("timeout_ms", c_uint32),
         ("ll_max_tokens_per_rank", c_int32),
+        ("ranks_per_node", c_int32),
     ]
 
 

@@ -76,8 +76,6 @@
 #define EP_HIER_WARPS (EP_MOVE_THREADS / 32)
 // Threads of the one-block wait and rail-barrier kernels: one per node.
 #define EP_HIER_SMALL_THREADS EP_MAX_WORLD_SIZE
-// 16-byte vectors a lane sums at once in the node reduce.
-#define EP_HIER_SUM_UNROLL 4
 
 namespace {
 
@@ -401,34 +399,14 @@ __device__ void sum_node_rows(__nv_bfloat16* dst, const __nv_bfloat16* rows, int
                               uint64_t mask, int hidden) {
     const int lane = threadIdx.x % 32;
     const int vectors = hidden / 8;
-    for (int base = lane; base < vectors; base += 32 * EP_HIER_SUM_UNROLL) {
-        float acc[EP_HIER_SUM_UNROLL][8] = {};
+    for (int base = lane; base < vectors; base += 32 * EP_SUM_UNROLL) {
+        float acc[EP_SUM_UNROLL][8] = {};
         for (uint64_t m = mask; m != 0; m &= m - 1) {
             const int l = __ffsll(static_cast<long long>(m)) - 1;
-            const int4* row = reinterpret_cast<const int4*>(rows + l * row_stride);
-            int4 raw[EP_HIER_SUM_UNROLL];
-#pragma unroll
-            for (int u = 0; u < EP_HIER_SUM_UNROLL; ++u) {
-                if (base + u * 32 < vectors) {
-                    raw[u] = row[base + u * 32];
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < EP_HIER_SUM_UNROLL; ++u) {
-                float f[8];
-                ep_unpack_bf16x8(raw[u], f);
-#pragma unroll
-                for (int c = 0; c < 8; ++c) {
-                    acc[u][c] = __fadd_rn(acc[u][c], f[c]);
-                }
-            }
+            ep_add_weighted_vectors(acc, reinterpret_cast<const int4*>(rows + l * row_stride),
+                                    1.0f, base, vectors);
         }
-#pragma unroll
-        for (int u = 0; u < EP_HIER_SUM_UNROLL; ++u) {
-            if (base + u * 32 < vectors) {
-                reinterpret_cast<int4*>(dst)[base + u * 32] = ep_pack_bf16x8(acc[u]);
-            }
-        }
+        ep_store_bf16_vectors(reinterpret_cast<int4*>(dst), acc, base, vectors);
     }
 }
 

@@ -130,9 +130,8 @@ __device__ __forceinline__ bool ep_reached(int value, int target) {
 // normal case) never need them.
 #define EP_HOST_POLL_NS 100000ull
 
-// Spins until the int at `addr` reaches `target` (see ep_reached), with
-// acquire semantics: when it returns true, whatever the writer did before
-// its release store is visible to this thread.
+// The bounded wait every kernel uses: spins until `poll(seen)` returns true
+// (it also stores in `seen` the value it looked at, for the error record).
 //
 // Returns false, without waiting further, when
 //   - the host set `*abort_flag` to non-zero: records EP_STATUS_ABORTED;
@@ -143,13 +142,13 @@ __device__ __forceinline__ bool ep_reached(int value, int target) {
 // The first two are looked at only after EP_HOST_POLL_NS of waiting.
 // `rank` and `phase` go into the record: the rank whose signal this wait is
 // for, and the kernel's EP_PHASE_*. The caller must then leave the kernel.
-__device__ __forceinline__ bool ep_wait_until_ge(const int* addr, int target, uint64_t deadline_ns,
-                                                 const int* abort_flag, EpDeviceStatus* status,
-                                                 int rank, int phase) {
+template <typename Poll>
+__device__ __forceinline__ bool ep_wait_for(Poll poll, uint64_t deadline_ns, const int* abort_flag,
+                                            EpDeviceStatus* status, int rank, int phase) {
     uint64_t next_poll_ns = 0;
     for (uint32_t spin = 0;; ++spin) {
-        int value = ep_ld_acquire_sys(addr);
-        if (ep_reached(value, target)) {
+        int seen = 0;
+        if (poll(seen)) {
             return true;
         }
         if (spin % EP_WAIT_CHECK_EVERY != 0) {
@@ -157,7 +156,7 @@ __device__ __forceinline__ bool ep_wait_until_ge(const int* addr, int target, ui
         }
         const uint64_t now = ep_globaltimer_ns();
         if (now >= deadline_ns) {
-            ep_record_error(status, EP_STATUS_TIMEOUT, rank, phase, value);
+            ep_record_error(status, EP_STATUS_TIMEOUT, rank, phase, seen);
             return false;
         }
         if (next_poll_ns == 0) {
@@ -168,13 +167,26 @@ __device__ __forceinline__ bool ep_wait_until_ge(const int* addr, int target, ui
         }
         next_poll_ns = now + EP_HOST_POLL_NS;
         if (ep_ld_relaxed_sys(abort_flag) != 0) {
-            ep_record_error(status, EP_STATUS_ABORTED, rank, phase, value);
+            ep_record_error(status, EP_STATUS_ABORTED, rank, phase, seen);
             return false;
         }
         if (ep_ld_relaxed_sys(&status->code) != EP_STATUS_OK) {
             return false;
         }
     }
+}
+
+// Spins until the int at `addr` reaches `target` (see ep_reached), with
+// acquire semantics: when it returns true, whatever the writer did before
+// its release store is visible to this thread. Bounded as ep_wait_for.
+__device__ __forceinline__ bool ep_wait_until_ge(const int* addr, int target, uint64_t deadline_ns,
+                                                 const int* abort_flag, EpDeviceStatus* status,
+                                                 int rank, int phase) {
+    const auto reached = [&](int& seen) {
+        seen = ep_ld_acquire_sys(addr);
+        return ep_reached(seen, target);
+    };
+    return ep_wait_for(reached, deadline_ns, abort_flag, status, rank, phase);
 }
 
 // ---------------------------------------------------------------------------
@@ -243,4 +255,42 @@ __device__ __forceinline__ int4 ep_pack_bf16x8(const float (&in)[8]) {
         pairs[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
     }
     return raw;
+}
+
+// 16-byte vectors (8 channels each) each lane sums at once in a combine.
+#define EP_SUM_UNROLL 4
+
+// acc[u] += w * row[base + 32 u] for the EP_SUM_UNROLL vectors of one lane,
+// in fp32, each product rounded before it is added (the reference's order;
+// with w = 1 the product is exact, so plain sums use this too).
+__device__ __forceinline__ void ep_add_weighted_vectors(float (&acc)[EP_SUM_UNROLL][8],
+                                                        const int4* row, float w, int base,
+                                                        int vectors) {
+    int4 raw[EP_SUM_UNROLL];
+#pragma unroll
+    for (int u = 0; u < EP_SUM_UNROLL; ++u) {
+        if (base + u * 32 < vectors) {
+            raw[u] = row[base + u * 32];
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < EP_SUM_UNROLL; ++u) {
+        float f[8];
+        ep_unpack_bf16x8(raw[u], f);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+            acc[u][c] = __fadd_rn(acc[u][c], __fmul_rn(w, f[c]));
+        }
+    }
+}
+
+// row[base + 32 u] = BF16 of acc[u], for the vectors of one lane.
+__device__ __forceinline__ void ep_store_bf16_vectors(int4* row, const float (&acc)[EP_SUM_UNROLL][8],
+                                                      int base, int vectors) {
+#pragma unroll
+    for (int u = 0; u < EP_SUM_UNROLL; ++u) {
+        if (base + u * 32 < vectors) {
+            row[base + u * 32] = ep_pack_bf16x8(acc[u]);
+        }
+    }
 }

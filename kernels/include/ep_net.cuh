@@ -118,41 +118,18 @@ __device__ __forceinline__ uint64_t ep_net_read_signal(const EpNet& net, int id)
     return value;
 }
 
-// Spins until this rank's signal `id` reaches `target`, bounded like
-// ep_wait_until_ge (same polling of the clock, the abort flag and the
-// status); `from_rank` and `phase` go into the error record.
+// Spins until this rank's signal `id` reaches `target`, bounded as
+// ep_wait_for (the clock, the abort flag, the status); `from_rank` and
+// `phase` go into the error record.
 __device__ inline bool ep_net_wait_signal(const EpNet& net, int id, uint64_t target,
                                           uint64_t deadline_ns, const int* abort_flag,
                                           EpDeviceStatus* status, int from_rank, int phase) {
-    uint64_t next_poll_ns = 0;
-    for (uint32_t spin = 0;; ++spin) {
+    const auto reached = [&](int& seen) {
         const uint64_t value = ep_net_read_signal(net, id);
-        if (value >= target) {
-            return true;
-        }
-        if (spin % EP_WAIT_CHECK_EVERY != 0) {
-            continue;
-        }
-        const uint64_t now = ep_globaltimer_ns();
-        if (now >= deadline_ns) {
-            ep_record_error(status, EP_STATUS_TIMEOUT, from_rank, phase, static_cast<int>(value));
-            return false;
-        }
-        if (next_poll_ns == 0) {
-            next_poll_ns = now + EP_HOST_POLL_NS;
-        }
-        if (now < next_poll_ns) {
-            continue;
-        }
-        next_poll_ns = now + EP_HOST_POLL_NS;
-        if (ep_ld_relaxed_sys(abort_flag) != 0) {
-            ep_record_error(status, EP_STATUS_ABORTED, from_rank, phase, static_cast<int>(value));
-            return false;
-        }
-        if (ep_ld_relaxed_sys(&status->code) != EP_STATUS_OK) {
-            return false;
-        }
-    }
+        seen = static_cast<int>(value);
+        return value >= target;
+    };
+    return ep_wait_for(reached, deadline_ns, abort_flag, status, from_rank, phase);
 }
 
 // Block-wide, at the start of a kernel launched once per call: the number of

@@ -278,27 +278,19 @@ pub fn combine_plan(
     num_tokens: usize,
 ) -> CombinePlan {
     let dispatch = dispatch_plan(topo, shape, source, topk_idx, num_tokens);
-    let to_gateway = dispatch
-        .forward
-        .iter()
-        .map(|f| Transfer {
-            token: f.token,
-            from: f.to,
-            to: f.from,
-        })
-        .collect();
-    let network = dispatch
-        .network
-        .iter()
-        .map(|n| Transfer {
-            token: n.token,
-            from: n.to,
-            to: n.from,
-        })
-        .collect();
+    let reversed = |moves: &[Transfer]| {
+        moves
+            .iter()
+            .map(|t| Transfer {
+                token: t.token,
+                from: t.to,
+                to: t.from,
+            })
+            .collect()
+    };
     CombinePlan {
-        to_gateway,
-        network,
+        to_gateway: reversed(&dispatch.forward),
+        network: reversed(&dispatch.network),
     }
 }
 
@@ -386,27 +378,7 @@ pub fn combine(
         let mut partial = vec![0f32; num_tokens * hidden];
         let mut present = vec![false; num_tokens];
         for r in shape.ranks_of(node) {
-            let ret = &returned[r];
-            assert_eq!(ret.src_info.len() % 2, 0, "rank {r}: src_info holds pairs");
-            assert_eq!(
-                ret.rows.len(),
-                ret.src_info.len() / 2 * hidden,
-                "rank {r}: one row per src_info pair"
-            );
-            for (info, row) in ret
-                .src_info
-                .chunks_exact(2)
-                .zip(ret.rows.chunks_exact(hidden))
-            {
-                if info[0] != rank as i32 {
-                    continue;
-                }
-                let token = usize::try_from(info[1])
-                    .ok()
-                    .filter(|&t| t < num_tokens)
-                    .unwrap_or_else(|| {
-                        panic!("rank {r}: row for token {} of {num_tokens}", info[1])
-                    });
+            for (token, row) in returned[r].rows_for(r, rank, num_tokens, hidden) {
                 present[token] = true;
                 for (a, &v) in partial[token * hidden..][..hidden].iter_mut().zip(row) {
                     *a += v.to_f32();
