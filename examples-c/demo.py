@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
 """ep demo in Python: ctypes only (no numpy), 2 ranks as processes, host backend.
+The header's structs and signatures come from python/ep/_abi.py (generated
+from include/ep.h); the package python/ep does all this for you.
 
     python3 demo.py [path/to/libep.so]     (or EP_LIB=path/to/libep.so)
 
@@ -9,20 +11,36 @@ expert-major), runs identity experts and combines both ways; out[t] must be
 sum_k w[t,k] * x[t]. Exit status 0 only if both ranks pass.
 """
 import ctypes
+import importlib.util
 import os
 import random
 import struct
 import sys
 
-from ctypes import (POINTER, Structure, c_char_p, c_float, c_int32, c_size_t,
-                    c_uint8, c_uint16, c_uint32, c_void_p, byref, sizeof)
+from ctypes import (addressof, byref, c_float, c_int32, c_uint8, c_uint16, c_void_p,
+                    sizeof)
 
-EP_SUCCESS = 0
-EP_BACKEND_HOST = 2
-EP_DTYPE_BF16 = 1
-EP_COMBINE_SOURCE_ORDER = 0
-EP_COMBINE_EXPERT_MAJOR = 1
-EP_UNIQUE_ID_BYTES = 128
+
+def load_abi():
+    """The header's constants, structs and signatures, generated from
+    include/ep.h into python/ep/_abi.py (never a hand-kept copy)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "ep", "_abi.py")
+    spec = importlib.util.spec_from_file_location("ep_abi", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+abi = load_abi()
+EP_SUCCESS = abi.EP_SUCCESS
+EP_BACKEND_HOST = abi.EP_BACKEND_HOST
+EP_DTYPE_BF16 = abi.EP_DTYPE_BF16
+EP_COMBINE_SOURCE_ORDER = abi.EP_COMBINE_SOURCE_ORDER
+EP_COMBINE_EXPERT_MAJOR = abi.EP_COMBINE_EXPERT_MAJOR
+ep_config_t = abi.ep_config_t
+ep_unique_id_t = abi.ep_unique_id_t
+ep_dispatch_args_t = abi.ep_dispatch_args_t
+ep_combine_args_t = abi.ep_combine_args_t
 
 WORLD = 2
 HIDDEN = 256
@@ -32,99 +50,14 @@ MAX_TOKENS = 32
 ALIGNMENT = 4
 
 
-# The structs of include/ep.h, field for field.
-class ep_config_t(Structure):
-    _fields_ = [
-        ("struct_size", c_uint32),
-        ("magic", c_uint32),
-        ("version", c_uint32),
-        ("max_tokens_per_rank", c_int32),
-        ("hidden", c_int32),
-        ("topk", c_int32),
-        ("num_experts", c_int32),
-        ("token_dtype", c_int32),
-        ("backend", c_int32),
-        ("num_sms", c_int32),
-        ("timeout_ms", c_uint32),
-        ("ll_max_tokens_per_rank", c_int32),
-        ("ranks_per_node", c_int32),
-    ]
-
-
-class ep_unique_id_t(Structure):
-    _fields_ = [("internal", c_uint8 * EP_UNIQUE_ID_BYTES)]
-
-
-class ep_dispatch_args_t(Structure):
-    _fields_ = [
-        ("struct_size", c_uint32),
-        ("magic", c_uint32),
-        ("version", c_uint32),
-        ("flags", c_uint32),
-        ("num_tokens", c_int32),
-        ("dtype", c_int32),
-        ("x", c_void_p),
-        ("x_scales", POINTER(c_float)),
-        ("topk_idx", POINTER(c_int32)),
-        ("topk_weights", POINTER(c_float)),
-        ("recv_capacity", c_int32),
-        ("expert_alignment", c_int32),
-        ("recv_x", c_void_p),
-        ("recv_x_scales", POINTER(c_float)),
-        ("recv_topk_idx", POINTER(c_int32)),
-        ("recv_topk_weights", POINTER(c_float)),
-        ("recv_src_info", POINTER(c_int32)),
-        ("recv_num_tokens", POINTER(c_int32)),
-        ("expert_capacity", c_int32),
-        ("expert_x", c_void_p),
-        ("expert_x_scales", POINTER(c_float)),
-        ("expert_weights", POINTER(c_float)),
-        ("expert_src_row", POINTER(c_int32)),
-        ("expert_offsets", POINTER(c_int32)),
-        ("expert_counts", POINTER(c_int32)),
-        ("host_recv_num_tokens", POINTER(c_int32)),
-        ("host_expert_counts", POINTER(c_int32)),
-    ]
-
-
-class ep_combine_args_t(Structure):
-    _fields_ = [
-        ("struct_size", c_uint32),
-        ("magic", c_uint32),
-        ("version", c_uint32),
-        ("input_layout", c_int32),
-        ("x", c_void_p),
-        ("out", c_void_p),
-    ]
-
-
 def load(path):
+    """The library, every function with the header's signature (pointers
+    are c_void_p: arrays, byref() and None all pass)."""
     lib = ctypes.CDLL(path)
-    p = c_void_p
-    sigs = {
-        "ep_get_error_string": ([c_int32], c_char_p),
-        "ep_get_last_error": ([], c_char_p),
-        "ep_config_init": ([POINTER(ep_config_t)], c_int32),
-        "ep_get_unique_id": ([POINTER(ep_unique_id_t)], c_int32),
-        "ep_ctx_create": ([POINTER(p), c_int32, ep_unique_id_t, c_int32, c_int32,
-                           POINTER(ep_config_t)], c_int32),
-        "ep_ctx_destroy": ([p], c_int32),
-        "ep_ctx_get_info": ([p, POINTER(c_int32), POINTER(c_int32), POINTER(c_int32),
-                             POINTER(c_int32)], c_int32),
-        "ep_get_dispatch_layout": ([p, POINTER(c_int32), c_int32, POINTER(c_int32),
-                                    POINTER(c_int32), POINTER(c_uint8), p], c_int32),
-        "ep_get_dispatch_capacity": ([p, c_int32, POINTER(c_int32), POINTER(c_int32)], c_int32),
-        "ep_dispatch_args_init": ([POINTER(ep_dispatch_args_t)], c_int32),
-        "ep_combine_args_init": ([POINTER(ep_combine_args_t)], c_int32),
-        "ep_handle_create": ([p, POINTER(p)], c_int32),
-        "ep_handle_destroy": ([p], c_int32),
-        "ep_dispatch": ([p, POINTER(ep_dispatch_args_t), p, p], c_int32),
-        "ep_combine": ([p, POINTER(ep_combine_args_t), p, p], c_int32),
-    }
-    for name, (args, res) in sigs.items():
+    for name, (result, params, _names) in abi.FUNCTIONS.items():
         fn = getattr(lib, name)
-        fn.argtypes = args
-        fn.restype = res
+        fn.argtypes = params
+        fn.restype = result
     return lib
 
 
@@ -227,22 +160,22 @@ def run_rank(lib, rank, uid):
         da.num_tokens = nt
         da.dtype = EP_DTYPE_BF16
         da.x = ctypes.cast(x_c, c_void_p)
-        da.topk_idx = idx_c
-        da.topk_weights = w_c
+        da.topk_idx = addressof(idx_c)
+        da.topk_weights = addressof(w_c)
         da.recv_capacity = rc
         da.expert_alignment = ALIGNMENT
         da.recv_x = ctypes.cast(recv_x, c_void_p)
-        da.recv_topk_idx = recv_idx
-        da.recv_topk_weights = recv_w
-        da.recv_src_info = recv_src
+        da.recv_topk_idx = addressof(recv_idx)
+        da.recv_topk_weights = addressof(recv_w)
+        da.recv_src_info = addressof(recv_src)
         da.expert_capacity = ec
         da.expert_x = ctypes.cast(expert_x, c_void_p)
-        da.expert_weights = expert_w
-        da.expert_src_row = src_row
-        da.expert_offsets = offsets
-        da.expert_counts = counts
-        da.host_recv_num_tokens = ctypes.pointer(recv_rows)
-        da.host_expert_counts = host_counts
+        da.expert_weights = addressof(expert_w)
+        da.expert_src_row = addressof(src_row)
+        da.expert_offsets = addressof(offsets)
+        da.expert_counts = addressof(counts)
+        da.host_recv_num_tokens = addressof(recv_rows)
+        da.host_expert_counts = addressof(host_counts)
         call(lib, "ep_dispatch", ctx, byref(da), handle, None)
         n = recv_rows.value
         if not 0 <= n <= rc:

@@ -155,7 +155,9 @@ typedef struct ep_config_t {
   int32_t token_dtype;
   // `EP_BACKEND_*` (default `EP_BACKEND_AUTO`).
   int32_t backend;
-  // Streaming multiprocessors the normal-mode kernels may use (default 24).
+  // Streaming multiprocessors the normal-mode kernels may use (default
+  // 24); on a GPU that ranks share, at most this rank's share of it (see
+  // `ep_ctx_create`).
   int32_t num_sms;
   // Longest wait, in milliseconds, for a peer during bootstrap and inside
   // any kernel before giving up with `EP_ERR_TIMEOUT` (default 100000).
@@ -186,7 +188,8 @@ typedef struct ep_unique_id_t {
 } ep_unique_id_t;
 
 // The caller's CUDA stream (`cudaStream_t` and `CUstream` are this type).
-// NULL is the legacy default stream.
+// NULL is the legacy default stream (refused where ranks share a GPU, see
+// `ep_ctx_create`).
 typedef struct CUstream_st *ep_stream_t;
 
 // Arguments of `ep_dispatch` (normal mode).
@@ -534,6 +537,21 @@ ep_status_t ep_get_unique_id(struct ep_unique_id_t *id);
 // distinct contexts. On failure `*ctx` is NULL, and if this process runs the
 // id's rendezvous service, it stops (see `ep_get_unique_id`).
 //
+// Ranks sharing one GPU (GPU backend): ranks that are threads of one process
+// may name the same device. Each then gets `SMs / (ranks on the device)`
+// of its SMs: the low-latency kernels use one block per SM of that share,
+// the normal-mode kernels at most `num_sms` of it, so that the kernels of
+// all of them run at once and their waits for each other end. Each such
+// rank must pass its own stream to every call (the legacy default stream,
+// NULL, is refused with `EP_ERR_INVALID_ARGUMENT`: it would run their
+// kernels one after the other), and while a collective call is in flight
+// no rank thread may wait for the whole device (free device memory,
+// destroy a handle or context, synchronize the device or use the legacy
+// default stream) before it has made its own part of that call: that wait
+// would not end before the peers' kernels time out. Ranks in different
+// processes cannot share a GPU (their kernels do not run at once without
+// MPS): every rank's `ep_ctx_create` then fails with `EP_ERR_UNSUPPORTED`.
+//
 // Pointers: `ctx` and `config` are required.
 ep_status_t ep_ctx_create(struct ep_ctx_t **ctx,
                           int32_t world_size,
@@ -588,12 +606,14 @@ ep_status_t ep_ctx_abort(struct ep_ctx_t *ctx);
 // time.
 //
 // Such an error is final: the context then refuses every operation,
-// `ep_handle_create` and `ep_ll_get_combine_buffer` with the same status,
-// until it is destroyed. What to do: synchronize the streams the context
-// used (on the GPU, a kernel that gave up has exited), destroy the context
-// and its handles, and create new contexts on every rank with a new unique
-// id. Peers that are still in a collective call with this rank end in
-// `EP_ERR_TIMEOUT` after `timeout_ms` and must do the same.
+// `ep_get_dispatch_layout`, `ep_handle_create` and
+// `ep_ll_get_combine_buffer` with the same status, until it is destroyed.
+// What to do: synchronize the streams the context used (on the GPU, a
+// kernel that gave up has exited), destroy the context and its handles
+// (which releases everything they held), and create new contexts on every
+// rank with a new unique id. Peers that are still in a collective call
+// with this rank end in `EP_ERR_TIMEOUT` after `timeout_ms` and must do
+// the same.
 //
 // Pointers: `ctx` and `status` are required.
 ep_status_t ep_ctx_get_async_error(struct ep_ctx_t *ctx,

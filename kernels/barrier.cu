@@ -1,17 +1,20 @@
 // A barrier across the ranks of one node, run on the GPUs themselves, so it
 // is ordered with the kernels around it on the stream.
 //
-// Memory: every rank owns a signal array of `world` ints in symmetric memory
-// (memory every peer GPU can write through a mapping), zeroed once when the
-// buffers are set up and never again. peer_signals[p] is the address, valid
-// on this GPU, of rank p's array; peer_signals[rank] is this rank's own.
-// Slot [q] of rank p's array is written by rank q only.
+// Memory: every rank owns a signal array of `world` 64-bit slots in
+// symmetric memory (memory every peer GPU can write through a mapping),
+// zeroed once when the buffers are set up and never again. peer_signals[p]
+// is the address, valid on this GPU, of rank p's array (the start of its
+// buffer); peer_signals[rank] is this rank's own. Slot [q] of rank p's array
+// is written by rank q only: the epoch in the low half, and in the high half
+// the call word of the collective call the barrier belongs to (see
+// "Collective calls" in ep_device.cuh).
 //
-// Protocol for the barrier with number `epoch`:
-//   1. for every rank p (this one too): store `epoch` into slot [rank] of
-//      p's array, as a release store;
+// Protocol for the barrier with number `epoch`, in call `call`:
+//   1. for every rank p (this one too): store (call, epoch) into slot [rank]
+//      of p's array, as one release store;
 //   2. wait until every slot of this rank's own array has reached `epoch`,
-//      with acquire loads.
+//      with acquire loads; a slot at exactly `epoch` must carry `call`.
 // When step 2 finishes, every rank has finished step 1, so every rank has
 // reached the barrier. Because the stores are releases and the loads are
 // acquires, whatever a rank wrote before the barrier (its earlier kernels on
@@ -43,19 +46,43 @@
 // EP_BARRIER_THREADS covers every world size). Thread p signals and waits for
 // rank p; the other threads do nothing. Parameters: BarrierParams (ep_abi.h).
 //
+// Mismatched calls: a peer whose slot holds this epoch under another call
+// word is in another collective call (same number of barriers so far, other
+// operation): EP_STATUS_MISMATCH, rank = the peer, detail = its call word.
+// A peer that never comes because it is in a call without barriers (the
+// low-latency mode) or in a later call is found by the wait itself
+// (ep_wait_until reads its published call word). Why a slot one epoch ahead
+// needs no check: a peer passes barrier `epoch` only after it checked this
+// rank's slot, and a rank whose barrier failed signals no later barrier.
+//
 // Failure: a wait that passes its deadline (timeout_ns after the thread
 // starts waiting) records EP_STATUS_TIMEOUT with rank = the peer that did not
-// arrive and detail = the value its slot held; a raised *abort_flag records
+// arrive and detail = the epoch its slot held; a raised *abort_flag records
 // EP_STATUS_ABORTED. Either way the kernel returns and the stream goes on;
-// the epochs of the ranks are then out of step, so the host must treat the
-// group as broken. Argument errors (1 <= world <= blockDim.x,
-// 0 <= rank < world) record EP_STATUS_INVALID_ARGUMENT and signal nothing.
+// the rank's later barriers signal nothing and return at once (the two
+// barrier words differ), so the peers see it stop rather than pass a later
+// barrier, and the host must treat the group as broken. Argument errors
+// (1 <= world <= blockDim.x, 0 <= rank < world) record
+// EP_STATUS_INVALID_ARGUMENT and signal nothing.
 #include "ep_device.cuh"
+
+// A slot's value: `call` in the high half, `epoch` in the low half.
+__device__ __forceinline__ uint64_t ep_barrier_signal(int epoch, int call) {
+    return static_cast<uint64_t>(static_cast<uint32_t>(call)) << 32 | static_cast<uint32_t>(epoch);
+}
+
+__device__ __forceinline__ int ep_signal_epoch(uint64_t signal) {
+    return static_cast<int>(static_cast<uint32_t>(signal));
+}
+
+__device__ __forceinline__ int ep_signal_call(uint64_t signal) {
+    return static_cast<int>(static_cast<uint32_t>(signal >> 32));
+}
 
 extern "C" __global__ void ep_barrier_kernel(const BarrierParams p) {
     const int rank = p.rank;
     const int world = p.world;
-    int* const* peer_signals = p.peer_signals;
+    uint64_t* const* peer_signals = p.peer_signals;
     int* epoch_counter = p.epoch_counter;
     if (world < 1 || world > static_cast<int>(blockDim.x) || rank < 0 || rank >= world) {
         if (threadIdx.x == 0) {
@@ -63,7 +90,13 @@ extern "C" __global__ void ep_barrier_kernel(const BarrierParams p) {
         }
         return;
     }
+    const uint64_t own_base = reinterpret_cast<uint64_t>(peer_signals[rank]);
+    // After a failed barrier, signal nothing more (see "Failure").
+    if (!ep_last_barrier_passed(own_base)) {
+        return;
+    }
     const int epoch = epoch_counter[0] + 1;
+    const int call = ep_current_call(own_base);
     // Every thread has read the old count before thread 0 replaces it.
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -76,14 +109,25 @@ extern "C" __global__ void ep_barrier_kernel(const BarrierParams p) {
         // the writes of the kernels before this one on the stream, which
         // this thread has not observed itself, before the signal.
         __threadfence_system();
-        ep_st_release_sys(peer_signals[peer] + rank, epoch);
+        ep_st_release_sys_u64(peer_signals[peer] + rank, ep_barrier_signal(epoch, call));
 
         // Step 2: wait for `peer` to arrive here. A thread that fails stops
         // waiting; its siblings notice the recorded error on their next
-        // poll and stop as well (see ep_wait_until_ge).
-        const int* my_slot_for_peer = peer_signals[rank] + peer;
-        arrived = ep_wait_until_ge(my_slot_for_peer, epoch, ep_deadline_after(p.timeout_ns),
-                                   p.abort_flag, p.status, peer, EP_PHASE_BARRIER);
+        // poll and stop as well (see ep_wait_until).
+        const uint64_t* my_slot_for_peer = peer_signals[rank] + peer;
+        uint64_t seen = 0;
+        const auto load = [&] {
+            seen = ep_ld_acquire_sys_u64(my_slot_for_peer);
+            return ep_signal_epoch(seen);
+        };
+        const uint64_t peer_base = reinterpret_cast<uint64_t>(peer_signals[peer]);
+        arrived = ep_wait_until(load, epoch, ep_deadline_after(p.timeout_ns), p.abort_flag,
+                                p.status, peer, EP_PHASE_BARRIER, ep_peer_call(peer_base, call));
+        if (arrived && ep_signal_epoch(seen) == epoch && ep_signal_call(seen) != call) {
+            ep_record_error(p.status, EP_STATUS_MISMATCH, peer, EP_PHASE_BARRIER,
+                            ep_signal_call(seen), call);
+            arrived = false;
+        }
     }
     if (__syncthreads_and(arrived) && threadIdx.x == 0) {
         epoch_counter[1] = epoch;

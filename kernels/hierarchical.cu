@@ -24,10 +24,10 @@
 //      gateway's header slot [this node][t], its row and scales into the
 //      gateway's relay block for this node at token t. Remote nodes in ring
 //      order (this node + 1, + 2, ...). Block 0 first puts the notify data
-//      (totals and token count). Then every block signals every remote
-//      gateway (DISPATCH, this node) once.
+//      (totals and token count). Then the last block to finish signals
+//      every remote gateway (DISPATCH, this node) once.
 //   4. forward (here, gateway side): waits for the DISPATCH signals of the
-//      rail sources of every remote node (call c: c * blocks), then, for
+//      rail sources of every remote node (call c: the count reaches c), then, for
 //      every token those sources (and this rank itself) sent to this node,
 //      writes the pull records into the area of each destination rank of
 //      this node, over NVLink: the token index, and per slot the local
@@ -55,8 +55,8 @@
 //      sum of the rows of the node's ranks that got it, local index
 //      ascending. For m = this node it goes into this rank's node sums;
 //      otherwise it is staged and put over the network into s_m's node sums
-//      [this node][t], nodes in ring order; then every block signals every
-//      remote rail peer (COMBINE, this node).
+//      [this node][t], nodes in ring order; then the last block to finish
+//      signals every remote rail peer (COMBINE, this node).
 //   4. wait (here): the COMBINE signals of every remote rail peer.
 //   5. reduce (normal.cu) over the node partials: out[t] = BF16 of the
 //      fp32 sum of the node partials of the nodes t went to, ascending.
@@ -65,8 +65,9 @@
 //
 // The network leg (puts and signals) is kernels/include/ep_net.cuh: GIN for
 // ranks this GPU cannot reach, an emulation over NVLink for the others, with
-// the same buffers, chunking (a warp per token, a signal per block and
-// call), order and signals. Every wait is bounded.
+// the same buffers, chunking (a warp per token, one signal per call and
+// peer), order and signals. Every wait is bounded, and ends at once when
+// the peer it waits for is in another collective call (ep_wait_until).
 #include <cuda_bf16.h>
 
 #include "ep_device.cuh"
@@ -156,9 +157,10 @@ __device__ __forceinline__ EpNet net_of(const HierParams& p) {
     return net;
 }
 
-// Block-wide: waits until signal (kind, m) of this rank reached
-// `call * send_blocks` for every remote node m (a thread per node). False
-// in every thread when a wait failed (the error is recorded).
+// Block-wide: waits until signal (kind, m) of this rank reached `call`
+// for every remote node m (a thread per node): the rail peer there signals
+// once per call. False in every thread when a wait failed (the error is
+// recorded).
 __device__ bool wait_remote_nodes(const HierParams& p, int kind, int call, int phase) {
     const uint64_t deadline = ep_deadline_after(p.timeout_ns);
     const EpNet net = net_of(p);
@@ -166,19 +168,32 @@ __device__ bool wait_remote_nodes(const HierParams& p, int kind, int call, int p
     const int step = 1 + static_cast<int>(threadIdx.x);
     if (step < nodes_of(p)) {
         const int m = ring_node(p, step);
-        const uint64_t target = static_cast<uint64_t>(call) * p.send_blocks;
-        ok = ep_net_wait_signal(net, signal_id(p, kind, m), target, deadline, p.abort_flag,
-                                p.status, rail_peer(p, m), phase);
+        const int peer = rail_peer(p, m);
+        ok = ep_net_wait_signal(net, signal_id(p, kind, m), static_cast<uint64_t>(call), deadline,
+                                p.abort_flag, p.status, peer, phase, ep_net_peer_call(net, peer));
     }
     return !__syncthreads_or(!ok);
 }
 
-// Block-wide, after the block's puts: one signal (kind, this node) to the
-// rail peer of every remote node.
-__device__ void signal_remote_nodes(const HierParams& p, int kind) {
+// Block-wide, at the end of a launch that put data to the other nodes: the
+// last block to arrive (on `arrivals`, a word of this rank) signals (kind,
+// this node) once to the rail peer of every remote node. Each block's
+// fence orders its puts before its arrival, and the last block's acquire
+// of the arrivals before its signals, so one signal per call covers every
+// block's puts whatever the grid (ranks sharing a GPU have smaller grids).
+__device__ void signal_remote_nodes(const HierParams& p, int kind, int* arrivals) {
+    __shared__ bool last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        last = ep_atomic_add_acq_rel_gpu(arrivals, 1) == static_cast<int>(gridDim.x) - 1;
+        if (last) {
+            *arrivals = 0;
+        }
+    }
     __syncthreads();
     const int step = 1 + static_cast<int>(threadIdx.x);
-    if (step < nodes_of(p)) {
+    if (last && step < nodes_of(p)) {
         ep_net_signal(net_of(p), rail_peer(p, ring_node(p, step)),
                       signal_id(p, kind, node_of(p, p.rank)));
     }
@@ -323,7 +338,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
             }
         }
     }
-    signal_remote_nodes(p, EP_HIER_SIGNAL_DISPATCH);
+    signal_remote_nodes(p, EP_HIER_SIGNAL_DISPATCH, counter(p, EP_HIER_COUNTER_SEND_DONE));
 }
 
 // ---------------------------------------------------------------------------
@@ -455,7 +470,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
         __syncwarp();
         ep_net_put_warp(net, rail_peer(p, m), node_sum, staged, row_bytes);
     }
-    signal_remote_nodes(p, EP_HIER_SIGNAL_COMBINE);
+    signal_remote_nodes(p, EP_HIER_SIGNAL_COMBINE, counter(p, EP_HIER_COUNTER_REDUCE_DONE));
 }
 
 // ---------------------------------------------------------------------------
@@ -488,10 +503,12 @@ extern "C" __global__ void ep_hier_rail_barrier_kernel(const HierParams p) {
     if (step < nodes_of(p)) {
         const int m = ring_node(p, step);
         const int home = node_of(p, p.rank);
-        ep_net_signal(net, rail_peer(p, m), signal_id(p, EP_HIER_SIGNAL_BARRIER, home));
+        const int peer = rail_peer(p, m);
+        ep_net_signal(net, peer, signal_id(p, EP_HIER_SIGNAL_BARRIER, home));
         ok = ep_net_wait_signal(net, signal_id(p, EP_HIER_SIGNAL_BARRIER, m),
                                 static_cast<uint64_t>(call), ep_deadline_after(p.timeout_ns),
-                                p.abort_flag, p.status, rail_peer(p, m), EP_PHASE_HIER_BARRIER);
+                                p.abort_flag, p.status, peer, EP_PHASE_HIER_BARRIER,
+                                ep_net_peer_call(net, peer));
     }
     __syncthreads_and(ok);
 }

@@ -23,11 +23,13 @@
 // num_tokens >= 0, 1 <= topk, 1 <= world == gridDim.x,
 // 1 <= num_experts <= EP_MAX_EXPERTS and num_experts % world == 0.
 //
-// Expert ids: -1 means "no expert" (a dropped slot) and is skipped. Any other
-// id outside [0, num_experts) is never used as an index: block 0 records
-// EP_STATUS_INVALID_EXPERT with detail = token * topk + slot (the first
-// recorded wins; which bad entry that is, when there are several, is not
-// defined), and every block skips the entry.
+// Expert ids: -1 means "no expert" (a dropped slot) and is skipped. A slot
+// whose id is outside [0, num_experts), or repeats an earlier slot of the
+// same token (ep_effective_expert, as the dispatch kernels route), is never
+// counted or used as an index: block 0 records EP_STATUS_INVALID_EXPERT with
+// detail = token * topk + slot (the first recorded wins; which bad entry
+// that is, when there are several, is not defined), and every block skips
+// the entry. The reference rejects such routing (src/reference/layout.rs).
 #include "ep_device.cuh"
 
 extern "C" __global__ void ep_layout_kernel(const LayoutParams p) {
@@ -68,15 +70,13 @@ extern "C" __global__ void ep_layout_kernel(const LayoutParams p) {
     int my_tokens = 0;  // tokens of this thread that go to `rank`
     for (int token = threadIdx.x; token < num_tokens; token += blockDim.x) {
         bool in_rank = false;
+        const int* ids = topk_idx + static_cast<int64_t>(token) * topk;
         for (int slot = 0; slot < topk; ++slot) {
-            const int flat = token * topk + slot;
-            const int expert = topk_idx[flat];
-            if (expert == -1) {
-                continue;
-            }
-            if (expert < -1 || expert >= num_experts) {
-                if (rank == 0) {
-                    ep_record_error(status, EP_STATUS_INVALID_EXPERT, -1, EP_PHASE_LAYOUT, flat);
+            const int expert = ep_effective_expert(ids, slot, num_experts);
+            if (expert < 0) {
+                if (rank == 0 && ids[slot] != -1) {
+                    ep_record_error(status, EP_STATUS_INVALID_EXPERT, -1, EP_PHASE_LAYOUT,
+                                    token * topk + slot);
                 }
                 continue;
             }

@@ -104,10 +104,31 @@
 // stale value as "not yet" (ep_reached). A rank that stops calling makes its
 // peers time out (EP_STATUS_TIMEOUT), never read a half-written set.
 //
-// Co-residency: the grid has one block per SM, so every block runs at once
-// and a block that waits (steps 5, 6) never waits for one that has not
-// started. Waits are bounded all the same (ep_wait_until_ge); kernels never
-// trap.
+// Collective calls: a launch with a send phase is a new collective call of
+// the rank (ep_device.cuh, "Collective calls"): begin_call publishes its
+// call word, and every wait above reads the peer's word now and then, so a
+// peer in another call (a normal-mode call, the other low-latency operation,
+// or a later call) ends the wait at once with EP_STATUS_MISMATCH instead of
+// a timeout. A receive-only launch waits under its send's word (kept in
+// LlCounters).
+//
+// Co-residency: blocks wait for each other (steps 5 and 6 for the sends of
+// every block of every rank, step 1 for acknowledgements), so no block may
+// wait for one that cannot start. Within one rank's grid the launch is
+// cooperative: the driver starts the grid only when all its blocks are
+// resident. That is not enough when R ranks share a GPU (threads of one
+// process, src/runtime/gpu/placement.rs): it makes a grid co-resident with
+// itself, not with the other ranks' grids. What makes them fit together is
+// the share: each rank's grid is one block per SM of G = floor(SMs / R), and
+// one block of each kernel fits on an empty SM (checked at create). A rank
+// runs its kernels in order on one stream, so it has at most one waiting
+// kernel resident at a time, on at most G SMs (the normal mode's barrier
+// kernel is one block). All ranks' waiting kernels together thus need at
+// most R * G <= SMs SMs: while some rank's grid waits to start, at least G
+// SMs hold no waiting kernel, and whatever else runs there (the normal
+// mode's copy kernels, the application's kernels) never waits for a peer
+// and finishes, after which the grid is resident. Waits are bounded all the
+// same (ep_wait_until_ge); kernels never trap.
 //
 // Expert ids: an id outside [0, E) other than -1, or one repeated within a
 // token, counts as -1 everywhere and the dispatch reports
@@ -285,54 +306,80 @@ __device__ __forceinline__ Fp8Vector quantize_16(const int4& lo, const int4& hi,
 // Block and warp building blocks
 // ---------------------------------------------------------------------------
 
+// The call a launch works on: its number among the operation's calls
+// (`seq`, which picks the buffer set), its collective call word (see
+// "Collective calls" in ep_device.cuh), and the deadline of its waits.
+struct LlCall {
+    int seq;
+    int word;
+    uint64_t deadline;
+};
+
+// Waits until the int at `addr`, written by rank `from`, reaches `target`,
+// for `call` (ep_wait_until_ge: bounded, and ended at once by a peer in
+// another call).
+__device__ __forceinline__ bool wait_for(const LlParams& p, const int* addr, int target,
+                                         const LlCall& call, int from, int phase) {
+    return ep_wait_until_ge(addr, target, call.deadline, p.abort_flag, p.status, from, phase,
+                            ep_peer_call(p.peer_bases[from], call.word));
+}
+
 // Block-wide: waits until every rank d has acknowledged call seq - 2 in
 // `acks[d]` (the set this call writes is then free on d). Returns false in
 // every thread when a wait failed (the error is recorded).
-__device__ bool wait_for_acks(const LlParams& p, const int* acks, int seq, uint64_t deadline,
-                              int phase) {
+__device__ bool wait_for_acks(const LlParams& p, const int* acks, const LlCall& call, int phase) {
     const int d = threadIdx.x;
-    const bool failed = d < p.world && !ep_wait_until_ge(acks + d, seq - 2, deadline, p.abort_flag,
-                                                          p.status, d, phase);
+    const bool failed = d < p.world && !wait_for(p, acks + d, call.seq - 2, call, d, phase);
     return !__syncthreads_or(failed);
 }
 
 // Warp-wide: lane 0 ACQUIRE-waits `*tag >= seq`; true in every lane when it
 // arrived. The warp barrier orders the other lanes' later reads after the
 // acquire (a shuffle alone orders no memory).
-__device__ __forceinline__ bool warp_wait_tag(const LlParams& p, const int* tag, int seq,
-                                              uint64_t deadline, int from_rank, int phase) {
+__device__ __forceinline__ bool warp_wait_tag(const LlParams& p, const int* tag, const LlCall& call,
+                                              int from_rank, int phase) {
     bool arrived = true;
     if (threadIdx.x % 32 == 0) {
-        arrived = ep_wait_until_ge(tag, seq, deadline, p.abort_flag, p.status, from_rank, phase);
+        arrived = wait_for(p, tag, call.seq, call, from_rank, phase);
     }
     __syncwarp();
     return __shfl_sync(0xffffffffu, arrived, 0);
 }
 
-// Block-wide, at the start of every launch: the call number this launch
-// works on. A launch with a send phase starts call `*seq_counter + 1`: the
-// last block to read the counter stores the new number (every block's read
-// is ordered before its arrival, so none reads the new value), and the last
-// block acknowledges the previous call's receive phase to every rank (it
-// ended before this launch started: the calls of a context are ordered).
-// Both happen at the start so that nothing waits at the end of the kernel.
-__device__ int begin_call(const LlParams& p, int* seq_counter, int* arrivals, int64_t off_acks) {
-    __shared__ int s_seq;
+// Block-wide, at the start of every launch: the call this launch works on.
+// A launch with a send phase starts call `*seq_counter + 1`, which is also
+// a new collective call (ep_device.cuh): the last block to read the
+// counters stores the new numbers and publishes the call word, keeping it
+// in `*call_store` for the receive-only launch of a split call (every
+// block's reads are ordered before its arrival, so none reads the new
+// values), and the last block acknowledges the previous call's receive
+// phase to every rank (it ended before this launch started: the calls of a
+// context are ordered). All of it happens at the start so that nothing
+// waits at the end of the kernel.
+__device__ LlCall begin_call(const LlParams& p, int* seq_counter, int* arrivals, int* call_store,
+                             int64_t off_acks) {
+    __shared__ int s_seq, s_word;
+    const uint64_t deadline = ep_deadline_after(p.timeout_ns);
     if (threadIdx.x == 0) {
+        const uint64_t own_base = p.peer_bases[p.rank];
         const int seq = *reinterpret_cast<volatile int*>(seq_counter) + p.do_send;
+        const int calls = *reinterpret_cast<volatile int*>(ep_call_words(own_base));
         s_seq = seq;
-        // The arrival orders the read above before the last block's store.
+        s_word = p.do_send ? ep_call_word(p.collective, calls + 1)
+                           : *reinterpret_cast<volatile int*>(call_store);
+        // The arrival orders the reads above before the last block's stores.
         if (p.do_send && ep_atomic_add_acq_rel_gpu(arrivals, 1) == static_cast<int>(gridDim.x) - 1) {
             *arrivals = 0;
             *seq_counter = seq;
+            *call_store = ep_begin_collective(own_base, p.collective);
         }
     }
     __syncthreads();
-    const int seq = s_seq;
+    const LlCall call{s_seq, s_word, deadline};
     if (p.do_send && blockIdx.x == gridDim.x - 1 && threadIdx.x < p.world) {
-        ep_st_release_sys(ll_at<int>(p, threadIdx.x, off_acks) + p.rank, seq - 1);
+        ep_st_release_sys(ll_at<int>(p, threadIdx.x, off_acks) + p.rank, call.seq - 1);
     }
-    return seq;
+    return call;
 }
 
 // ---------------------------------------------------------------------------
@@ -421,22 +468,22 @@ __device__ void send_token_row(const LlParams& p, int t, uint64_t dest_mask, uin
     }
 }
 
-// Block-wide send phase of dispatch call `seq` (steps 1-4 of the header).
-__device__ bool dispatch_send(const LlParams& p, int seq, uint64_t deadline) {
+// Block-wide send phase of dispatch call `call` (steps 1-4 of the header).
+__device__ bool dispatch_send(const LlParams& p, const LlCall& call) {
     __shared__ int16_t s_experts[EP_LL_MAX_TOKENS * EP_MAX_TOPK];
     __shared__ int s_counts[EP_MAX_EXPERTS];
     __shared__ int s_route[EP_MAX_TOPK];  // as in the header, for rank e / L
     __shared__ int s_expert[EP_MAX_TOPK];
     __shared__ float s_weight[EP_MAX_TOPK];
     __shared__ uint8_t* s_slot[EP_MAX_WORLD_SIZE];
-    const int set = seq & 1;
+    const int seq = call.seq, set = seq & 1;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int K = p.topk, L = local_experts(p);
     // The routing is the caller's: read it before waiting (the wait's
     // barrier also orders it for the whole block).
     const int n = call_tokens(p, EP_PHASE_LL_DISPATCH);
     load_routing(p, n, s_experts);
-    if (!wait_for_acks(p, ll_at<int>(p, p.rank, p.off_dispatch_acks), seq, deadline,
+    if (!wait_for_acks(p, ll_at<int>(p, p.rank, p.off_dispatch_acks), call,
                        EP_PHASE_LL_DISPATCH)) {
         return false;
     }
@@ -533,13 +580,13 @@ __device__ __forceinline__ void store_chunk(void* row, const int4 (&v)[EP_LL_LAN
     }
 }
 
-// Block-wide receive phase of dispatch call `seq` (steps 5-6 of the header).
-// Returns early when a wait failed (the error is recorded).
-__device__ void dispatch_receive(const LlParams& p, int seq, uint64_t deadline) {
+// Block-wide receive phase of dispatch call `call` (steps 5-6 of the
+// header). Returns early when a wait failed (the error is recorded).
+__device__ void dispatch_receive(const LlParams& p, const LlCall& call) {
     // First row of (local expert le, source s) at [le * W + s]; tokens of s.
     __shared__ int s_first[EP_MAX_EXPERTS];
     __shared__ int s_tokens[EP_MAX_WORLD_SIZE];
-    const int set = seq & 1;
+    const int seq = call.seq, set = seq & 1;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int W = p.world, M = p.max_tokens, K = p.topk, L = local_experts(p);
     const int capacity = W * M;
@@ -547,8 +594,8 @@ __device__ void dispatch_receive(const LlParams& p, int seq, uint64_t deadline) 
     // Step 5.
     const bool failed =
         threadIdx.x < W &&
-        !ep_wait_until_ge(ll_at<int>(p, p.rank, p.off_dispatch_flags) + set * W + threadIdx.x, seq,
-                          deadline, p.abort_flag, p.status, threadIdx.x, EP_PHASE_LL_DISPATCH);
+        !wait_for(p, ll_at<int>(p, p.rank, p.off_dispatch_flags) + set * W + threadIdx.x, seq, call,
+                  threadIdx.x, EP_PHASE_LL_DISPATCH);
     if (__syncthreads_or(failed)) {
         return;
     }
@@ -560,8 +607,8 @@ __device__ void dispatch_receive(const LlParams& p, int seq, uint64_t deadline) 
             const int count = dispatch_counts(p, p.rank, set, s)[le];
             s_first[le * W + s] = first;
             if (blockIdx.x == 0) {
-                p.recv_layout_range[(le * W + s) * 2] = first;
-                p.recv_layout_range[(le * W + s) * 2 + 1] = count;
+                ep_store_optional(p.recv_layout_range, (le * W + s) * 2, first);
+                ep_store_optional(p.recv_layout_range, (le * W + s) * 2 + 1, count);
             }
             first += count;
         }
@@ -591,8 +638,7 @@ __device__ void dispatch_receive(const LlParams& p, int seq, uint64_t deadline) 
         if (t >= s_tokens[s]) {
             continue;
         }
-        if (!warp_wait_tag(p, dispatch_tag(p, p.rank, set, s, t), seq, deadline, s,
-                           EP_PHASE_LL_DISPATCH)) {
+        if (!warp_wait_tag(p, dispatch_tag(p, p.rank, set, s, t), call, s, EP_PHASE_LL_DISPATCH)) {
             return;
         }
         const uint8_t* msg = dispatch_msg(p, p.rank, set, s, t);
@@ -627,7 +673,7 @@ __device__ void dispatch_receive(const LlParams& p, int seq, uint64_t deadline) 
                 token_weights[token_entry(p, s, t, lane)] =
                     reinterpret_cast<const float*>(msg)[EP_MAX_TOPK + lane];
                 if (row >= 0) {
-                    p.recv_src_info[row] = t;
+                    ep_store_optional(p.recv_src_info, row, t);
                 }
             }
         }
@@ -720,14 +766,13 @@ __device__ __forceinline__ void pack_chunk(int4 (&v)[EP_LL_LANE_VECS],
     }
 }
 
-// Block-wide send phase (expert side) of combine call `seq`: a warp per
+// Block-wide send phase (expert side) of combine call `call`: a warp per
 // (source, token, chunk) of the last dispatch.
-__device__ bool combine_send(const LlParams& p, int seq, uint64_t deadline) {
-    if (!wait_for_acks(p, ll_at<int>(p, p.rank, p.off_combine_acks), seq, deadline,
-                       EP_PHASE_LL_COMBINE)) {
+__device__ bool combine_send(const LlParams& p, const LlCall& call) {
+    if (!wait_for_acks(p, ll_at<int>(p, p.rank, p.off_combine_acks), call, EP_PHASE_LL_COMBINE)) {
         return false;
     }
-    const int set = seq & 1;
+    const int seq = call.seq, set = seq & 1;
     const int lane = threadIdx.x % 32;
     const int M = p.max_tokens, K = p.topk, C = chunks_per_row(p), vecs = row_vecs(p);
     const int* dispatched = ll_at<int>(p, p.rank, p.off_dispatch_tokens);
@@ -799,10 +844,10 @@ __device__ bool combine_send(const LlParams& p, int seq, uint64_t deadline) {
     return true;
 }
 
-// Block-wide receive phase (source side) of combine call `seq`: a warp per
+// Block-wide receive phase (source side) of combine call `call`: a warp per
 // (token, chunk). Returns early when a wait failed (the error is recorded).
-__device__ void combine_receive(const LlParams& p, int seq, uint64_t deadline) {
-    const int set = seq & 1;
+__device__ void combine_receive(const LlParams& p, const LlCall& call) {
+    const int set = call.seq & 1;
     const int lane = threadIdx.x % 32;
     const int K = p.topk, L = local_experts(p), C = chunks_per_row(p), vecs = row_vecs(p);
     const __nv_bfloat16* rows = ll_at<__nv_bfloat16>(p, p.rank, p.off_combine_rows);
@@ -836,9 +881,8 @@ __device__ void combine_receive(const LlParams& p, int seq, uint64_t deadline) {
         for (int i = lane; i < 64 && arrived; i += 32) {
             if (terms >> i & 1) {
                 const int from = p.weighted ? expert / L : i;
-                arrived = ep_wait_until_ge(combine_tag(p, p.rank, set, t, return_row(i), c), seq,
-                                           deadline, p.abort_flag, p.status, from,
-                                           EP_PHASE_LL_COMBINE);
+                arrived = wait_for(p, combine_tag(p, p.rank, set, t, return_row(i), c), call.seq,
+                                   call, from, EP_PHASE_LL_COMBINE);
             }
         }
         // The warp barrier orders every lane's reads of the rows after the
@@ -862,28 +906,29 @@ __device__ void combine_receive(const LlParams& p, int seq, uint64_t deadline) {
 }  // namespace
 
 // ---------------------------------------------------------------------------
-// Kernels: grid = one block per SM, EP_LL_THREADS threads, no dynamic shared
-// memory. One launch runs the send phase, the receive phase, or both.
+// Kernels: grid = one block per SM of the rank's share of the GPU (see
+// "Co-residency"), launched cooperatively; EP_LL_THREADS threads, no dynamic
+// shared memory. One launch runs the send phase, the receive phase, or both.
 // ---------------------------------------------------------------------------
 
 extern "C" __global__ void __launch_bounds__(EP_LL_THREADS, 1)
     ep_ll_dispatch_kernel(const LlParams p) {
-    const uint64_t deadline = ep_deadline_after(p.timeout_ns);
     LlCounters* c = counters(p);
-    const int seq = begin_call(p, &c->dispatch_seq, &c->dispatch_arrivals, p.off_dispatch_acks);
-    const bool sent = !p.do_send || dispatch_send(p, seq, deadline);
+    const LlCall call = begin_call(p, &c->dispatch_seq, &c->dispatch_arrivals, &c->dispatch_call,
+                                   p.off_dispatch_acks);
+    const bool sent = !p.do_send || dispatch_send(p, call);
     if (p.do_recv && sent) {
-        dispatch_receive(p, seq, deadline);
+        dispatch_receive(p, call);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(EP_LL_THREADS, 1)
     ep_ll_combine_kernel(const LlParams p) {
-    const uint64_t deadline = ep_deadline_after(p.timeout_ns);
     LlCounters* c = counters(p);
-    const int seq = begin_call(p, &c->combine_seq, &c->combine_arrivals, p.off_combine_acks);
-    const bool sent = !p.do_send || combine_send(p, seq, deadline);
+    const LlCall call = begin_call(p, &c->combine_seq, &c->combine_arrivals, &c->combine_call,
+                                   p.off_combine_acks);
+    const bool sent = !p.do_send || combine_send(p, call);
     if (p.do_recv && sent) {
-        combine_receive(p, seq, deadline);
+        combine_receive(p, call);
     }
 }

@@ -38,6 +38,27 @@
 // Both sums follow src/reference/normal.rs step by step, so the results are
 // bit-exact with the reference, not only close.
 //
+// Collective calls: the first kernel of a dispatch (count) or combine
+// (send) numbers the call and publishes its word (ep_begin_collective); the
+// barriers carry it, so ranks in different calls stop at the first barrier
+// with EP_STATUS_MISMATCH, and the kernels after a failed barrier do nothing
+// (ep_last_barrier_passed): no rank uses what a peer wrote for another call.
+//
+// Waiting: only the barrier kernel (one block) waits for other ranks; the
+// count, stage, pull, send and reduce kernels never wait for another block,
+// so any number of their blocks may be resident. The row-moving grids are
+// the config's SM budget, at most the rank's share of the GPU when ranks
+// share it (src/runtime/gpu/placement.rs; kernels/low_latency.cu,
+// "Co-residency", says why every rank's waiting kernel then finds room).
+//
+// Optional outputs: every output pointer that the API lets the caller pass
+// as NULL (recv_topk_idx, recv_topk_weights, recv_src_info, recv_num_rows,
+// expert_weights, expert_src_row, expert_counts) is tested for nullptr
+// before each store; the runtime rejects the required ones (and the other
+// recv_* or expert_* pointers are only used when recv_x or expert_x is
+// given). The combine reads only the handle's arrays, which are the
+// library's own.
+//
 // Expert ids: the effective id of a slot is its id, or -1 when the slot is
 // dropped (-1), out of range, or repeats an earlier slot of the same token.
 // The count kernel reports the last two as EP_STATUS_INVALID_EXPERT; every
@@ -126,6 +147,11 @@ __device__ __forceinline__ void ep_warp_copy_row(const uint8_t* src, uint8_t* ds
 // counts are then turned into per-warp bases in token order.
 extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
     extern __shared__ int warp_counts[];  // [EP_CHUNK_WARPS][world + experts]
+    // The dispatch's first kernel starts the collective call (ep_device.cuh,
+    // "Collective calls"); the barriers carry its word.
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        ep_begin_collective(p.peer_bases[p.rank], p.collective);
+    }
     const int columns = p.world + p.num_experts;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -397,13 +423,9 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
                (p.expert_x == nullptr || offset <= p.expert_capacity);
         if (blockIdx.x == 0) {
             const int written_rows = sane ? rows : 0;
-            if (p.recv_num_rows != nullptr) {
-                *p.recv_num_rows = written_rows;
-            }
+            ep_store_optional(p.recv_num_rows, 0, written_rows);
             *p.handle_num_rows = fits ? rows : 0;
-            if (p.host_counts != nullptr) {
-                p.host_counts[0] = written_rows;
-            }
+            ep_store_optional(p.host_counts, 0, written_rows);
         }
     }
     __syncthreads();
@@ -413,12 +435,8 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
                 p.expert_offsets[le] = layout.expert_offset[le];
             }
             if (le < local_experts) {
-                if (p.expert_x != nullptr) {
-                    p.expert_counts[le] = layout.expert_total[le];
-                }
-                if (p.host_counts != nullptr) {
-                    p.host_counts[1 + le] = layout.expert_total[le];
-                }
+                ep_store_optional(p.expert_counts, le, layout.expert_total[le]);
+                ep_store_optional(p.host_counts, 1 + le, layout.expert_total[le]);
             }
         }
     }
@@ -457,22 +475,18 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
         }
         if (lane < p.topk) {
             const int64_t out = static_cast<int64_t>(row) * p.topk + lane;
-            if (p.recv_x != nullptr) {
-                p.recv_topk_idx[out] = local;
-                p.recv_topk_weights[out] = weight;
-            }
+            ep_store_optional(p.recv_topk_idx, out, local);
+            ep_store_optional(p.recv_topk_weights, out, weight);
             p.handle_row_expert_pos[out] = pos;
             p.handle_row_weights[out] = weight;
-            if (p.expert_x != nullptr && pos >= 0) {
-                p.expert_weights[pos] = weight;
-                p.expert_src_row[pos] = row;
+            if (pos >= 0) {
+                ep_store_optional(p.expert_weights, pos, weight);
+                ep_store_optional(p.expert_src_row, pos, row);
             }
         }
         if (lane == 0) {
-            if (p.recv_x != nullptr) {
-                p.recv_src_info[2 * row] = source;
-                p.recv_src_info[2 * row + 1] = token;
-            }
+            ep_store_optional(p.recv_src_info, 2 * row, source);
+            ep_store_optional(p.recv_src_info, 2 * row + 1, token);
             p.handle_row_src[2 * row] = source;
             p.handle_row_src[2 * row + 1] = token;
         }
@@ -538,8 +552,8 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
             p.expert_scales[static_cast<int64_t>(r) * p.scale_cols + c] = 0.0f;
         }
         if (lane == 0) {
-            p.expert_weights[r] = 0.0f;
-            p.expert_src_row[r] = -1;
+            ep_store_optional(p.expert_weights, r, 0.0f);
+            ep_store_optional(p.expert_src_row, r, -1);
         }
     }
 }
@@ -554,6 +568,10 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     ep_combine_send_kernel(const CombineParams p) {
     __shared__ int slot_rows[EP_MOVE_WARPS][EP_MAX_TOPK];
     __shared__ float slot_weights[EP_MOVE_WARPS][EP_MAX_TOPK];
+    // The combine's first kernel starts the collective call.
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        ep_begin_collective(p.peer_bases[p.rank], p.collective);
+    }
     // After a failed dispatch the handle's rows cannot be trusted.
     if (!ep_last_barrier_passed(p.peer_bases[p.rank])) {
         return;

@@ -2,11 +2,16 @@
 # Runs on the GPU machine (no Rust there), from the repository root, on what
 # scripts/gpu-package.sh put into .gpu/:
 #   bash .gpu/gpu-check.sh [budget-seconds]     (default budget 540)
-# Order: GPU tests, C demo (all GPUs, then 2 ranks), ep-bench normal, ll and an ll
-# token sweep (all GPUs), normal and ll on 2 ranks, then an SM sweep and a token
-# sweep while the budget allows. Logs go
-# to $OUT (default ./gpu-out); a summary table comes last. Never changes
-# clocks or resets GPUs.
+# Order: GPU tests, the Python package's torch tests, C demo (all GPUs, then 2
+# ranks), ep-bench normal, ll and an ll token sweep (all GPUs), normal and ll
+# on 2 ranks (sharing the GPU on a one-GPU machine), then an SM sweep and a
+# token sweep while the budget allows. Logs, and each benchmark's results as
+# JSON (bench_*.json, for bench/data and bench/plot.py), go to $OUT (default
+# ./gpu-out); a summary table comes last, with the number of tests passed and
+# failed and of the parts they skipped (lines "skipped ...": too few GPUs or
+# too little memory). Never changes clocks or resets GPUs.
+# Environment: EP_GPU_TESTS_ONLY=1 stops after the tests; EP_GPU_TEST_ARGS adds
+# arguments to every test binary (e.g. "--skip leaks").
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BUDGET="${1:-540}"
@@ -25,6 +30,9 @@ fi
 START=$(date +%s)
 SUMMARY=()
 FAILED=0
+TESTS_PASSED=0
+TESTS_FAILED=0
+TESTS_SKIPPED=0
 
 elapsed() { echo $(( $(date +%s) - START )); }
 
@@ -60,11 +68,42 @@ step() {
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 R=$NGPU
 
+# count_tests LOG: adds the libtest results of LOG to the totals, and its
+# "skipped ..." lines (shown by --show-output) to the skipped parts.
+count_tests() {
+  local p f s
+  [ -f "$1" ] || return 0
+  p=$(grep -oE '[0-9]+ passed' "$1" | awk '{n += $1} END {print n + 0}')
+  f=$(grep -oE '[0-9]+ failed' "$1" | awk '{n += $1} END {print n + 0}')
+  s=$(grep -cE '^skipped ' "$1")
+  TESTS_PASSED=$((TESTS_PASSED + p)); TESTS_FAILED=$((TESTS_FAILED + f))
+  TESTS_SKIPPED=$((TESTS_SKIPPED + s))
+}
+
 # 1. Correctness: every GPU test binary, one test at a time.
 for t in "$G"/tests/gpu_*; do
   [ -x "$t" ] || continue
-  step "test $(basename "$t")" 30 300 "$t" --ignored --test-threads=1
+  # shellcheck disable=SC2086 # EP_GPU_TEST_ARGS is a list of arguments
+  step "test $(basename "$t")" 30 300 "$t" --ignored --test-threads=1 --show-output ${EP_GPU_TEST_ARGS:-}
+  count_tests "$OUT/$(echo "test $(basename "$t")" | tr ' /' '__').log"
 done
+echo "=== tests: $TESTS_PASSED passed, $TESTS_FAILED failed, $TESTS_SKIPPED parts skipped"
+if [ -n "${EP_GPU_TESTS_ONLY:-}" ]; then
+  printf '%-34s %-8s %6s\n' step result time
+  for line in "${SUMMARY[@]}"; do echo "$line"; done
+  exit "$FAILED"
+fi
+
+# 1b. The Python package with torch on the GPUs (python3, torch and pytest are
+# on the machine; the package loads this directory's libep.so).
+if [ -d "$G/python/tests" ]; then
+  PY=(env EP_LIBRARY="$G/libep.so" PYTHONPATH="$G/python" python3)
+  step "python torch tests" 60 300 env EP_REQUIRE_GPU=1 "${PY[@]}" -m pytest -q \
+    -p no:cacheprovider "$G/python/tests/test_gpu_torch.py"
+  step "python example host 2 ranks" 20 120 "${PY[@]}" "$G/python/examples/torch_two_ranks.py"
+  step "python example gpu" 20 120 "${PY[@]}" "$G/python/examples/torch_two_ranks.py" --gpu \
+    --ranks "$(( R < 2 ? R : 2 ))"
+fi
 
 # 1b. Every mode on contexts made from NCCL communicators (NCCL windows):
 # the single-node suites again with EP_TEST_NCCL=1, on every GPU.
@@ -85,19 +124,30 @@ if [ -x "$G/demo" ]; then
 fi
 
 # 3. Benchmarks: W1 normal and W2 low-latency (and its token sweep), all ranks then 2.
+# bench NAME MIN_SECONDS TIMEOUT ARGS...: an ep-bench step that also writes its
+# results as JSON ($OUT/bench_<name>.json, for bench/data and bench/plot.py).
 B="$G/ep-bench"
-step "bench normal ${R} ranks" 60 180 "$B" --ranks "$R" --mode normal
-step "bench ll ${R} ranks" 40 120 "$B" --ranks "$R" --mode ll
-step "bench ll token sweep ${R} ranks" 60 180 "$B" --ranks "$R" --mode ll \
+bench() {
+  local name="$1" need="$2" limit="$3"; shift 3
+  step "$name" "$need" "$limit" "$B" "$@" --json "$OUT/$(echo "$name" | tr ' /' '__').json"
+}
+bench "bench normal ${R} ranks" 60 180 --ranks "$R" --mode normal
+bench "bench ll ${R} ranks" 40 120 --ranks "$R" --mode ll
+bench "bench ll token sweep ${R} ranks" 60 180 --ranks "$R" --mode ll \
   --sweep-tokens 1,8,32,64,128,256 --iters 200
 if [ "$R" -gt 2 ]; then
-  step "bench normal 2 ranks" 60 180 "$B" --ranks 2 --mode normal
-  step "bench ll 2 ranks" 40 120 "$B" --ranks 2 --mode ll
+  bench "bench normal 2 ranks" 60 180 --ranks 2 --mode normal
+  bench "bench ll 2 ranks" 40 120 --ranks 2 --mode ll
+elif [ "$R" -lt 2 ]; then
+  # Two ranks sharing the one GPU: a smoke run (the times are not those of
+  # two GPUs; NCCL needs a GPU per rank and is left out).
+  bench "bench normal 2 ranks shared GPU" 60 180 --ranks 2 --mode normal --iters 10
+  bench "bench ll 2 ranks shared GPU" 40 120 --ranks 2 --mode ll --iters 50
 fi
 
 # 4. Sweeps, only while the budget allows.
-step "bench SM sweep ${R} ranks" 90 180 "$B" --ranks "$R" --mode normal --sms-sweep 16,24,32,48,64 --iters 30
-step "bench token sweep ${R} ranks" 90 240 "$B" --ranks "$R" --mode normal \
+bench "bench SM sweep ${R} ranks" 90 180 --ranks "$R" --mode normal --sms-sweep 16,24,32,48,64 --iters 30
+bench "bench token sweep ${R} ranks" 90 240 --ranks "$R" --mode normal \
   --sweep-tokens 256,512,1024,2048,4096,8192,16384 --iters 30
 
 # The benchmark tables, in one file ready for bench/RESULTS.md.
@@ -105,6 +155,7 @@ cat "$OUT"/bench_*.log 2>/dev/null | grep -E '^\||^\*\*|UTC, ' > "$OUT/results.m
 
 echo
 echo "=== summary ($(elapsed)s of ${BUDGET}s; logs in $OUT)"
+echo "tests: $TESTS_PASSED passed, $TESTS_FAILED failed, $TESTS_SKIPPED parts skipped"
 printf '%-34s %-8s %6s\n' step result time
 for line in "${SUMMARY[@]}"; do echo "$line"; done
 exit "$FAILED"

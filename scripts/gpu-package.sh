@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds everything the GPU machine runs (it has no Rust) and copies it into
 # the git-ignored folder .gpu/: libep.so, the GPU test binaries
-# (tests/gpu_*.rs), ep-bench, the C demo, the NCCL example and
+# (tests/gpu_*.rs), ep-bench, the C demo, the NCCL example, the Python
+# package with its tests (python/, loaded there through EP_LIBRARY) and
 # scripts/gpu-check.sh.
 # Debug info is stripped from the copies to stay well under 60 MiB.
 # Then, on the GPU machine: bash .gpu/gpu-check.sh [budget-seconds]
@@ -62,6 +63,14 @@ if [ -n "$wheels" ] && [ -f examples-c/nccl_context.c ]; then
      -Wl,-rpath,'$ORIGIN' || true
   [ -f .gpu/nccl_context ] || echo "warning: examples-c/nccl_context.c did not compile" >&2
 fi
+
+# The Python package is pure Python: its sources and tests, without caches
+# (gpu-check.sh points EP_LIBRARY at .gpu/libep.so).
+mkdir -p .gpu/python
+for d in ep tests examples; do
+  cp -r "python/$d" ".gpu/python/$d"
+done
+find .gpu/python \( -name __pycache__ -o -name 'libep.so' \) -prune -exec rm -rf {} +
 
 cp scripts/gpu-check.sh .gpu/
 chmod +x .gpu/gpu-check.sh

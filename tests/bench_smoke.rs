@@ -118,3 +118,45 @@ fn traffic_mode_counts_network_and_nvlink_bytes() {
         "{one_node}"
     );
 }
+
+#[test]
+fn json_holds_every_table_row() {
+    let path = std::env::temp_dir().join(format!("ep-bench-{}.json", std::process::id()));
+    let out = run_bench(
+        &["--mode", "all", "--sweep-tokens", "3,9", "--json"]
+            .iter()
+            .copied()
+            .chain([path.to_str().unwrap()])
+            .collect::<Vec<_>>(),
+    );
+    let table_rows = out
+        .lines()
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| op |") && !l.starts_with("| --- |"))
+        .filter(|l| !l.contains("n/a (host backend)"))
+        .count();
+    // Python reads it (bench/plot.py): load it there and count.
+    let check = Command::new("python3")
+        .args([
+            "-c",
+            "import json, sys; d = json.load(open(sys.argv[1])); \
+             assert d['schema'] == 'ep-bench/1' and d['ranks'] == 2 and d['backend'] == 'host'; \
+             assert [t['mode'] for t in d['tables']] == ['normal', 'll']; \
+             rows = [r for t in d['tables'] for r in t['rows']]; \
+             assert all(r['median_us'] > 0 and r['tokens'] in (3, 9) for r in rows); \
+             print(len(rows))",
+        ])
+        .arg(&path)
+        .output()
+        .expect("python3 runs");
+    let _ = std::fs::remove_file(&path);
+    assert!(
+        check.status.success(),
+        "{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    let rows: usize = String::from_utf8_lossy(&check.stdout)
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(rows, table_rows, "one JSON row per table row:\n{out}");
+}

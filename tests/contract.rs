@@ -30,147 +30,23 @@ fn shape() -> Shape {
     }
 }
 
-/// Uneven token counts (every rank has some), or none anywhere.
+/// Uneven token counts (every rank has some).
 const SOME: [usize; 2] = [13, 7];
-const NONE: [usize; 2] = [0, 0];
 const LL_SOME: [usize; 2] = [5, 8];
-
-fn both(alignment: usize) -> DispatchCase {
-    DispatchCase {
-        source_order: true,
-        expert_major: true,
-        alignment,
-        no_host_sync: false,
-    }
-}
 
 #[test]
 fn null_walk_of_the_normal_mode() {
     let s = shape();
     run_world(s.world, &s.config(), |rank, ctx| {
-        for (seed, n) in [(1, SOME), (2, NONE)] {
-            let tokens = Tokens::new(&s, seed, &n, false);
-            walk_nulls(&mut LayoutOp::new(&HOST, &s, &tokens, rank), ctx, rank);
-        }
-        let cases = [
-            (3, SOME, false, both(4)),
-            (4, SOME, true, both(1)),
-            (5, NONE, false, both(2)),
-            (
-                6,
-                SOME,
-                false,
-                DispatchCase {
-                    expert_major: false,
-                    ..both(1)
-                },
-            ),
-            (
-                7,
-                SOME,
-                true,
-                DispatchCase {
-                    source_order: false,
-                    ..both(8)
-                },
-            ),
-        ];
-        for (seed, n, fp8, case) in cases {
-            let tokens = Tokens::new(&s, seed, &n, fp8);
-            let mut op = DispatchOp::new(&HOST, ctx, &s, &tokens, rank, case);
-            walk_nulls(&mut op, ctx, rank);
-        }
-        for (seed, n) in [(8, SOME), (9, NONE)] {
-            let tokens = Tokens::new(&s, seed, &n, false);
-            for expert_major in [false, true] {
-                let mut op = CombineOp::new(&HOST, ctx, &s, &tokens, rank, seed, expert_major);
-                walk_nulls(&mut op, ctx, rank);
-            }
-        }
-        let tokens = Tokens::new(&s, 10, &SOME, false);
-        walk_nulls(
-            &mut MegaOp::dispatch(&HOST, ctx, &s, &tokens, rank),
-            ctx,
-            rank,
-        );
-        walk_nulls(&mut MegaOp::combine(&HOST, ctx, &s), ctx, rank);
+        walk::null_walk_of_the_normal_mode(&HOST, &s, ctx, rank, &SOME)
     });
-}
-
-fn ll_dispatch_case(fp8: bool, weights: bool, split: bool) -> LlDispatchCase {
-    LlDispatchCase {
-        fp8,
-        ue8m0: false,
-        weights,
-        split,
-        device_count: false,
-    }
 }
 
 #[test]
 fn null_walk_of_the_low_latency_mode() {
     let s = shape();
     run_world(s.world, &s.config(), |rank, ctx| {
-        let dispatches = [
-            (
-                11,
-                LL_SOME,
-                LlDispatchCase {
-                    device_count: true,
-                    ..ll_dispatch_case(true, true, false)
-                },
-            ),
-            (12, LL_SOME, ll_dispatch_case(false, false, false)),
-            (
-                13,
-                LL_SOME,
-                LlDispatchCase {
-                    ue8m0: true,
-                    ..ll_dispatch_case(true, true, true)
-                },
-            ),
-            (14, NONE, ll_dispatch_case(false, true, false)),
-        ];
-        for (seed, n, case) in dispatches {
-            let tokens = LlTokens::new(&s, seed, &n);
-            walk_nulls(
-                &mut LlDispatchOp::new(&HOST, &s, &tokens, rank, case),
-                ctx,
-                rank,
-            );
-        }
-        let combine = |weights, zero_copy, split| LlCombineCase {
-            weights,
-            zero_copy,
-            split,
-            device_count: false,
-        };
-        let weighted = ll_dispatch_case(true, true, false);
-        let combines = [
-            (
-                15,
-                LL_SOME,
-                weighted,
-                LlCombineCase {
-                    device_count: true,
-                    ..combine(true, false, false)
-                },
-            ),
-            (16, LL_SOME, weighted, combine(false, false, false)),
-            (17, LL_SOME, weighted, combine(true, true, true)),
-            (
-                18,
-                LL_SOME,
-                ll_dispatch_case(false, false, true),
-                combine(true, false, true),
-            ),
-            (19, NONE, weighted, combine(true, false, false)),
-        ];
-        for (seed, n, dispatch, case) in combines {
-            let tokens = LlTokens::new(&s, seed, &n);
-            let mut op = LlCombineOp::new(&HOST, &s, &tokens, rank, seed, dispatch, case);
-            walk_nulls(&mut op, ctx, rank);
-        }
+        walk::null_walk_of_the_low_latency_mode(&HOST, &s, ctx, rank, &LL_SOME)
     });
 }
 
@@ -178,31 +54,7 @@ fn null_walk_of_the_low_latency_mode() {
 fn bad_input_walk() {
     let s = shape();
     run_world(s.world, &s.config(), |rank, ctx| {
-        let tokens = Tokens::new(&s, 21, &SOME, false);
-        let mut layout = LayoutOp::new(&HOST, &s, &tokens, rank);
-        walk_bad(&mut layout, &bad_layout(&s), ctx, rank, true);
-        let mut dispatch = DispatchOp::new(&HOST, ctx, &s, &tokens, rank, both(2));
-        walk_bad(&mut dispatch, &bad_dispatch(&s), ctx, rank, true);
-        let mut combine = CombineOp::new(&HOST, ctx, &s, &tokens, rank, 22, true);
-        walk_bad(&mut combine, &bad_combine(), ctx, rank, true);
-        let mut mega = MegaOp::dispatch(&HOST, ctx, &s, &tokens, rank);
-        walk_bad(&mut mega, &bad_mega_dispatch(), ctx, rank, true);
-
-        let ll = LlTokens::new(&s, 23, &LL_SOME);
-        let case = LlDispatchCase {
-            device_count: true,
-            ..ll_dispatch_case(true, true, false)
-        };
-        let mut dispatch = LlDispatchOp::new(&HOST, &s, &ll, rank, case);
-        walk_bad(&mut dispatch, &bad_ll_dispatch(&s), ctx, rank, true);
-        let combine_case = LlCombineCase {
-            weights: true,
-            zero_copy: false,
-            split: false,
-            device_count: true,
-        };
-        let mut combine = LlCombineOp::new(&HOST, &s, &ll, rank, 24, case, combine_case);
-        walk_bad(&mut combine, &bad_ll_combine(&s), ctx, rank, true);
+        walk::bad_input_walk(&HOST, &s, ctx, rank, (&SOME, &LL_SOME), true)
     });
 }
 

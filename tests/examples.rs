@@ -4,12 +4,11 @@
 //! (2 ranks, ctypes; skipped without python3) and tests/c/api_test.c;
 //! examples-c/nccl_context.c is only compiled (it needs GPUs).
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+mod common;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+use common::tools::{c_compiler, root, show};
+use std::path::PathBuf;
+use std::process::Command;
 
 /// `target/<profile>`: this test runs from `target/<profile>/deps/`, and
 /// `cargo build` of the same profile puts the library's cdylib next to
@@ -26,34 +25,10 @@ fn lib_dir() -> PathBuf {
     dir
 }
 
-/// The system C or C++ compiler, as cc finds it (honours `CC` and `CXX`).
-fn tool(cpp: bool) -> PathBuf {
-    let target = format!("{}-unknown-linux-gnu", std::env::consts::ARCH);
-    cc::Build::new()
-        .cpp(cpp)
-        .opt_level(0)
-        .debug(false)
-        .cargo_metadata(false)
-        .target(&target)
-        .host(&target)
-        .get_compiler()
-        .path()
-        .to_path_buf()
-}
-
 fn out_dir() -> PathBuf {
     let dir = lib_dir().join("examples-test");
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-fn show(output: &Output) -> String {
-    format!(
-        "status: {}\n--- stdout ---\n{}\n--- stderr ---\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
 }
 
 /// Compiles `source` into `out_dir()/name` with the strict flags, linked to
@@ -61,7 +36,7 @@ fn show(output: &Output) -> String {
 fn build(source: &str, name: &str, cpp: bool) -> PathBuf {
     let lib = lib_dir();
     let exe = out_dir().join(name);
-    let mut cmd = Command::new(tool(cpp));
+    let mut cmd = Command::new(c_compiler(cpp));
     cmd.arg(if cpp { "-std=c++17" } else { "-std=c99" })
         .args(["-O2", "-Wall", "-Wextra", "-Werror", "-pedantic"])
         .arg("-I")
@@ -164,7 +139,7 @@ fn nccl_example_builds() {
     let wheels = nvidia_wheels();
     let lib = lib_dir();
     let exe = out_dir().join("nccl_context");
-    let output = Command::new(tool(false))
+    let output = Command::new(c_compiler(false))
         .args(["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror"])
         .arg("-I")
         .arg(root().join("include"))

@@ -56,7 +56,8 @@ struct Layout {
     is_token_in_rank: Vec<u8>,
 }
 
-/// What the layout kernel must compute; invalid ids are skipped.
+/// What the layout kernel must compute; invalid ids, and ids a token lists
+/// a second time, are skipped.
 fn layout_on_host(topk_idx: &[i32], topk: usize, num_experts: usize, world: usize) -> Layout {
     let num_tokens = topk_idx.len() / topk;
     let experts_per_rank = num_experts / world;
@@ -66,8 +67,9 @@ fn layout_on_host(topk_idx: &[i32], topk: usize, num_experts: usize, world: usiz
         is_token_in_rank: vec![0; num_tokens * world],
     };
     for (token, experts) in topk_idx.chunks(topk).enumerate() {
-        for &expert in experts {
-            if expert >= 0 && (expert as usize) < num_experts {
+        for (slot, &expert) in experts.iter().enumerate() {
+            let repeated = experts[..slot].contains(&expert);
+            if expert >= 0 && (expert as usize) < num_experts && !repeated {
                 layout.tokens_per_expert[expert as usize] += 1;
                 layout.is_token_in_rank[token * world + expert as usize / experts_per_rank] = 1;
             }
@@ -136,22 +138,25 @@ fn layout_on_gpu(
     (layout, status.read(0))
 }
 
-/// Deterministic expert choices, about one slot in ten left empty (-1).
+/// Deterministic expert choices, about one slot in ten left empty (-1),
+/// and none that repeats an earlier slot of its token (-1 instead).
 fn routing(num_tokens: usize, topk: usize, num_experts: usize, seed: u64) -> Vec<i32> {
     let mut state = seed;
-    (0..num_tokens * topk)
-        .map(|_| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            let draw = (state >> 33) as usize;
-            if draw.is_multiple_of(10) {
-                -1
-            } else {
-                (draw % num_experts) as i32
-            }
-        })
-        .collect()
+    let mut ids = Vec::with_capacity(num_tokens * topk);
+    for i in 0..num_tokens * topk {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let draw = (state >> 33) as usize;
+        let id = (draw % num_experts) as i32;
+        let earlier = &ids[i - i % topk..];
+        ids.push(if draw.is_multiple_of(10) || earlier.contains(&id) {
+            -1
+        } else {
+            id
+        });
+    }
+    ids
 }
 
 #[test]
@@ -200,6 +205,26 @@ fn layout_reports_and_skips_invalid_expert_ids() {
     assert_eq!(layout, layout_on_host(&topk_idx, topk, num_experts, world));
 }
 
+/// A token that lists one expert twice counts once, as the dispatch routes
+/// it, and the repeat is reported like any invalid id.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn layout_reports_and_skips_repeated_expert_ids() {
+    let (device, module) = gpu();
+    let (topk, num_experts, world) = (3, 8, 2);
+    let topk_idx = [
+        0, 5, 1, /* token 1 */ 6, 6, -1, /* token 2 */ 2, 3, 2,
+    ];
+    let (layout, status) = layout_on_gpu(&device, &module, &topk_idx, topk, num_experts, world);
+    assert_eq!(status.code, abi::STATUS_INVALID_EXPERT);
+    assert_eq!(status.phase, abi::PHASE_LAYOUT);
+    assert!([4, 8].contains(&status.detail), "{status:?}");
+    let want = layout_on_host(&topk_idx, topk, num_experts, world);
+    assert_eq!(want.tokens_per_expert, [1, 1, 1, 1, 0, 1, 1, 0]);
+    assert_eq!(want.tokens_per_rank, [2, 2]);
+    assert_eq!(layout, want);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn layout_refuses_experts_that_do_not_split_over_ranks() {
@@ -212,11 +237,26 @@ fn layout_refuses_experts_that_do_not_split_over_ranks() {
 // Barrier
 // ---------------------------------------------------------------------------
 
-/// The signal arrays of `world` ranks, all in this GPU's memory, and the
+/// Bytes of one fake rank buffer: the signal slots, then the rank's barrier
+/// and call words.
+const RANK_BYTES: usize = 1024;
+
+/// A call word (`abi::CALL_NUMBER_BITS`): operation `op`, call `number`.
+fn call_word(op: i32, number: i32) -> i32 {
+    op << abi::CALL_NUMBER_BITS | number
+}
+
+/// A barrier slot's value: `call` in the high half, `epoch` in the low half.
+fn signal(epoch: i32, call: i32) -> u64 {
+    (call as u32 as u64) << 32 | epoch as u32 as u64
+}
+
+/// The starts of the symmetric buffers of `world` ranks, all in this GPU's
+/// memory (`RANK_BYTES` each: slots, barrier words, call words), and the
 /// table of their addresses the kernel takes.
 struct Signals {
     world: usize,
-    arrays: DeviceBuffer,
+    buffers: DeviceBuffer,
     table: DeviceBuffer,
     abort: MappedHost<i32>,
     status: MappedHost<DeviceStatus>,
@@ -224,55 +264,95 @@ struct Signals {
 
 impl Signals {
     fn new(device: &Device, world: usize) -> Signals {
-        let arrays = upload(device, &vec![0i32; world * world]);
+        const { assert!(abi::CALL_WORDS_OFFSET + 8 <= RANK_BYTES) };
+        let buffers = upload(device, &vec![0u8; world * RANK_BYTES]);
         let table: Vec<CUdeviceptr> = (0..world)
-            .map(|rank| arrays.ptr() + (rank * world * 4) as u64)
+            .map(|rank| buffers.ptr() + (rank * RANK_BYTES) as u64)
             .collect();
         Signals {
             world,
             table: upload(device, &table),
-            arrays,
+            buffers,
             abort: MappedHost::new(device, 1).unwrap(),
             status: MappedHost::new(device, 1).unwrap(),
         }
     }
 
-    /// Sets rank `rank`'s array (slot [p] = what rank p signalled).
-    fn set(&self, device: &Device, rank: usize, slots: &[i32]) {
-        let mut all: Vec<i32> = download(device, &self.arrays, self.world * self.world);
-        all[rank * self.world..][..self.world].copy_from_slice(slots);
+    fn all(&self, device: &Device) -> Vec<u8> {
+        download(device, &self.buffers, self.world * RANK_BYTES)
+    }
+
+    fn put(&self, device: &Device, all: &[u8]) {
         // SAFETY: synchronized before `all` goes away.
         unsafe {
-            self.arrays.copy_from_host_async(&all, STREAM).unwrap();
+            self.buffers.copy_from_host_async(all, STREAM).unwrap();
             device.stream_synchronize(STREAM).unwrap();
         }
     }
 
+    /// Writes the i32s `values` at byte `offset` of rank `rank`'s buffer.
+    fn set_words(&self, device: &Device, rank: usize, offset: usize, values: &[i32]) {
+        let mut all = self.all(device);
+        for (i, v) in values.iter().enumerate() {
+            let at = rank * RANK_BYTES + offset + 4 * i;
+            all[at..at + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        self.put(device, &all);
+    }
+
+    /// Sets rank `rank`'s slots (slot [p] = what rank p signalled).
+    fn set(&self, device: &Device, rank: usize, slots: &[u64]) {
+        let mut all = self.all(device);
+        for (p, v) in slots.iter().enumerate() {
+            let at = rank * RANK_BYTES + 8 * p;
+            all[at..at + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        self.put(device, &all);
+    }
+
+    /// Publishes `word` as the call rank `rank` is in.
+    fn set_call(&self, device: &Device, rank: usize, word: i32) {
+        self.set_words(device, rank, abi::CALL_WORDS_OFFSET + 4, &[word]);
+    }
+
     /// What every rank's slot [rank] holds: what `rank` signalled to each.
-    fn signalled_by(&self, device: &Device, rank: usize) -> Vec<i32> {
-        let all: Vec<i32> = download(device, &self.arrays, self.world * self.world);
+    fn signalled_by(&self, device: &Device, rank: usize) -> Vec<u64> {
+        let all = self.all(device);
         (0..self.world)
-            .map(|p| all[p * self.world + rank])
+            .map(|p| {
+                let at = p * RANK_BYTES + 8 * rank;
+                u64::from_le_bytes(all[at..at + 8].try_into().unwrap())
+            })
             .collect()
     }
 
-    /// Runs the barrier kernel for `rank` as its barrier number `epoch` and
-    /// returns its status and how long it took.
-    fn barrier(
+    /// Runs the barrier kernel for `rank` in call `call` as its barrier
+    /// number `epoch` (its barrier words say `passed` barriers were passed)
+    /// and returns its status and how long it took.
+    fn barrier_after(
         &self,
         device: &Device,
         module: &Module,
         rank: usize,
-        epoch: i32,
+        (epoch, passed, call): (i32, i32, i32),
         timeout: Duration,
     ) -> (DeviceStatus, Duration) {
         let kernel = module
             .function::<BarrierParams>(c"ep_barrier_kernel")
             .unwrap();
-        let counter = upload(device, &[epoch - 1, epoch - 1]);
+        // A rank outside the world (refused by the kernel) gets rank 0's words.
+        let own = if rank < self.world { rank } else { 0 };
+        self.set_words(
+            device,
+            own,
+            abi::BARRIER_COUNTER_OFFSET,
+            &[epoch - 1, passed],
+        );
+        self.set_call(device, own, call);
+        let counter = self.table_entry(own) + abi::BARRIER_COUNTER_OFFSET as u64;
         let params = BarrierParams {
             peer_signals: self.table.ptr(),
-            epoch_counter: counter.ptr(),
+            epoch_counter: counter,
             abort_flag: self.abort.device_ptr(),
             status: self.status.device_ptr(),
             timeout_ns: timeout.as_nanos() as u64,
@@ -291,14 +371,30 @@ impl Signals {
         }
         let elapsed = start.elapsed();
         let status = self.status.read(0);
-        if status.code == abi::STATUS_OK {
-            assert_eq!(
-                download::<i32>(device, &counter, 1),
-                vec![epoch],
-                "epoch count"
-            );
+        if status.code == abi::STATUS_OK && passed == epoch - 1 {
+            let at = own * RANK_BYTES + abi::BARRIER_COUNTER_OFFSET;
+            let words = &self.all(device)[at..at + 8];
+            assert_eq!(words[..4], epoch.to_le_bytes(), "epoch count");
+            assert_eq!(words[4..], epoch.to_le_bytes(), "last barrier passed");
         }
         (status, elapsed)
+    }
+
+    /// `barrier_after` with every earlier barrier passed.
+    fn barrier(
+        &self,
+        device: &Device,
+        module: &Module,
+        rank: usize,
+        epoch: i32,
+        call: i32,
+        timeout: Duration,
+    ) -> (DeviceStatus, Duration) {
+        self.barrier_after(device, module, rank, (epoch, epoch - 1, call), timeout)
+    }
+
+    fn table_entry(&self, rank: usize) -> u64 {
+        self.buffers.ptr() + (rank * RANK_BYTES) as u64
     }
 }
 
@@ -308,15 +404,25 @@ fn barrier_passes_when_every_peer_has_arrived() {
     let (device, module) = gpu();
     let signals = Signals::new(&device, 4);
     let rank = 1;
-    // Peers 0 and 3 signalled epoch 1, peer 2 is already at epoch 2 (one
-    // barrier ahead); slot [1] is this rank's own and is set by the kernel.
-    signals.set(&device, rank, &[1, 0, 2, 1]);
-    let (status, _) = signals.barrier(&device, &module, rank, 1, Duration::from_secs(5));
+    let call = call_word(1, 9);
+    // Peers 0 and 3 signalled epoch 1 in this call, peer 2 is already at
+    // epoch 2 (one barrier ahead, in its next call); slot [1] is this
+    // rank's own and is set by the kernel.
+    let next = call_word(2, 10);
+    signals.set(
+        &device,
+        rank,
+        &[signal(1, call), 0, signal(2, next), signal(1, call)],
+    );
+    let (status, _) = signals.barrier(&device, &module, rank, 1, call, Duration::from_secs(5));
     assert_eq!(status, DeviceStatus::default());
-    assert_eq!(signals.signalled_by(&device, rank), vec![1; 4]);
+    assert_eq!(
+        signals.signalled_by(&device, rank),
+        vec![signal(1, call); 4]
+    );
 
     let single = Signals::new(&device, 1);
-    let (status, _) = single.barrier(&device, &module, 0, 1, Duration::from_secs(5));
+    let (status, _) = single.barrier(&device, &module, 0, 1, call, Duration::from_secs(5));
     assert_eq!(status, DeviceStatus::default());
 }
 
@@ -325,18 +431,24 @@ fn barrier_passes_when_every_peer_has_arrived() {
 fn barrier_times_out_naming_the_missing_peer() {
     let (device, module) = gpu();
     let signals = Signals::new(&device, 4);
-    signals.set(&device, 0, &[0, 5, 4, 5]);
-    let (status, took) = signals.barrier(&device, &module, 0, 5, Duration::from_millis(20));
+    let call = call_word(1, 3);
+    signals.set(
+        &device,
+        0,
+        &[0, signal(5, call), signal(4, call), signal(5, call)],
+    );
+    let (status, took) = signals.barrier(&device, &module, 0, 5, call, Duration::from_millis(20));
     let expected = DeviceStatus {
         code: abi::STATUS_TIMEOUT,
         rank: 2,
         phase: abi::PHASE_BARRIER,
         detail: 4,
+        call: 0,
     };
     assert_eq!(status, expected);
     assert!(took < Duration::from_secs(2), "{took:?}");
     // The peers were still told that rank 0 arrived.
-    assert_eq!(signals.signalled_by(&device, 0), vec![5; 4]);
+    assert_eq!(signals.signalled_by(&device, 0), vec![signal(5, call); 4]);
 }
 
 #[test]
@@ -345,7 +457,14 @@ fn barrier_stops_when_the_host_aborts() {
     let (device, module) = gpu();
     let signals = Signals::new(&device, 2);
     signals.abort.write(0, 1);
-    let (status, took) = signals.barrier(&device, &module, 0, 1, Duration::from_secs(60));
+    let (status, took) = signals.barrier(
+        &device,
+        &module,
+        0,
+        1,
+        call_word(1, 1),
+        Duration::from_secs(60),
+    );
     assert_eq!(status.code, abi::STATUS_ABORTED);
     assert_eq!(status.rank, 1);
     assert!(took < Duration::from_secs(5), "{took:?}");
@@ -356,6 +475,74 @@ fn barrier_stops_when_the_host_aborts() {
 fn barrier_refuses_a_rank_outside_the_world() {
     let (device, module) = gpu();
     let signals = Signals::new(&device, 2);
-    let (status, _) = signals.barrier(&device, &module, 2, 1, Duration::from_secs(1));
+    let (status, _) = signals.barrier(
+        &device,
+        &module,
+        2,
+        1,
+        call_word(1, 1),
+        Duration::from_secs(1),
+    );
     assert_eq!(status.code, abi::STATUS_INVALID_ARGUMENT);
+}
+
+/// A peer at the same barrier but in another call (a combine where this
+/// rank dispatches): a mismatch at once, naming both calls.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn barrier_reports_a_peer_in_another_call() {
+    let (device, module) = gpu();
+    let signals = Signals::new(&device, 2);
+    let (mine, theirs) = (call_word(1, 4), call_word(2, 4));
+    signals.set(&device, 0, &[0, signal(3, theirs)]);
+    let (status, took) = signals.barrier(&device, &module, 0, 3, mine, Duration::from_secs(60));
+    let expected = DeviceStatus {
+        code: abi::STATUS_MISMATCH,
+        rank: 1,
+        phase: abi::PHASE_BARRIER,
+        detail: theirs,
+        call: mine,
+    };
+    assert_eq!(status, expected);
+    assert!(took < Duration::from_secs(5), "{took:?}");
+}
+
+/// A peer that never comes because it is in a later call (or in a call of
+/// the low-latency mode, which has no barriers, under this call's number):
+/// the wait reads its published call word and ends long before the timeout.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn barrier_ends_when_a_peer_is_in_a_call_without_it() {
+    let (device, module) = gpu();
+    let mine = call_word(1, 4);
+    for theirs in [call_word(1, 5), call_word(3, 4)] {
+        let signals = Signals::new(&device, 2);
+        signals.set_call(&device, 1, theirs);
+        let (status, took) = signals.barrier(&device, &module, 0, 3, mine, Duration::from_secs(60));
+        assert_eq!(status.code, abi::STATUS_MISMATCH, "{theirs:x}");
+        assert_eq!((status.rank, status.detail, status.call), (1, theirs, mine));
+        assert!(took < Duration::from_secs(5), "{took:?}");
+    }
+    // A peer in an earlier call is only slow: the wait goes on (to its
+    // timeout here).
+    let signals = Signals::new(&device, 2);
+    signals.set_call(&device, 1, call_word(2, 3));
+    let (status, _) = signals.barrier(&device, &module, 0, 3, mine, Duration::from_millis(50));
+    assert_eq!(status.code, abi::STATUS_TIMEOUT);
+}
+
+/// After a failed barrier a rank signals no later barrier, so its peers
+/// stop too instead of passing with data of a failed call.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_barrier_after_a_failed_one_signals_nothing() {
+    let (device, module) = gpu();
+    let signals = Signals::new(&device, 2);
+    let call = call_word(2, 8);
+    signals.set(&device, 0, &[0, signal(7, call)]);
+    // Barrier 6 was entered but not passed.
+    let (status, _) =
+        signals.barrier_after(&device, &module, 0, (7, 5, call), Duration::from_secs(60));
+    assert_eq!(status, DeviceStatus::default());
+    assert_eq!(signals.signalled_by(&device, 0), vec![0, 0]);
 }

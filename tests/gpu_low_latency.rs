@@ -22,7 +22,6 @@ use ep::reference::low_latency::{
 use ep::reference::{Dtype, Topology};
 use half::bf16;
 use std::ptr::{null, null_mut};
-use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 /// One test configuration.
@@ -269,11 +268,20 @@ fn fill_combine_buffer(ctx: &Ctx, y: &[bf16]) {
         "combine buffer",
     );
     assert_eq!(bytes, std::mem::size_of_val(y));
-    // SAFETY: the buffer is device memory of `bytes` bytes.
+    // SAFETY: the buffer is device memory of `bytes` bytes; `y` outlives
+    // the sync.
     cu(
-        unsafe { sys::cuMemcpyHtoD_v2(buffer as u64, y.as_ptr() as *const _, bytes) },
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                buffer as u64,
+                y.as_ptr() as *const _,
+                bytes,
+                stream() as sys::CUstream,
+            )
+        },
         "fill combine buffer",
     );
+    sync();
 }
 
 /// Runs one dispatch and one combine (split in send and receive calls when
@@ -298,6 +306,12 @@ fn run_ops(ctx: &Ctx, case: &Case, bufs: &Bufs, n: usize, stream: ep_stream_t) {
 
 /// Compares one rank's GPU results with the reference.
 fn check(case: &Case, rank: usize, all: &[Input], bufs: &Bufs, what: &str) {
+    check_but(case, rank, all, bufs, "", what);
+}
+
+/// Compares one rank's GPU results but the output named `left_out` (its C
+/// field name) with the reference.
+fn check_but(case: &Case, rank: usize, all: &[Input], bufs: &Bufs, left_out: &str, what: &str) {
     let topo = case.topo();
     let (m, h, world) = (case.max_tokens, case.hidden, case.world);
     let local = case.experts / world;
@@ -314,8 +328,10 @@ fn check(case: &Case, rank: usize, all: &[Input], bufs: &Bufs, what: &str) {
     let row_bytes = case.dtype().row_bytes(h);
     let count: Vec<i32> = bufs.recv_count.download(local);
     assert_eq!(count, want.recv_count, "{what}: recv_count");
-    let range: Vec<i32> = bufs.recv_range.download(local * world * 2);
-    assert_eq!(range, want.recv_layout_range, "{what}: layout range");
+    if left_out != "recv_layout_range" {
+        let range: Vec<i32> = bufs.recv_range.download(local * world * 2);
+        assert_eq!(range, want.recv_layout_range, "{what}: layout range");
+    }
     let recv_x: Vec<u8> = bufs.recv_x.download(case.rows() * row_bytes);
     let src: Vec<i32> = bufs.recv_src_info.download(case.rows());
     let scales: Vec<f32> = if case.fp8 {
@@ -325,11 +341,13 @@ fn check(case: &Case, rank: usize, all: &[Input], bufs: &Bufs, what: &str) {
     };
     for (le, &rows) in count.iter().enumerate() {
         let rows = le * capacity..le * capacity + rows as usize;
-        assert_eq!(
-            src[rows.clone()],
-            want.recv_src_info[rows.clone()],
-            "{what}: src_info of expert {le}"
-        );
+        if left_out != "recv_src_info" {
+            assert_eq!(
+                src[rows.clone()],
+                want.recv_src_info[rows.clone()],
+                "{what}: src_info of expert {le}"
+            );
+        }
         let bytes = rows.start * row_bytes..rows.end * row_bytes;
         assert!(
             recv_x[bytes.clone()] == want.recv_x[bytes],
@@ -395,7 +413,8 @@ fn run_case_on(ranks: Ranks, case: Case, rounds: u64, tokens: impl Fn(u64, usize
             if case.zero_copy {
                 fill_combine_buffer(ctx, &me.y);
             }
-            run_ops(ctx, &case, &bufs, me.n, null_mut());
+            gate();
+            run_ops(ctx, &case, &bufs, me.n, stream());
             sync();
             assert_eq!(async_status(ctx), EP_SUCCESS, "{case:?} round {round}");
             check(
@@ -405,23 +424,22 @@ fn run_case_on(ranks: Ranks, case: Case, rounds: u64, tokens: impl Fn(u64, usize
                 &bufs,
                 &format!("{case:?} round {round} rank {rank}"),
             );
+            // Every rank is done with the round before any frees its buffers.
+            gate();
         }
     });
 }
 
-/// Every GPU of the machine is a rank.
-fn world() -> usize {
-    device_count()
+/// World sizes: 1, 2, 4 and 8 ranks, sharing the GPUs when there are fewer
+/// (see `test_worlds`).
+fn worlds() -> Vec<usize> {
+    test_worlds(2)
 }
 
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn dispatch_and_combine_match_the_reference() {
-    let mut worlds = vec![world()];
-    if world() > 2 {
-        worlds.push(2);
-    }
-    for world in worlds {
+    for world in worlds() {
         for (hidden, topk, experts, m) in [
             (128, 1, 8, 17),
             (2048, 4, 64, 32),
@@ -448,14 +466,16 @@ fn ranks_as_processes_match_the_reference() {
     let ranks = Ranks::Processes {
         test: "ranks_as_processes_match_the_reference",
     };
-    let base = Case::new(world(), 7168, 8, 256, 128);
+    // A GPU per rank: processes cannot share one.
+    let world = device_count();
+    let base = Case::new(world, 7168, 8, 256, 128);
     let counts = |round: u64, r: usize| [128, 1, 0, 77][(round as usize + r) % 4];
     run_case_on(ranks, base, 3, counts);
     let case = Case {
         weights_at_dispatch: true,
         split: true,
         count_in_memory: true,
-        ..Case::new(world(), 2048, 16, 64, 64)
+        ..Case::new(world, 2048, 16, 64, 64)
     };
     run_case_on(ranks, case, 3, |round, r| counts(round, r) / 2);
 }
@@ -463,7 +483,12 @@ fn ranks_as_processes_match_the_reference() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn variants_match_the_reference() {
-    let world = world();
+    for world in worlds() {
+        variants(world);
+    }
+}
+
+fn variants(world: usize) {
     let base = Case::new(world, 2048, 8, 64, 64);
     let cases = [
         Case { fp8: false, ..base },
@@ -522,7 +547,12 @@ fn variants_match_the_reference() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn rounds_alternate_buffer_sets_with_changing_counts() {
-    let world = world();
+    for world in worlds() {
+        rounds_alternate(world);
+    }
+}
+
+fn rounds_alternate(world: usize) {
     let base = Case::new(world, 1024, 8, 64, 128);
     let counts = |round: u64, r: usize| [128, 0, 17, 1, 100, 128][(round as usize + r) % 6];
     run_case(base, 6, counts);
@@ -544,7 +574,12 @@ fn rounds_alternate_buffer_sets_with_changing_counts() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn a_rank_far_ahead_waits_and_every_call_is_right() {
-    let world = world();
+    for world in worlds().into_iter().filter(|&w| w > 1) {
+        far_ahead(world);
+    }
+}
+
+fn far_ahead(world: usize) {
     let case = Case {
         weights_at_dispatch: true,
         ..Case::new(world, 1024, 8, 64, 64)
@@ -563,12 +598,13 @@ fn a_rank_far_ahead_waits_and_every_call_is_right() {
             .iter()
             .map(|inputs| Bufs::new(&case, &inputs[rank]))
             .collect();
+        gate();
         if rank != 0 {
             std::thread::sleep(Duration::from_millis(300));
         }
         // Every round on one stream, without waiting in between.
         for (inputs, b) in all.iter().zip(&bufs) {
-            run_ops(ctx, &case, b, inputs[rank].n, null_mut());
+            run_ops(ctx, &case, b, inputs[rank].n, stream());
         }
         sync();
         assert_eq!(async_status(ctx), EP_SUCCESS, "rank {rank}");
@@ -578,24 +614,29 @@ fn a_rank_far_ahead_waits_and_every_call_is_right() {
                 rank,
                 inputs,
                 b,
-                &format!("round {round} rank {rank}"),
+                &format!("world {world} round {round} rank {rank}"),
             );
         }
+        gate();
     });
 }
 
-/// One graph, captured once, replayed 1000 times with new routing, inputs and
-/// token counts (0 and the maximum included): the count is read from device
-/// memory when each replay runs.
+/// One graph, captured once, replayed with new routing, inputs and token
+/// counts (0 and the maximum included): the count is read from device
+/// memory when each replay runs. 1000 replays on one rank, fewer on more.
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn graph_replays_see_new_inputs_and_token_counts() {
-    let world = world();
+    for world in worlds() {
+        graph_replays(world, 1000 / world as u64);
+    }
+}
+
+fn graph_replays(world: usize, replays: u64) {
     let base = Case {
         count_in_memory: true,
         ..Case::new(world, 256, 4, 16, 32)
     };
-    let replays = 1000;
     run_gpu_world(world, &base.config(20_000), |rank, ctx| {
         for case in [
             base,
@@ -614,6 +655,7 @@ fn graph_replays_see_new_inputs_and_token_counts() {
             let first = inputs(&case, 0, &counts(0));
             let bufs = Bufs::new(&case, &first[rank]);
             let graph = Graph::capture(|stream| run_ops(ctx, &case, &bufs, 0, stream));
+            gate();
             let graph_replays = if case.split { replays / 4 } else { replays };
             for replay in 1..=graph_replays {
                 let all = inputs(&case, replay, &counts(replay));
@@ -624,6 +666,7 @@ fn graph_replays_see_new_inputs_and_token_counts() {
                 assert_eq!(async_status(ctx), EP_SUCCESS, "{what}");
                 check(&case, rank, &all, &bufs, &what);
             }
+            gate();
         }
     });
 }
@@ -636,12 +679,16 @@ fn graph_replays_see_new_inputs_and_token_counts() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn a_device_token_count_out_of_range_is_reported() {
-    let world = world();
+    for world in [1, 2] {
+        token_count_out_of_range(world);
+    }
+}
+
+fn token_count_out_of_range(world: usize) {
     let case = Case {
         count_in_memory: true,
         ..Case::new(world, 128, 2, 8, 8)
     };
-    let done = Barrier::new(world);
     for (bad_phase, bad_count) in [("dispatch", case.max_tokens as i32 + 1), ("combine", -1)] {
         run_gpu_world(world, &case.config(2000), |rank, ctx| {
             let all = inputs(&case, 0, &vec![3; world]);
@@ -652,12 +699,13 @@ fn a_device_token_count_out_of_range_is_reported() {
                     bufs.count.upload(&[bad_count]);
                 }
             };
+            bad("dispatch");
+            gate();
             // Rank 0's calls after its error, and the peers' after a
             // timeout, are refused: only the status tells.
-            bad("dispatch");
             let a = bufs.dispatch_args(&case, 0, 0);
             // SAFETY: device buffers sized for the config.
-            unsafe { ep_ll_dispatch(ctx.0, &a, null_mut()) };
+            unsafe { ep_ll_dispatch(ctx.0, &a, stream()) };
             sync();
             if bad_phase == "dispatch" && async_status(ctx) == EP_SUCCESS {
                 let range: Vec<i32> = bufs.recv_range.download(case.experts / world * world * 2);
@@ -668,7 +716,7 @@ fn a_device_token_count_out_of_range_is_reported() {
             bad("combine");
             let c = bufs.combine_args(&case, 0, 0);
             // SAFETY: as above.
-            unsafe { ep_ll_combine(ctx.0, &c, null_mut()) };
+            unsafe { ep_ll_combine(ctx.0, &c, stream()) };
             sync();
             let status = async_status(ctx);
             if rank == 0 {
@@ -687,18 +735,24 @@ fn a_device_token_count_out_of_range_is_reported() {
                 );
             }
             // Every rank keeps its buffers mapped until the others are done.
-            done.wait();
+            gate();
         });
     }
 }
 
+/// A peer that never calls: the caller's kernels give up after the timeout,
+/// on 2 and 4 ranks.
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn a_missing_peer_times_out() {
-    let world = world().min(2);
+    for world in [2, 4] {
+        missing_peer(world);
+    }
+}
+
+fn missing_peer(world: usize) {
     let case = Case::new(world, 128, 2, 8, 8);
     let timeout_ms = 2000;
-    let done = Barrier::new(world);
     run_gpu_world(world, &case.config(timeout_ms), |rank, ctx| {
         if rank == 0 {
             let counts: Vec<usize> = vec![4; world];
@@ -708,7 +762,7 @@ fn a_missing_peer_times_out() {
             let a = bufs.dispatch_args(&case, 4, 0);
             // SAFETY: device buffers sized for the config.
             ok(
-                unsafe { ep_ll_dispatch(ctx.0, &a, null_mut()) },
+                unsafe { ep_ll_dispatch(ctx.0, &a, stream()) },
                 "ll dispatch",
             );
             sync();
@@ -720,28 +774,34 @@ fn a_missing_peer_times_out() {
             );
         }
         // The others keep their buffers mapped until rank 0 is done.
-        done.wait();
+        gate();
     });
 }
 
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn split_calls_out_of_order_are_rejected() {
-    let world = world();
+    for world in [1, 2] {
+        split_calls_out_of_order(world);
+    }
+}
+
+fn split_calls_out_of_order(world: usize) {
     let case = Case::new(world, 128, 2, 8, 8);
     run_gpu_world(world, &case.config(20_000), |rank, ctx| {
         let counts = vec![3; world];
         let all = inputs(&case, 0, &counts);
         let bufs = Bufs::new(&case, &all[rank]);
+        gate();
         let dispatch = |flags| {
             let a = bufs.dispatch_args(&case, 3, flags);
             // SAFETY: device buffers sized for the config.
-            unsafe { ep_ll_dispatch(ctx.0, &a, null_mut()) }
+            unsafe { ep_ll_dispatch(ctx.0, &a, stream()) }
         };
         let combine = |flags| {
             let a = bufs.combine_args(&case, 3, flags);
             // SAFETY: as above.
-            unsafe { ep_ll_combine(ctx.0, &a, null_mut()) }
+            unsafe { ep_ll_combine(ctx.0, &a, stream()) }
         };
         assert_eq!(dispatch(EP_LL_RECV_ONLY), EP_ERR_INVALID_ARGUMENT);
         assert_eq!(
@@ -758,5 +818,69 @@ fn split_calls_out_of_order_are_rejected() {
         sync();
         assert_eq!(async_status(ctx), EP_SUCCESS);
         check(&case, rank, &all, &bufs, "after rejected calls");
+        gate();
     });
+}
+
+/// Ranks sharing a GPU must each pass a stream of their own: the legacy
+/// default stream is refused before anything is enqueued, and the context
+/// still works with a stream.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn ranks_sharing_a_gpu_refuse_the_legacy_stream() {
+    let world = 2;
+    let case = Case::new(world, 128, 2, 8, 8);
+    let on_gpu_0 = |_| 0;
+    run_gpu_world_on(world, &case.config(20_000), on_gpu_0, |rank, ctx| {
+        let all = inputs(&case, 0, &[3, 3]);
+        let bufs = Bufs::new(&case, &all[rank]);
+        gate();
+        let a = bufs.dispatch_args(&case, 3, 0);
+        for legacy in [null_mut(), 1usize as ep_stream_t] {
+            // SAFETY: device buffers sized for the config.
+            let status = unsafe { ep_ll_dispatch(ctx.0, &a, legacy) };
+            assert_eq!(status, EP_ERR_INVALID_ARGUMENT);
+            assert!(last_error().contains("own stream"), "{}", last_error());
+        }
+        run_ops(ctx, &case, &bufs, 3, stream());
+        sync();
+        assert_eq!(async_status(ctx), EP_SUCCESS);
+        check(&case, rank, &all, &bufs, "after the refused calls");
+        gate();
+    });
+}
+
+/// The dispatch outputs the API lets a caller leave out (NULL), left out one
+/// at a time, on 1 and 2 ranks: nothing faults, the other outputs and the
+/// combine after it are as the reference says.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn optional_outputs_may_be_null() {
+    for world in [1, 2] {
+        let case = Case::new(world, 512, 4, 16, 32);
+        for field in ["recv_src_info", "recv_layout_range"] {
+            run_gpu_world(world, &case.config(20_000), |rank, ctx| {
+                let all = inputs(&case, 0, &vec![29; world]);
+                let bufs = Bufs::new(&case, &all[rank]);
+                gate();
+                let mut a = bufs.dispatch_args(&case, 29, 0);
+                match field {
+                    "recv_src_info" => a.recv_src_info = null_mut(),
+                    _ => a.recv_layout_range = null_mut(),
+                }
+                let what = format!("world {world} rank {rank}, {field} NULL");
+                // SAFETY: device buffers sized for the config.
+                ok(unsafe { ep_ll_dispatch(ctx.0, &a, stream()) }, &what);
+                let mut c = bufs.combine_args(&case, 29, 0);
+                c.src_info = null();
+                c.layout_range = null();
+                // SAFETY: as above.
+                ok(unsafe { ep_ll_combine(ctx.0, &c, stream()) }, &what);
+                sync();
+                assert_eq!(async_status(ctx), EP_SUCCESS, "{what}");
+                check_but(&case, rank, &all, &bufs, field, &what);
+                gate();
+            });
+        }
+    }
 }

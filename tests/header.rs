@@ -1,12 +1,11 @@
 //! The checked-in header is what cbindgen makes of src/capi today, and it
 //! compiles cleanly as C99 and C++17, also when included twice.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod common;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+use common::tools::{c_compiler, root};
+use std::path::Path;
+use std::process::Command;
 
 fn generated_header() -> String {
     let config = cbindgen::Config::from_file(root().join("cbindgen.toml")).expect("cbindgen.toml");
@@ -65,29 +64,14 @@ fn compile(compiler: &Path, args: &[&str], ext: &str) {
     );
 }
 
-/// The system C or C++ compiler, as cc finds it (honours `CC` and `CXX`).
-pub fn tool(cpp: bool) -> PathBuf {
-    let target = format!("{}-unknown-linux-gnu", std::env::consts::ARCH);
-    cc::Build::new()
-        .cpp(cpp)
-        .opt_level(0)
-        .debug(false)
-        .cargo_metadata(false)
-        .target(&target)
-        .host(&target)
-        .get_compiler()
-        .path()
-        .to_path_buf()
-}
-
 #[test]
 fn header_compiles_as_c99() {
-    compile(&tool(false), &["-std=c99"], "c");
+    compile(&c_compiler(false), &["-std=c99"], "c");
 }
 
 #[test]
 fn header_compiles_as_cpp17() {
-    compile(&tool(true), &["-std=c++17"], "cpp");
+    compile(&c_compiler(true), &["-std=c++17"], "cpp");
 }
 
 /// cbindgen sees every `pub const` of the crate: only the C boundary's may
@@ -109,4 +93,20 @@ fn header_exports_only_ep_names() {
             );
         }
     }
+}
+
+/// python/ep/_abi.py is what scripts/gen-python-abi.py makes of the header
+/// (scripts/gen-header.sh regenerates both).
+#[test]
+fn python_abi_is_up_to_date() {
+    let output = Command::new("python3")
+        .arg(root().join("scripts/gen-python-abi.py"))
+        .arg("--check")
+        .output()
+        .expect("run python3 scripts/gen-python-abi.py");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }

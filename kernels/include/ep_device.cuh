@@ -1,6 +1,7 @@
 // Device-side helpers shared by every ep kernel: memory-ordered loads and
 // stores at system scope, a nanosecond clock, error reporting to the host,
-// and a bounded wait that never hangs the GPU.
+// the numbering of collective calls, and a bounded wait that never hangs the
+// GPU and ends at once when a peer is in another call.
 //
 // Why system scope (".sys") everywhere: the flags these helpers touch are
 // written by other GPUs (over NVLink, through peer mappings) or by the host
@@ -57,6 +58,18 @@ __device__ __forceinline__ void ep_st_release_sys(int* addr, int value) {
     asm volatile("st.release.sys.global.s32 [%0], %1;" : : "l"(addr), "r"(value) : "memory");
 }
 
+// 64-bit acquire load and release store, as ep_ld_acquire_sys and
+// ep_st_release_sys: for a pair of values that must be seen together.
+__device__ __forceinline__ uint64_t ep_ld_acquire_sys_u64(const uint64_t* addr) {
+    uint64_t value;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(addr) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ void ep_st_release_sys_u64(uint64_t* addr, uint64_t value) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" : : "l"(addr), "l"(value) : "memory");
+}
+
 // Atomic add at GPU scope with acquire and release semantics; returns the
 // old value. For arrival counters among the blocks of one grid: every
 // block's earlier accesses are ordered before its arrival, and the block
@@ -91,12 +104,13 @@ __device__ __forceinline__ uint64_t ep_deadline_after(uint64_t timeout_ns) {
 }
 
 // ---------------------------------------------------------------------------
-// Errors and bounded waits
+// Errors
 // ---------------------------------------------------------------------------
 
 // Records an error unless one is already recorded (the first one wins).
+// `call` is this rank's call word for EP_STATUS_MISMATCH, else 0.
 __device__ __forceinline__ void ep_record_error(EpDeviceStatus* status, int code, int rank,
-                                                int phase, int detail) {
+                                                int phase, int detail, int call = 0) {
     // The CAS is at system scope because the host reads this word too; for
     // host-mapped memory the GPU's atomics are atomic among this GPU's
     // threads, which is all the "first one wins" rule needs (each rank has
@@ -106,7 +120,8 @@ __device__ __forceinline__ void ep_record_error(EpDeviceStatus* status, int code
         s->rank = rank;
         s->phase = phase;
         s->detail = detail;
-        // Push the three fields out to host memory before the kernel exits.
+        s->call = call;
+        // Push the fields out to host memory before the kernel exits.
         __threadfence_system();
     }
 }
@@ -130,25 +145,109 @@ __device__ __forceinline__ bool ep_reached(int value, int target) {
 // normal case) never need them.
 #define EP_HOST_POLL_NS 100000ull
 
-// The bounded wait every kernel uses: spins until `poll(seen)` returns true
-// (it also stores in `seen` the value it looked at, for the error record).
+// ---------------------------------------------------------------------------
+// Collective calls
+// ---------------------------------------------------------------------------
+
+// Every rank makes the same collective calls in the same order. Each call
+// is numbered on the device (so that CUDA-graph replays count too): the
+// call's first kernel adds one to the rank's call counter and publishes the
+// call word `op << EP_CALL_NUMBER_BITS | number` (op: the runtime's code of
+// the operation) in the rank's buffer at EP_CALL_WORDS_OFFSET + 4, with a
+// release store, before anything of the call waits. A rank that waits for a
+// peer's signal reads the peer's call word now and then (ep_wait_until): a
+// peer in the same call, or an earlier one, is slow, and the wait goes on;
+// a peer in another operation's call of the same number, or in a later call,
+// will never send what this call waits for (a later call starts only after
+// the peer's part of this one has ended, and that part is visible once the
+// later word is), so the wait ends at once with EP_STATUS_MISMATCH on both
+// ranks, each waiting for the other, instead of a timeout.
+
+// The call numbers' bits of a call word.
+#define EP_CALL_NUMBER_MASK ((1 << EP_CALL_NUMBER_BITS) - 1)
+
+__device__ __forceinline__ int ep_call_word(int op, int number) {
+    return op << EP_CALL_NUMBER_BITS | (number & EP_CALL_NUMBER_MASK);
+}
+
+// A rank's two call words in its buffer at `base`: [0] the calls it has
+// started, [1] the word of the call it is in.
+__device__ __forceinline__ int* ep_call_words(uint64_t base) {
+    return reinterpret_cast<int*>(base + EP_CALL_WORDS_OFFSET);
+}
+
+// One thread, at the start of a call's first kernel: numbers this rank's
+// call of operation `op` and publishes its word, which it returns.
+__device__ __forceinline__ int ep_begin_collective(uint64_t own_base, int op) {
+    int* words = ep_call_words(own_base);
+    const int word = ep_call_word(op, *reinterpret_cast<volatile int*>(words) + 1);
+    words[0] += 1;
+    // The fence orders the earlier kernels' writes (which this thread has
+    // not observed itself) before the word, and the release store
+    // publishes them: a peer that reads this word sees every signal of the
+    // earlier calls.
+    __threadfence_system();
+    ep_st_release_sys(words + 1, word);
+    return word;
+}
+
+// The word of the call this rank is in (published by the call's first
+// kernel, earlier on the stream).
+__device__ __forceinline__ int ep_current_call(uint64_t own_base) {
+    return reinterpret_cast<const volatile int*>(ep_call_words(own_base))[1];
+}
+
+// True when a peer whose call word is `theirs` is elsewhere than this
+// rank's call `mine`: in a later call, or in another operation's call of
+// the same number. Numbers are compared modulo 2^EP_CALL_NUMBER_BITS.
+__device__ __forceinline__ bool ep_peer_elsewhere(int theirs, int mine) {
+    const int shift = 32 - EP_CALL_NUMBER_BITS;
+    const int ahead = static_cast<int>(static_cast<unsigned>((theirs & EP_CALL_NUMBER_MASK) -
+                                                             (mine & EP_CALL_NUMBER_MASK))
+                                       << shift) >> shift;
+    return ahead > 0 || (ahead == 0 && theirs != mine);
+}
+
+// The call a wait belongs to: the peer's published word (in the peer's
+// buffer) and this rank's call word.
+struct EpPeerCall {
+    const int* theirs;
+    int mine;
+};
+
+// The peer call of a wait for rank `peer`, whose buffer is at `peer_base`.
+__device__ __forceinline__ EpPeerCall ep_peer_call(uint64_t peer_base, int mine) {
+    return EpPeerCall{ep_call_words(peer_base) + 1, mine};
+}
+
+// ---------------------------------------------------------------------------
+// Bounded waits
+// ---------------------------------------------------------------------------
+
+// Spins until `load()` (an acquire load of a signal) returns a value that
+// has reached `target` (see ep_reached): when it returns true, whatever the
+// writer did before its release store is visible to this thread.
 //
 // Returns false, without waiting further, when
 //   - the host set `*abort_flag` to non-zero: records EP_STATUS_ABORTED;
 //   - the global timer passed `deadline_ns`: records EP_STATUS_TIMEOUT;
+//   - the peer is in another call (ep_peer_elsewhere on `call`), and the
+//     signal has not come even after its word was read: records
+//     EP_STATUS_MISMATCH;
 //   - `status` already holds an error (another thread of this rank failed,
 //     or an earlier kernel did and the host has not cleared it): records
 //     nothing, the first error stays.
-// The first two are looked at only after EP_HOST_POLL_NS of waiting.
+// All but the first look are made only after EP_HOST_POLL_NS of waiting.
 // `rank` and `phase` go into the record: the rank whose signal this wait is
 // for, and the kernel's EP_PHASE_*. The caller must then leave the kernel.
-template <typename Poll>
-__device__ __forceinline__ bool ep_wait_for(Poll poll, uint64_t deadline_ns, const int* abort_flag,
-                                            EpDeviceStatus* status, int rank, int phase) {
+template <typename Load>
+__device__ __forceinline__ bool ep_wait_until(Load load, int target, uint64_t deadline_ns,
+                                              const int* abort_flag, EpDeviceStatus* status,
+                                              int rank, int phase, EpPeerCall call) {
     uint64_t next_poll_ns = 0;
     for (uint32_t spin = 0;; ++spin) {
-        int seen = 0;
-        if (poll(seen)) {
+        int value = load();
+        if (ep_reached(value, target)) {
             return true;
         }
         if (spin % EP_WAIT_CHECK_EVERY != 0) {
@@ -156,7 +255,7 @@ __device__ __forceinline__ bool ep_wait_for(Poll poll, uint64_t deadline_ns, con
         }
         const uint64_t now = ep_globaltimer_ns();
         if (now >= deadline_ns) {
-            ep_record_error(status, EP_STATUS_TIMEOUT, rank, phase, seen);
+            ep_record_error(status, EP_STATUS_TIMEOUT, rank, phase, value);
             return false;
         }
         if (next_poll_ns == 0) {
@@ -166,8 +265,18 @@ __device__ __forceinline__ bool ep_wait_for(Poll poll, uint64_t deadline_ns, con
             continue;
         }
         next_poll_ns = now + EP_HOST_POLL_NS;
+        const int theirs = ep_ld_acquire_sys(call.theirs);
+        if (ep_peer_elsewhere(theirs, call.mine)) {
+            // What the peer signalled in this call is visible after the
+            // acquire of its later word: one more look.
+            if (ep_reached(load(), target)) {
+                return true;
+            }
+            ep_record_error(status, EP_STATUS_MISMATCH, rank, phase, theirs, call.mine);
+            return false;
+        }
         if (ep_ld_relaxed_sys(abort_flag) != 0) {
-            ep_record_error(status, EP_STATUS_ABORTED, rank, phase, seen);
+            ep_record_error(status, EP_STATUS_ABORTED, rank, phase, value);
             return false;
         }
         if (ep_ld_relaxed_sys(&status->code) != EP_STATUS_OK) {
@@ -176,17 +285,12 @@ __device__ __forceinline__ bool ep_wait_for(Poll poll, uint64_t deadline_ns, con
     }
 }
 
-// Spins until the int at `addr` reaches `target` (see ep_reached), with
-// acquire semantics: when it returns true, whatever the writer did before
-// its release store is visible to this thread. Bounded as ep_wait_for.
+// ep_wait_until for the int at `addr`.
 __device__ __forceinline__ bool ep_wait_until_ge(const int* addr, int target, uint64_t deadline_ns,
                                                  const int* abort_flag, EpDeviceStatus* status,
-                                                 int rank, int phase) {
-    const auto reached = [&](int& seen) {
-        seen = ep_ld_acquire_sys(addr);
-        return ep_reached(seen, target);
-    };
-    return ep_wait_for(reached, deadline_ns, abort_flag, status, rank, phase);
+                                                 int rank, int phase, EpPeerCall call) {
+    return ep_wait_until([addr] { return ep_ld_acquire_sys(addr); }, target, deadline_ns,
+                         abort_flag, status, rank, phase, call);
 }
 
 // ---------------------------------------------------------------------------
@@ -233,6 +337,15 @@ __device__ __forceinline__ int ep_effective_expert(const int* ids, int slot, int
         }
     }
     return id;
+}
+
+// Stores `value` at `array[index]` unless `array` is nullptr: for every
+// output the caller may leave out (the API documents it "may be NULL").
+template <typename T>
+__device__ __forceinline__ void ep_store_optional(T* array, int64_t index, T value) {
+    if (array != nullptr) {
+        array[index] = value;
+    }
 }
 
 // The 8 BF16 values of a 16-byte vector, widened to fp32 (exact).

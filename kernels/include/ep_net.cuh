@@ -18,11 +18,10 @@
 //
 // Signals: a rank owns one counter per signal id (a u64 word in its own
 // buffer for the emulation, an NCCL GIN signal for GIN; both start at 0 and
-// only grow). A sender adds 1 per block and call; the receiver of call
-// number `c` of a launch of `grid` blocks waits until the counter reaches
-// c * grid, and reads the sum of its word and its GIN signal, so it needs
-// not know which path a sender took. Counters never reset; values only grow
-// (2^64 calls are never reached).
+// only grow). A sender adds 1 per call, after all its puts of the call; the
+// receiver of call number `c` waits until the counter reaches c, and reads
+// the sum of its word and its GIN signal, so it needs not know which path a
+// sender took. Counters never reset.
 //
 // Every wait is bounded: it gives up at the context's deadline or when the
 // host raises the abort flag, records the error (ep_device.cuh's model) and
@@ -85,9 +84,9 @@ __device__ __forceinline__ void ep_net_put_warp(const EpNet& net, int peer, int6
     }
 }
 
-// Adds 1 to signal `id` of rank `peer`, after every put this block issued
-// before it. One thread calls it, after a __syncthreads that follows the
-// block's puts.
+// Adds 1 to signal `id` of rank `peer`, after every put the calling
+// thread has observed (its block's, ordered by a __syncthreads, and those
+// published to it through an acquire).
 __device__ __forceinline__ void ep_net_signal(const EpNet& net, int peer, int id) {
     const uint64_t base = net.peer_bases[peer];
     if (base != 0) {
@@ -118,18 +117,27 @@ __device__ __forceinline__ uint64_t ep_net_read_signal(const EpNet& net, int id)
     return value;
 }
 
-// Spins until this rank's signal `id` reaches `target`, bounded as
-// ep_wait_for (the clock, the abort flag, the status); `from_rank` and
-// `phase` go into the error record.
+// Spins until this rank's signal `id` reaches `target`, bounded as every
+// wait (ep_wait_until: the clock, the abort flag, the status, and the call
+// the peer `call` is in); `from_rank` and `phase` go into the error record.
+// Counts only grow, and are compared as ints like every signal (ep_reached
+// is right across the wrap).
 __device__ inline bool ep_net_wait_signal(const EpNet& net, int id, uint64_t target,
                                           uint64_t deadline_ns, const int* abort_flag,
-                                          EpDeviceStatus* status, int from_rank, int phase) {
-    const auto reached = [&](int& seen) {
-        const uint64_t value = ep_net_read_signal(net, id);
-        seen = static_cast<int>(value);
-        return value >= target;
-    };
-    return ep_wait_for(reached, deadline_ns, abort_flag, status, from_rank, phase);
+                                          EpDeviceStatus* status, int from_rank, int phase,
+                                          EpPeerCall call) {
+    return ep_wait_until([&] { return static_cast<int>(ep_net_read_signal(net, id)); },
+                         static_cast<int>(target), deadline_ns, abort_flag, status, from_rank,
+                         phase, call);
+}
+
+// The call a wait for rank `peer` belongs to (see ep_peer_call): the peer's
+// call word where its buffer is mapped here; a rank reached only by GIN
+// cannot be read, so its wait ends on the clock, the abort or the status.
+__device__ inline EpPeerCall ep_net_peer_call(const EpNet& net, int peer) {
+    const uint64_t own = reinterpret_cast<uint64_t>(net.own_base);
+    const uint64_t base = net.peer_bases[peer];
+    return ep_peer_call(base != 0 ? base : own, ep_current_call(own));
 }
 
 // Block-wide, at the start of a kernel launched once per call: the number of

@@ -22,10 +22,19 @@ abi_consts! {
     /// the public `EP_HIDDEN_ALIGNMENT`).
     HIDDEN_ALIGNMENT: usize = 128;
 
-    /// Every rank's symmetric buffer starts with the barrier's `[world]` int
-    /// signal slots; at this offset follow the rank's own two barrier
-    /// words: barriers entered, then the last barrier passed.
-    BARRIER_COUNTER_OFFSET: usize = MAX_WORLD_SIZE * 4;
+    /// Every rank's symmetric buffer starts with the barrier's `[world]`
+    /// 64-bit signal slots (epoch in the low half, the signalling rank's
+    /// call word in the high half); at this offset follow the rank's own
+    /// two barrier words: barriers entered, then the last barrier passed.
+    BARRIER_COUNTER_OFFSET: usize = MAX_WORLD_SIZE * 8;
+    /// Then the rank's two call words: the collective calls it has started
+    /// on the device, then the call word of the call it is in, which peers
+    /// read to tell a slow rank from one in another call.
+    CALL_WORDS_OFFSET: usize = BARRIER_COUNTER_OFFSET + 8;
+    /// A call word is `op << CALL_NUMBER_BITS | number mod 2^CALL_NUMBER_BITS`:
+    /// the operation's code (`Collective` of src/runtime/sequence.rs) and
+    /// the call number counted on the device (so CUDA-graph replays count).
+    CALL_NUMBER_BITS: u32 = 24;
     /// Threads of the barrier kernel's one block: one per possible rank.
     BARRIER_THREADS: usize = MAX_WORLD_SIZE;
     /// Threads per block of the layout kernel.
@@ -73,7 +82,11 @@ abi_consts! {
     HIER_COUNTER_FORWARD: usize = 2;
     HIER_COUNTER_WAIT: usize = 4;
     HIER_COUNTER_BARRIER: usize = 6;
-    HIER_COUNTER_INTS: usize = 8;
+    /// Blocks of the running send and node-reduce launches that finished
+    /// their puts (the last one signals).
+    HIER_COUNTER_SEND_DONE: usize = 8;
+    HIER_COUNTER_REDUCE_DONE: usize = 9;
+    HIER_COUNTER_INTS: usize = 10;
     /// Hierarchical mode: bytes reserved for an `ncclDevComm` (NCCL
     /// 2.28.9's is 200; the kernels check).
     NCCL_DEV_COMM_BYTES: usize = 512;
@@ -90,6 +103,10 @@ abi_consts! {
     STATUS_INVALID_ARGUMENT: i32 = 4;
     /// A low-latency kernel read a device token count outside [0, num_tokens].
     STATUS_INVALID_TOKEN_COUNT: i32 = 5;
+    /// A peer is in another collective call than this rank (another
+    /// operation under the same call number, or a later call): the ranks'
+    /// calls do not match.
+    STATUS_MISMATCH: i32 = 6;
 
     /// `DeviceStatus::phase`: which kernel recorded the error.
     PHASE_LAYOUT: i32 = 1;
@@ -117,8 +134,11 @@ abi_struct! {
         phase: i32,
         /// Timeout or abort: the last value seen. Invalid expert: the flat
         /// index `token * topk + slot`. Invalid token count: the count.
-        /// Invalid argument: 0 or the bad value.
+        /// Invalid argument: 0 or the bad value. Mismatch: the peer's call
+        /// word.
         detail: i32,
+        /// Mismatch: this rank's call word (see `CALL_NUMBER_BITS`); else 0.
+        call: i32,
     }
 }
 
@@ -127,7 +147,7 @@ abi_struct! {
     pub struct BarrierParams {
         /// `[world]` address, valid on this GPU, of every rank's signal
         /// slots (the start of its symmetric buffer).
-        peer_signals: u64 => "int* const*",
+        peer_signals: u64 => "uint64_t* const*",
         /// This rank's two barrier words (`BARRIER_COUNTER_OFFSET`).
         epoch_counter: u64 => "int*",
         abort_flag: u64 => "const int*",
@@ -232,6 +252,8 @@ abi_struct! {
         max_tokens: i32,
         /// Expert-major segment alignment in rows.
         alignment: i32,
+        /// The operation's code, for its call word (`CALL_NUMBER_BITS`).
+        collective: i32,
     }
 }
 
@@ -260,6 +282,8 @@ abi_struct! {
         topk: i32,
         hidden: i32,
         max_tokens: i32,
+        /// The operation's code, for its call word (`CALL_NUMBER_BITS`).
+        collective: i32,
     }
 }
 
@@ -273,6 +297,10 @@ abi_struct! {
         /// Blocks of the running launch that have read the call number.
         dispatch_arrivals: i32,
         combine_arrivals: i32,
+        /// The call word of the last send phase, which a receive-only
+        /// launch of the same call waits under.
+        dispatch_call: i32,
+        combine_call: i32,
     }
 }
 
@@ -332,6 +360,8 @@ abi_struct! {
         weighted: i32,
         do_send: i32,
         do_recv: i32,
+        /// The operation's code, for its call word (`CALL_NUMBER_BITS`).
+        collective: i32,
     }
 }
 
@@ -426,9 +456,6 @@ abi_struct! {
         scale_cols: i32,
         hidden: i32,
         max_tokens: i32,
-        /// Blocks of the launches that signal (every rank's grid, the SM
-        /// budget): a receiver of call `c` waits for `c * send_blocks`.
-        send_blocks: i32,
     }
 }
 

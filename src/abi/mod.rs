@@ -34,8 +34,8 @@ mod tests {
 
     #[test]
     fn layouts_are_the_c_layouts() {
-        assert_eq!(std::mem::size_of::<DeviceStatus>(), 16);
-        assert_eq!(std::mem::size_of::<LlCounters>(), 16);
+        assert_eq!(std::mem::size_of::<DeviceStatus>(), 20);
+        assert_eq!(std::mem::size_of::<LlCounters>(), 24);
         assert_eq!(std::mem::offset_of!(LlParams, area), 14 * 8);
     }
 }

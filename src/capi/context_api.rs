@@ -7,8 +7,9 @@ use crate::reference::Dtype;
 use crate::runtime::bootstrap;
 use crate::runtime::config::{BackendKind, Config, ConfigRequest};
 use crate::runtime::context::Context;
-use crate::runtime::{gpu, host};
+use crate::runtime::{gpu, host, log};
 use std::ffi::c_char;
+use std::mem::offset_of;
 
 /// Writes `EP_API_VERSION` of the loaded library to `*version`. `version`
 /// is required.
@@ -111,12 +112,11 @@ unsafe fn config_of(
     device: i32,
 ) -> Result<Config> {
     let c = read_versioned(config)?;
-    Config::new(&request_of(&c, world, rank, device)?)
+    request_of(&c, world, rank, device)
 }
 
-/// The runtime's view of a caller's config for one rank.
-fn request_of(c: &ep_config_t, world: i32, rank: i32, device: i32) -> Result<ConfigRequest> {
-    Ok(ConfigRequest {
+fn request_of(c: &ep_config_t, world: i32, rank: i32, device: i32) -> Result<Config> {
+    Config::new(&ConfigRequest {
         world,
         rank,
         device,
@@ -142,6 +142,21 @@ fn request_of(c: &ep_config_t, world: i32, rank: i32, device: i32) -> Result<Con
 /// distinct contexts. On failure `*ctx` is NULL, and if this process runs the
 /// id's rendezvous service, it stops (see `ep_get_unique_id`).
 ///
+/// Ranks sharing one GPU (GPU backend): ranks that are threads of one process
+/// may name the same device. Each then gets `SMs / (ranks on the device)`
+/// of its SMs: the low-latency kernels use one block per SM of that share,
+/// the normal-mode kernels at most `num_sms` of it, so that the kernels of
+/// all of them run at once and their waits for each other end. Each such
+/// rank must pass its own stream to every call (the legacy default stream,
+/// NULL, is refused with `EP_ERR_INVALID_ARGUMENT`: it would run their
+/// kernels one after the other), and while a collective call is in flight
+/// no rank thread may wait for the whole device (free device memory,
+/// destroy a handle or context, synchronize the device or use the legacy
+/// default stream) before it has made its own part of that call: that wait
+/// would not end before the peers' kernels time out. Ranks in different
+/// processes cannot share a GPU (their kernels do not run at once without
+/// MPS): every rank's `ep_ctx_create` then fails with `EP_ERR_UNSUPPORTED`.
+///
 /// Pointers: `ctx` and `config` are required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_ctx_create(
@@ -153,12 +168,22 @@ pub unsafe extern "C" fn ep_ctx_create(
     config: *const ep_config_t,
 ) -> ep_status_t {
     run("ep_ctx_create", || {
+        let start = std::time::Instant::now();
         let created = deref(ctx as *const *mut ep_ctx_t, "ctx")
-            .and_then(|_| config_of(config, world_size, rank, device))
-            .and_then(|cfg| Context::create(cfg, &id.internal));
+            .and_then(|_| read_versioned(config))
+            .and_then(|requested| {
+                let cfg = request_of(&requested, world_size, rank, device)?;
+                log::enter(&cfg);
+                log_config(&requested, &cfg);
+                Context::create(cfg, &id.internal)
+            });
         match created {
             Ok(inner) => {
                 *ctx = Box::into_raw(Box::new(ep_ctx_t { inner }));
+                log::info!(
+                    "context ready in {:.1} ms",
+                    start.elapsed().as_secs_f64() * 1e3
+                );
                 Ok(())
             }
             Err(err) => {
@@ -221,9 +246,9 @@ pub unsafe extern "C" fn ep_ctx_create_from_nccl(
         }
         let nccl = crate::runtime::nccl::load()?;
         let (world, rank, device) = nccl.comm_info(comm as crate::runtime::nccl::Comm)?;
-        let mut request = request_of(&c, world as i32, rank as i32, device)?;
-        request.backend = BackendKind::Gpu;
-        let cfg = Config::new(&request)?;
+        let mut cfg = request_of(&c, world as i32, rank as i32, device)?;
+        cfg.backend = BackendKind::Gpu;
+        log::enter(&cfg);
         let inner = Context::create_from_nccl(cfg, comm as crate::runtime::nccl::Comm)?;
         *ctx = Box::into_raw(Box::new(ep_ctx_t { inner }));
         Ok(())
@@ -238,7 +263,9 @@ pub unsafe extern "C" fn ep_ctx_create_from_nccl(
 pub unsafe extern "C" fn ep_ctx_destroy(ctx: *mut ep_ctx_t) -> ep_status_t {
     run("ep_ctx_destroy", || {
         if !ctx.is_null() {
+            log::enter((*ctx).inner.config());
             drop(Box::from_raw(ctx));
+            log::debug!("context destroyed");
         }
         Ok(())
     })
@@ -250,7 +277,10 @@ pub unsafe extern "C" fn ep_ctx_destroy(ctx: *mut ep_ctx_t) -> ep_status_t {
 #[no_mangle]
 pub unsafe extern "C" fn ep_ctx_abort(ctx: *mut ep_ctx_t) -> ep_status_t {
     run("ep_ctx_abort", || {
-        deref(ctx, "ctx")?.inner.abort();
+        let context = &deref(ctx, "ctx")?.inner;
+        log::enter(context.config());
+        log::warning!("ep_ctx_abort: the context's waits and kernels give up");
+        context.abort();
         Ok(())
     })
 }
@@ -263,12 +293,14 @@ pub unsafe extern "C" fn ep_ctx_abort(ctx: *mut ep_ctx_t) -> ep_status_t {
 /// time.
 ///
 /// Such an error is final: the context then refuses every operation,
-/// `ep_handle_create` and `ep_ll_get_combine_buffer` with the same status,
-/// until it is destroyed. What to do: synchronize the streams the context
-/// used (on the GPU, a kernel that gave up has exited), destroy the context
-/// and its handles, and create new contexts on every rank with a new unique
-/// id. Peers that are still in a collective call with this rank end in
-/// `EP_ERR_TIMEOUT` after `timeout_ms` and must do the same.
+/// `ep_get_dispatch_layout`, `ep_handle_create` and
+/// `ep_ll_get_combine_buffer` with the same status, until it is destroyed.
+/// What to do: synchronize the streams the context used (on the GPU, a
+/// kernel that gave up has exited), destroy the context and its handles
+/// (which releases everything they held), and create new contexts on every
+/// rank with a new unique id. Peers that are still in a collective call
+/// with this rank end in `EP_ERR_TIMEOUT` after `timeout_ms` and must do
+/// the same.
 ///
 /// Pointers: `ctx` and `status` are required.
 #[no_mangle]
@@ -278,6 +310,7 @@ pub unsafe extern "C" fn ep_ctx_get_async_error(
 ) -> ep_status_t {
     run("ep_ctx_get_async_error", || {
         let context = &deref(ctx, "ctx")?.inner;
+        log::enter(context.config());
         let result = context.async_error();
         let code = run("ep_ctx_get_async_error", || result);
         write_out(status, "status", code)
@@ -360,4 +393,76 @@ pub unsafe extern "C" fn ep_get_buffer_size_hint(
         };
         write_out(bytes, "bytes", size)
     })
+}
+
+/// The INFO lines of a new context's configuration: the library's version,
+/// the backend and why, and every field with where its value came from
+/// (set by the caller, the default, or the default because the caller's
+/// struct is from an older release and lacks the field).
+fn log_config(requested: &ep_config_t, cfg: &Config) {
+    if !log::enabled(log::Level::Info) {
+        return;
+    }
+    let backend_source = match (requested.backend, std::env::var("EP_BACKEND")) {
+        (EP_BACKEND_AUTO, Ok(v)) if !v.is_empty() => format!("EP_BACKEND={v}"),
+        (EP_BACKEND_AUTO, _) => "default".to_string(),
+        _ => "config".to_string(),
+    };
+    let (backend, device) = match cfg.backend {
+        BackendKind::Gpu => ("gpu", format!(", device {}", cfg.device)),
+        BackendKind::Host => ("host", String::new()),
+    };
+    log::info!(
+        "ep {} (API {EP_API_VERSION}), backend {backend} ({backend_source}), rank {} of {}{device}",
+        env!("CARGO_PKG_VERSION"),
+        cfg.rank,
+        cfg.world(),
+    );
+    let (c, d) = (
+        requested,
+        <ep_config_t as super::entry::Versioned>::defaults(),
+    );
+    let dtype_name = |v: i32| match v {
+        EP_DTYPE_FP8_E4M3 => "FP8".to_string(),
+        EP_DTYPE_BF16 => "BF16".to_string(),
+        other => other.to_string(),
+    };
+    // (name, offset, value, default) of each field.
+    macro_rules! field {
+        ($name:ident, $show:expr) => {
+            (
+                stringify!($name),
+                offset_of!(ep_config_t, $name),
+                $show(c.$name),
+                $show(d.$name),
+            )
+        };
+        ($name:ident) => {
+            field!($name, |v: _| format!("{v}"))
+        };
+    }
+    let fields = [
+        field!(max_tokens_per_rank),
+        field!(hidden),
+        field!(topk),
+        field!(num_experts),
+        field!(token_dtype, dtype_name),
+        field!(num_sms),
+        field!(timeout_ms),
+        field!(ll_max_tokens_per_rank),
+    ];
+    let described: Vec<String> = fields
+        .iter()
+        .map(|(name, offset, value, default)| {
+            let source = if *offset >= c.struct_size as usize {
+                "default: older struct"
+            } else if value == default {
+                "default"
+            } else {
+                "set"
+            };
+            format!("{name} {value} ({source})")
+        })
+        .collect();
+    log::info!("config: {}", described.join(", "));
 }

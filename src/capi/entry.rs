@@ -2,11 +2,14 @@
 //! errors into status codes, keep the thread's last error message, and read
 //! the caller's versioned structs safely.
 
+use super::context_api::ep_get_error_string;
 use super::types::*;
 use crate::error::{Error, ErrorKind, Result};
+use crate::runtime::log;
 use std::cell::RefCell;
-use std::ffi::{c_char, CString};
+use std::ffi::{c_char, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::Instant;
 
 thread_local! {
     /// Message of the last failed call on this thread ("" before any failure).
@@ -44,10 +47,21 @@ pub(crate) fn last_error_ptr() -> *const c_char {
     LAST_ERROR.with(|last| last.borrow().as_ptr())
 }
 
+thread_local! {
+    /// How many `run`s are active on this thread (an entry point that calls
+    /// another's body nests them); only the outermost one logs.
+    static DEPTH: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
 /// Runs the body of exported function `function`: a panic becomes
-/// `EP_ERR_INTERNAL`, an error its status code; both leave a message.
+/// `EP_ERR_INTERNAL`, an error its status code; both leave a message, which
+/// also goes to the log (`EP_LOG_LEVEL` warn and up). The body names its
+/// context for the log's line prefix with `log::enter`.
 pub(crate) fn run(function: &str, body: impl FnOnce() -> Result<()>) -> ep_status_t {
-    match catch_unwind(AssertUnwindSafe(body)) {
+    let outer = DEPTH.with(|d| d.replace(d.get() + 1)) == 0;
+    let saved = log::leave();
+    let start = (outer && log::enabled(log::Level::Trace)).then(Instant::now);
+    let status = match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => EP_SUCCESS,
         Ok(Err(err)) => {
             set_last_error(function, &err.message);
@@ -62,6 +76,33 @@ pub(crate) fn run(function: &str, body: impl FnOnce() -> Result<()>) -> ep_statu
             set_last_error(function, &format!("internal error (panic): {what}"));
             EP_ERR_INTERNAL
         }
+    };
+    if outer {
+        log_outcome(function, status, start);
+    }
+    log::restore(saved);
+    DEPTH.with(|d| d.set(d.get() - 1));
+    status
+}
+
+/// The log lines of a finished call: a failure at WARN with the thread's
+/// last-error text, and at TRACE every call with its time.
+fn log_outcome(function: &str, status: ep_status_t, start: Option<Instant>) {
+    // SAFETY: a static NUL-terminated string.
+    let name = unsafe { CStr::from_ptr(ep_get_error_string(status)) }.to_string_lossy();
+    if status != EP_SUCCESS {
+        LAST_ERROR.with(|last| {
+            log::warning!(
+                "{function} failed: {name} ({status}): {}",
+                last.borrow().to_string_lossy()
+            )
+        });
+    }
+    if let Some(start) = start {
+        log::trace!(
+            "{function} -> {name} in {:.1} us",
+            start.elapsed().as_secs_f64() * 1e6
+        );
     }
 }
 

@@ -8,14 +8,18 @@ use super::types::*;
 use crate::error::{Error, Result};
 use crate::reference::normal::worst_case_rows;
 use crate::runtime::context::{Context, MegaHalf};
+use crate::runtime::log;
 use crate::runtime::ops::{
     expert_alignment, CombineOp, DispatchOp, ExpertMajorOut, LayoutOp, LlCombineOp, LlDispatchOp,
     MegaOp, Phases, SourceOrderOut,
 };
 use std::os::raw::c_void;
 
+/// The caller's context; the log's lines of this call name its rank.
 unsafe fn context<'a>(ctx: *const ep_ctx_t) -> Result<&'a Context> {
-    Ok(&deref(ctx, "ctx")?.inner)
+    let context = &deref(ctx, "ctx")?.inner;
+    log::enter(context.config());
+    Ok(context)
 }
 
 fn count(name: &str, value: i32) -> Result<usize> {
@@ -54,6 +58,7 @@ pub unsafe extern "C" fn ep_get_dispatch_layout(
             tokens_per_expert: num_tokens_per_expert,
             is_token_in_rank,
         };
+        log::debug!("ep_get_dispatch_layout: {}", op.describe());
         context.layout(&op, stream as *mut c_void)
     })
 }
@@ -228,6 +233,7 @@ pub unsafe extern "C" fn ep_dispatch(
         let context = context(ctx)?;
         let op = dispatch_op(&read_versioned(args)?)?;
         let handle = handle.as_mut().ok_or_else(|| Error::null("handle"))?;
+        log::debug!("ep_dispatch: {}", op.describe());
         context.dispatch(&op, &mut handle.inner, stream as *mut c_void)
     })
 }
@@ -269,6 +275,7 @@ pub unsafe extern "C" fn ep_combine(
         let context = context(ctx)?;
         let op = combine_op(&read_versioned(args)?)?;
         let handle = deref(handle, "handle")?;
+        log::debug!("ep_combine: {}", op.describe());
         context.combine(&op, &handle.inner, stream as *mut c_void)
     })
 }
@@ -332,6 +339,7 @@ pub unsafe extern "C" fn ep_ll_dispatch(
             recv_layout_range: a.recv_layout_range,
             device_num_tokens: a.device_num_tokens,
         };
+        log::debug!("ep_ll_dispatch: {}", op.describe());
         context.ll_dispatch(&op, stream as *mut c_void)
     })
 }
@@ -368,6 +376,7 @@ pub unsafe extern "C" fn ep_ll_combine(
             out: a.out as *mut u8,
             device_num_tokens: a.device_num_tokens,
         };
+        log::debug!("ep_ll_combine: {}", op.describe());
         context.ll_combine(&op, stream as *mut c_void)
     })
 }

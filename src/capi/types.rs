@@ -175,7 +175,8 @@ pub struct ep_handle_t {
 }
 
 /// The caller's CUDA stream (`cudaStream_t` and `CUstream` are this type).
-/// NULL is the legacy default stream.
+/// NULL is the legacy default stream (refused where ranks share a GPU, see
+/// `ep_ctx_create`).
 pub type ep_stream_t = *mut CUstream_st;
 
 /// CUDA's opaque stream type, declared so that no CUDA header is needed.
@@ -219,7 +220,9 @@ pub struct ep_config_t {
     pub token_dtype: i32,
     /// `EP_BACKEND_*` (default `EP_BACKEND_AUTO`).
     pub backend: i32,
-    /// Streaming multiprocessors the normal-mode kernels may use (default 24).
+    /// Streaming multiprocessors the normal-mode kernels may use (default
+    /// 24); on a GPU that ranks share, at most this rank's share of it (see
+    /// `ep_ctx_create`).
     pub num_sms: i32,
     /// Longest wait, in milliseconds, for a peer during bootstrap and inside
     /// any kernel before giving up with `EP_ERR_TIMEOUT` (default 100000).

@@ -26,6 +26,7 @@ use cudarc::driver::sys;
 pub use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUresult, CUstream};
 use once_cell::sync::OnceCell;
 
+use super::sequence::Collective;
 use crate::abi;
 use crate::error::{Error, ErrorKind, Result};
 
@@ -38,6 +39,14 @@ pub struct Aligned<T: ?Sized>(pub T);
 // `KERNEL_IMAGES`: (file name, fatbin) of every `kernels/*.cu`, as
 // `build.rs` compiled it: SASS for each target architecture plus PTX.
 include!(concat!(env!("OUT_DIR"), "/ep_kernels.rs"));
+
+/// The handle `CU_STREAM_LEGACY` of cuda.h: the legacy default stream, as
+/// NULL is (not in the driver's bindings, which omit the macro).
+pub const STREAM_LEGACY: usize = 0x1;
+
+/// The handle `CU_STREAM_PER_THREAD` of cuda.h: the calling thread's
+/// default stream.
+pub const STREAM_PER_THREAD: usize = 0x2;
 
 /// The first four bytes of every fatbin, read as a little-endian `u32`.
 pub const FATBIN_MAGIC: u32 = 0xBA55_ED50;
@@ -227,6 +236,11 @@ impl Device {
         self.inner.handle
     }
 
+    /// The device's primary context, where everything here runs.
+    pub fn primary_context(&self) -> sys::CUcontext {
+        self.inner.context
+    }
+
     /// Makes the primary context current on this thread until the guard is
     /// dropped, which restores whatever was current before (or nothing).
     pub fn bind(&self) -> Result<ContextGuard<'_>> {
@@ -257,6 +271,41 @@ impl Device {
     pub fn sm_count(&self) -> Result<u32> {
         let count = self.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         Ok(count as u32)
+    }
+
+    /// The GPU's UUID, the same in every process that sees the GPU (and
+    /// distinct for every GPU and MIG instance).
+    pub fn uuid(&self) -> Result<[u8; 16]> {
+        // SAFETY: an all-zero CUuuid is a valid value to overwrite.
+        let mut uuid: sys::CUuuid = unsafe { std::mem::zeroed() };
+        // SAFETY: writes one CUuuid.
+        check(
+            unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, self.inner.handle) },
+            "cuDeviceGetUuid",
+        )?;
+        Ok(uuid.bytes.map(|b| b as u8))
+    }
+
+    /// The device's name, e.g. "NVIDIA H200".
+    pub fn name(&self) -> Result<String> {
+        let mut buf = [0 as libc::c_char; 256];
+        // SAFETY: writes at most `buf.len()` bytes, NUL-terminated.
+        check(
+            unsafe { sys::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, self.inner.handle) },
+            "cuDeviceGetName",
+        )?;
+        // SAFETY: NUL-terminated within `buf` (the driver truncates).
+        Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }
+            .to_string_lossy()
+            .into_owned())
+    }
+
+    /// The compute capability, e.g. (9, 0).
+    pub fn compute_capability(&self) -> Result<(i32, i32)> {
+        Ok((
+            self.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            self.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ))
     }
 
     /// Waits until all work queued on `stream` has finished.
@@ -330,6 +379,41 @@ impl Module {
             module.handles.push(handle);
         }
         Ok(module)
+    }
+
+    /// The names of the loaded kernels, sorted (for the log).
+    pub fn kernel_names(&self) -> Result<Vec<String>> {
+        let _context = self.device.bind()?;
+        let mut names = Vec::new();
+        for &module in &self.handles {
+            let mut count = 0u32;
+            // SAFETY: writes one count.
+            check(
+                unsafe { sys::cuModuleGetFunctionCount(&mut count, module) },
+                "cuModuleGetFunctionCount",
+            )?;
+            let mut functions = vec![ptr::null_mut(); count as usize];
+            // SAFETY: `functions` has room for `count` handles.
+            check(
+                unsafe { sys::cuModuleEnumerateFunctions(functions.as_mut_ptr(), count, module) },
+                "cuModuleEnumerateFunctions",
+            )?;
+            for f in functions {
+                let mut name: *const libc::c_char = ptr::null();
+                // SAFETY: writes a pointer to the function's static name.
+                check(unsafe { sys::cuFuncGetName(&mut name, f) }, "cuFuncGetName")?;
+                if !name.is_null() {
+                    // SAFETY: a NUL-terminated string owned by the module.
+                    names.push(
+                        unsafe { CStr::from_ptr(name) }
+                            .to_string_lossy()
+                            .into_owned(),
+                    );
+                }
+            }
+        }
+        names.sort();
+        Ok(names)
     }
 
     /// The kernel called `name` (its `extern "C"` name), which takes one
@@ -429,31 +513,108 @@ impl<P> Kernel<P> {
         stream: CUstream,
         params: &P,
     ) -> Result<()> {
+        // SAFETY: passed on from the caller.
+        unsafe { self.launch_ex(false, grid, block, shared_bytes, stream, params) }
+    }
+
+    /// Like [`Kernel::launch`], as a cooperative launch: the driver starts
+    /// the grid only with every block resident at once, so blocks may wait
+    /// for each other. Check [`Kernel::max_blocks_per_sm`] first.
+    ///
+    /// Errors: as `launch`, and `Unsupported` when the grid cannot be
+    /// resident at once on this device (too many blocks for its SMs, or
+    /// for the share of them that MPS or a green context leaves).
+    ///
+    /// # Safety
+    /// As for `launch`.
+    pub unsafe fn launch_cooperative(
+        &self,
+        _bound: &ContextGuard<'_>,
+        grid: u32,
+        block: u32,
+        shared_bytes: u32,
+        stream: CUstream,
+        params: &P,
+    ) -> Result<()> {
+        // SAFETY: passed on from the caller.
+        unsafe { self.launch_ex(true, grid, block, shared_bytes, stream, params) }
+    }
+
+    /// Both launches: `cuLaunchKernelEx`, with the cooperative attribute
+    /// when `cooperative`.
+    unsafe fn launch_ex(
+        &self,
+        cooperative: bool,
+        grid: u32,
+        block: u32,
+        shared_bytes: u32,
+        stream: CUstream,
+        params: &P,
+    ) -> Result<()> {
         if grid == 0 || block == 0 {
             return Err(Error::invalid(format!(
                 "{}: empty launch ({grid} blocks of {block} threads)",
                 self.name()
             )));
         }
+        // SAFETY: an all-zero attribute is valid; the union member written
+        // is the one the attribute id names.
+        let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attribute.id = sys::CUlaunchAttributeID_enum::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+        attribute.value.cooperative = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: shared_bytes,
+            hStream: stream,
+            attrs: &mut attribute,
+            numAttrs: cooperative as u32,
+        };
         let mut param = params as *const P as *mut c_void;
         // SAFETY: the caller vouches for the module, the pointers inside
         // `params` and the stream; the one parameter is a `P`.
-        let res = unsafe {
-            sys::cuLaunchKernel(
-                self.handle,
-                grid,
-                1,
-                1,
-                block,
-                1,
-                1,
-                shared_bytes,
-                stream,
-                &mut param,
-                ptr::null_mut(),
-            )
-        };
-        check(res, &format!("cuLaunchKernel({})", self.name()))
+        let res =
+            unsafe { sys::cuLaunchKernelEx(&config, self.handle, &mut param, ptr::null_mut()) };
+        if res == CUresult::CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE {
+            return Err(Error::unsupported(format!(
+                "{}: {grid} blocks of {block} threads cannot all be resident at once on this GPU \
+                 (fewer SMs than expected: MPS or a green context may limit them)",
+                self.name()
+            )));
+        }
+        check(res, &format!("cuLaunchKernelEx({})", self.name()))
+    }
+
+    /// How many blocks of `block` threads with `shared_bytes` of dynamic
+    /// shared memory fit on one SM at once
+    /// (`cuOccupancyMaxActiveBlocksPerMultiprocessor`); 0 when none does.
+    pub fn max_blocks_per_sm(
+        &self,
+        _bound: &ContextGuard<'_>,
+        block: u32,
+        shared_bytes: u32,
+    ) -> Result<u32> {
+        let mut blocks = 0;
+        // SAFETY: writes one int; the function's context is current.
+        check(
+            unsafe {
+                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    &mut blocks,
+                    self.handle,
+                    block as i32,
+                    shared_bytes as usize,
+                )
+            },
+            &format!(
+                "cuOccupancyMaxActiveBlocksPerMultiprocessor({})",
+                self.name()
+            ),
+        )?;
+        Ok(blocks.max(0) as u32)
     }
 }
 
@@ -703,7 +864,7 @@ impl<T: Plain> Drop for MappedHost<T> {
 
 pub use crate::abi::DeviceStatus;
 
-// SAFETY: four ints, no padding; every bit pattern is a value.
+// SAFETY: five ints, no padding; every bit pattern is a value.
 unsafe impl Plain for DeviceStatus {}
 
 /// The first error a rank's kernels hit (defined in src/abi/defs.rs). It
@@ -757,6 +918,16 @@ impl DeviceStatus {
                 ErrorKind::InvalidArgument,
                 "launched with invalid arguments".to_string(),
             ),
+            abi::STATUS_MISMATCH => (
+                ErrorKind::Remote,
+                format!(
+                    "this rank is in {} but rank {} is in {}: the ranks' collective calls do not \
+                     match (every rank must make the same calls in the same order)",
+                    describe_call(self.call),
+                    self.rank,
+                    describe_call(self.detail)
+                ),
+            ),
             code => (
                 ErrorKind::Internal,
                 format!("unknown device status code {code}"),
@@ -764,6 +935,16 @@ impl DeviceStatus {
         };
         Err(Error::new(kind, format!("{phase}: {what}")))
     }
+}
+
+/// A call word of the kernels (see `abi::CALL_NUMBER_BITS`) as
+/// "ep_dispatch (collective call 7 on the device)"; the number is counted
+/// modulo 2^CALL_NUMBER_BITS.
+fn describe_call(word: i32) -> String {
+    let number = word & ((1 << abi::CALL_NUMBER_BITS) - 1);
+    let op = Collective::from_code((word >> abi::CALL_NUMBER_BITS) as u32);
+    let name = op.map_or("an unknown operation", Collective::function);
+    format!("{name} (collective call {number} on the device)")
 }
 
 #[cfg(test)]
@@ -840,13 +1021,14 @@ mod tests {
 
     #[test]
     fn device_status_matches_the_c_struct_and_maps_codes() {
-        assert_eq!(size_of::<DeviceStatus>(), 16);
+        assert_eq!(size_of::<DeviceStatus>(), 20);
         assert_eq!(DeviceStatus::default().to_result(), Ok(()));
         let status = |code, rank, phase, detail| DeviceStatus {
             code,
             rank,
             phase,
             detail,
+            call: 0,
         };
         let err = status(abi::STATUS_TIMEOUT, 3, abi::PHASE_BARRIER, 6)
             .to_result()
@@ -873,5 +1055,19 @@ mod tests {
             ErrorKind::InvalidArgument
         );
         assert_eq!(kind(99), ErrorKind::Internal);
+        let word = |op: i32, n: i32| op << abi::CALL_NUMBER_BITS | n;
+        let mismatch = DeviceStatus {
+            call: word(3, 7),
+            ..status(abi::STATUS_MISMATCH, 1, abi::PHASE_LL_DISPATCH, word(1, 7))
+        };
+        let err = mismatch.to_result().unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Remote);
+        assert_eq!(
+            err.message,
+            "low-latency dispatch kernel: this rank is in ep_ll_dispatch (collective call 7 on \
+             the device) but rank 1 is in ep_dispatch (collective call 7 on the device): the \
+             ranks' collective calls do not match (every rank must make the same calls in the \
+             same order)"
+        );
     }
 }

@@ -26,15 +26,18 @@
 //! all see every tag), naming both ranks' calls: never stale data, never a
 //! wait until the timeout.
 //! - The host backend all-gathers the tag at each of its two steps.
-//! - The GPU backend's signals are to carry the same code and number, so a
-//!   kernel that sees a peer's signal of another call records a mismatch
-//!   (`EP_ERR_REMOTE`) instead of using its data. Call numbers start at 1,
-//!   so zero-filled signal memory never matches a call. A call captured in a
-//!   CUDA graph keeps the number it had at capture, while each replay is a
-//!   new call: the kernels therefore count calls in device memory (one
-//!   counter per context, advanced by every collective launch, as the
-//!   low-latency kernels already do for their buffer sets), which gives the
-//!   same numbers as this count for calls made directly.
+//! - The GPU backend's kernels number the calls in device memory (one
+//!   counter per context, advanced by the first kernel of every collective
+//!   launch), since a call captured in a CUDA graph keeps the number it had
+//!   at capture while each replay is a new call; for calls made directly
+//!   the numbers are this count's. Each call publishes its call word (the
+//!   operation's code and the number, `abi::CALL_NUMBER_BITS`), the
+//!   barrier's signals carry it, and every device wait reads the peer's
+//!   word: a peer in another call ends the wait at once with a mismatch
+//!   (`EP_ERR_REMOTE`, naming both calls) instead of a timeout, and no
+//!   kernel uses what a peer wrote for another call
+//!   (kernels/include/ep_device.cuh, "Collective calls"). Call numbers start
+//!   at 1, so zero-filled signal memory never matches a call.
 
 use std::fmt;
 

@@ -43,6 +43,11 @@ pub trait Mem: Sync {
     fn combine_tolerance(&self) -> f32 {
         0.0
     }
+    /// The stream the calls run on (NULL, the legacy default stream, unless
+    /// the memory says otherwise).
+    fn stream(&self) -> ep_stream_t {
+        null_mut()
+    }
 }
 
 /// Host memory: what the host backend reads and writes.
@@ -219,6 +224,11 @@ pub struct Call<'m, A> {
 }
 
 impl<'m, A: PointerFields> Call<'m, A> {
+    /// The stream the call runs on (see `Mem::stream`).
+    pub fn stream(&self) -> ep_stream_t {
+        self.mem.stream()
+    }
+
     pub fn new(mem: &'m dyn Mem, args: A) -> Self {
         Call {
             args,
@@ -270,7 +280,8 @@ impl<'m, A: PointerFields> Call<'m, A> {
         }
     }
 
-    fn set(&mut self, name: &str, ptr: *mut u8) {
+    /// Points field `name` at `ptr` (until [`Call::restore`]).
+    pub fn set(&mut self, name: &str, ptr: *mut u8) {
         // SAFETY: `slot` points into `self.args`.
         unsafe { *self.args.slot(name) = ptr };
     }
@@ -598,7 +609,7 @@ impl<'m> DispatchCall<'m> {
 
     pub fn run(&mut self, ctx: &Ctx, handle: *mut ep_handle_t) -> ep_status_t {
         // SAFETY: live context and handle; buffers sized as the API says.
-        unsafe { ep_dispatch(ctx.0, &self.call.args, handle, null_mut()) }
+        unsafe { ep_dispatch(ctx.0, &self.call.args, handle, self.call.stream()) }
     }
 
     /// Compares every output passed with the reference. Without its rows,
@@ -750,7 +761,7 @@ impl<'m> CombineCall<'m> {
 
     pub fn run(&mut self, ctx: &Ctx, handle: *mut ep_handle_t) -> ep_status_t {
         // SAFETY: live context and handle; buffers sized as the API says.
-        unsafe { ep_combine(ctx.0, &self.call.args, handle, null_mut()) }
+        unsafe { ep_combine(ctx.0, &self.call.args, handle, self.call.stream()) }
     }
 
     pub fn check(&mut self, tolerance: f32) -> Result<(), String> {
@@ -789,6 +800,11 @@ impl<'m> LayoutCall<'m> {
     }
 
     pub fn run(&self, ctx: &Ctx) -> ep_status_t {
+        self.run_on(ctx, self.call.stream())
+    }
+
+    /// [`LayoutCall::run`] on `stream`.
+    pub fn run_on(&self, ctx: &Ctx, stream: ep_stream_t) -> ep_status_t {
         let a = &self.call.args;
         // SAFETY: live context; buffers sized as the API says.
         unsafe {
@@ -799,7 +815,7 @@ impl<'m> LayoutCall<'m> {
                 a.num_tokens_per_rank,
                 a.num_tokens_per_expert,
                 a.is_token_in_rank,
-                null_mut(),
+                stream,
             )
         }
     }
@@ -958,7 +974,7 @@ impl<'m> LlDispatchCall<'m> {
         let mut a = self.call.args;
         a.flags |= ll_phases(self.case.split)[phase] | self.ue8m0_flag();
         // SAFETY: live context; buffers sized as the API says.
-        unsafe { ep_ll_dispatch(ctx.0, &a, null_mut()) }
+        unsafe { ep_ll_dispatch(ctx.0, &a, self.call.stream()) }
     }
 
     fn ue8m0_flag(&self) -> u32 {
@@ -1105,7 +1121,7 @@ impl<'m> LlCombineCall<'m> {
                 0
             };
         // SAFETY: live context; buffers sized as the API says.
-        unsafe { ep_ll_combine(ctx.0, &a, null_mut()) }
+        unsafe { ep_ll_combine(ctx.0, &a, self.call.stream()) }
     }
 
     /// Runs every half.

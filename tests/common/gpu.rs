@@ -1,12 +1,26 @@
 //! Helpers of the GPU tests (`tests/gpu_*.rs`, run with `--ignored` on a
 //! machine with CUDA GPUs): device memory that is poisoned when allocated and
-//! freed on drop, GPU configs, and runners that start one rank per GPU as
-//! threads of this process or as processes.
+//! freed on drop, GPU configs, and runners that start ranks as threads of
+//! this process or as processes.
+//!
+//! Rank r runs on GPU r mod (GPUs present), so a one-GPU machine runs every
+//! multi-rank test with the ranks sharing its GPU. Each rank thread has its
+//! own non-blocking stream ([`stream`]): the library refuses the legacy
+//! default stream when ranks share a GPU, and this file's copies and
+//! fills use the rank's stream, never the legacy one. Ranks sharing a GPU
+//! must not free device memory (which waits for the whole GPU) while a
+//! peer's collective that waits for this rank is in flight: the tests meet
+//! at [`gate`] after their allocations and before their frees.
+//!
+//! A test that leaves out part of its work for lack of GPUs or memory prints
+//! a line starting with "skipped " (scripts/gpu-check.sh counts them).
 
 use super::{last_error, run_ranks, run_ranks_in_processes, Ctx, POISON};
 use cudarc::driver::sys;
 use ep::capi::*;
+use std::cell::RefCell;
 use std::ptr::null_mut;
+use std::sync::{Arc, Condvar, Mutex};
 
 pub fn cu(res: sys::CUresult, what: &str) {
     assert_eq!(res, sys::CUresult::CUDA_SUCCESS, "{what}");
@@ -26,6 +40,12 @@ pub fn device_count() -> usize {
     }
 }
 
+/// The GPU of rank `rank`: GPUs are dealt out in turn, so ranks share them
+/// when there are fewer GPUs than ranks.
+pub fn device_of(rank: usize) -> usize {
+    rank % device_count()
+}
+
 /// Makes device `ordinal`'s primary context current on this thread.
 pub fn use_device(ordinal: usize) {
     // SAFETY: plain driver calls.
@@ -39,25 +59,114 @@ pub fn use_device(ordinal: usize) {
     }
 }
 
+/// Bytes of memory of device `ordinal` (free, total).
+pub fn memory_info(ordinal: usize) -> (usize, usize) {
+    use_device(ordinal);
+    let (mut free, mut total) = (0, 0);
+    // SAFETY: writes two usizes.
+    cu(
+        unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) },
+        "cuMemGetInfo",
+    );
+    (free, total)
+}
+
+/// World sizes of the multi-rank tests: 1, 2 and 4 whatever the GPUs (ranks
+/// share them), and 8 when each GPU has at least `gib_per_rank` GiB per
+/// rank that would run on it.
+pub fn test_worlds(gib_per_rank: usize) -> Vec<usize> {
+    let gpus = device_count();
+    assert!(gpus >= 1, "these tests need a GPU");
+    let (_, total) = memory_info(0);
+    let mut worlds = vec![1, 2, 4];
+    if (8usize.div_ceil(gpus) * gib_per_rank) << 30 <= total {
+        worlds.push(8);
+    } else {
+        println!(
+            "skipped world 8: {gpus} GPU(s) of {} GiB hold fewer than 8 ranks of {gib_per_rank} GiB",
+            total >> 30
+        );
+    }
+    worlds
+}
+
+/// Where the rank threads of one world meet (see [`gate`]). Unlike a
+/// `std::sync::Barrier` it breaks when a rank panics, so that the others
+/// fail too instead of waiting for ever.
+pub struct Gate {
+    world: usize,
+    /// Ranks arrived in this round, rounds completed, broken.
+    state: Mutex<(usize, u64, bool)>,
+    all_here: Condvar,
+}
+
+impl Gate {
+    pub fn new(world: usize) -> Gate {
+        Gate {
+            world,
+            state: Mutex::new((0, 0, false)),
+            all_here: Condvar::new(),
+        }
+    }
+
+    fn wait(&self) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let round = s.1;
+        s.0 += 1;
+        if s.0 == self.world {
+            s.0 = 0;
+            s.1 += 1;
+            self.all_here.notify_all();
+        }
+        while s.1 == round && !s.2 {
+            s = self.all_here.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+        assert!(!s.2, "another rank failed");
+    }
+
+    fn break_gate(&self) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.2 = true;
+        self.all_here.notify_all();
+    }
+}
+
+/// Breaks its gate when dropped during a panic.
+struct BreakOnPanic(Arc<Gate>);
+
+impl Drop for BreakOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.break_gate();
+        }
+    }
+}
+
+/// What a rank thread of a GPU test has: its stream, and the gate of the
+/// ranks it runs with.
+struct RankEnv {
+    stream: sys::CUstream,
+    gate: Option<Arc<Gate>>,
+}
+
+impl Drop for RankEnv {
+    fn drop(&mut self) {
+        // SAFETY: the stream this thread made; its work has finished.
+        unsafe { sys::cuStreamDestroy_v2(self.stream) };
+    }
+}
+
 thread_local! {
-    /// The stream of this thread's rank (null: the legacy default stream).
-    static STREAM: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    static RANK: RefCell<Option<RankEnv>> = const { RefCell::new(None) };
 }
 
-/// The stream this thread's ep calls and device copies use: the legacy
-/// default stream, or, when ranks share a GPU, the rank's own non-blocking
-/// stream (ranks of one GPU are threads of one CUDA context, whose legacy
-/// stream would put every rank's kernels in one queue, so a kernel waiting
-/// for a peer would block the peer's kernel behind it).
-pub fn stream() -> ep_stream_t {
-    STREAM.with(|s| s.get()) as ep_stream_t
-}
-
-/// Gives this thread (a rank) a stream of its own on the current context.
-pub fn use_own_stream() {
+/// Makes this thread a rank on device `ordinal`: current context, a new
+/// non-blocking stream, and the `gate` of its world (None: no peers in this
+/// process).
+fn become_rank(ordinal: usize, gate: Option<Arc<Gate>>) {
+    use_device(ordinal);
     let mut stream = null_mut();
-    // SAFETY: creates a stream of the current context; it lives as long as
-    // the test process.
+    // SAFETY: creates one stream of the current context.
     cu(
         unsafe {
             sys::cuStreamCreate(
@@ -67,16 +176,41 @@ pub fn use_own_stream() {
         },
         "cuStreamCreate",
     );
-    STREAM.with(|s| s.set(stream as usize));
+    RANK.with(|r| *r.borrow_mut() = Some(RankEnv { stream, gate }));
 }
 
-/// Waits for all work of this thread's stream (see [`stream`]).
+/// This rank thread's stream (NULL, the legacy default stream, on a thread
+/// that is not a rank).
+pub fn stream() -> ep_stream_t {
+    RANK.with(|r| {
+        r.borrow()
+            .as_ref()
+            .map_or(null_mut(), |e| e.stream as ep_stream_t)
+    })
+}
+
+/// Waits until every rank thread of this world is here (nothing for a rank
+/// process, which has no peers in its process).
+pub fn gate() {
+    let gate = RANK.with(|r| r.borrow().as_ref().and_then(|e| e.gate.clone()));
+    if let Some(gate) = gate {
+        gate.wait();
+    }
+}
+
+/// Waits for all work of this rank's stream (of the current context on a
+/// thread that is not a rank).
 pub fn sync() {
-    // SAFETY: a plain driver call on a live stream (or the legacy one).
-    cu(
-        unsafe { sys::cuStreamSynchronize(stream() as sys::CUstream) },
-        "cuStreamSynchronize",
-    );
+    let s = stream();
+    // SAFETY: plain driver calls on this thread's stream or context.
+    if s.is_null() {
+        cu(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize");
+    } else {
+        cu(
+            unsafe { sys::cuStreamSynchronize(s as sys::CUstream) },
+            "cuStreamSynchronize",
+        );
+    }
 }
 
 /// Device memory of the current context, filled with [`POISON`] when
@@ -84,11 +218,9 @@ pub fn sync() {
 pub struct DevBuf {
     pub ptr: u64,
     pub bytes: usize,
-    /// The stream it was allocated on when the rank has its own (see
-    /// [`stream`]): then it is allocated and freed stream-ordered, since
-    /// `cuMemFree` waits for the whole device, the other ranks' waiting
-    /// kernels included, and would stall a rank its peers wait for.
-    stream: usize,
+    /// From the device's pool (`cuMemAllocAsync`, on a rank thread), else
+    /// from `cuMemAlloc`.
+    pooled: bool,
 }
 
 impl DevBuf {
@@ -96,15 +228,15 @@ impl DevBuf {
     pub fn poisoned(bytes: usize) -> DevBuf {
         let alloc = bytes.max(4);
         let mut ptr = 0;
-        let stream = stream() as sys::CUstream;
-        // SAFETY: allocation of `alloc` bytes (stream-ordered on a rank's
-        // own stream, waited for by the poison below).
+        let s = stream();
+        // SAFETY: allocates `alloc` bytes: on a rank thread from the
+        // device's pool in the order of the rank's stream (see `Drop`).
         unsafe {
-            if stream.is_null() {
+            if s.is_null() {
                 cu(sys::cuMemAlloc_v2(&mut ptr, alloc), "cuMemAlloc");
             } else {
                 cu(
-                    sys::cuMemAllocAsync(&mut ptr, alloc, stream),
+                    sys::cuMemAllocAsync(&mut ptr, alloc, s as sys::CUstream),
                     "cuMemAllocAsync",
                 );
             }
@@ -112,7 +244,7 @@ impl DevBuf {
         let buf = DevBuf {
             ptr,
             bytes,
-            stream: stream as usize,
+            pooled: !s.is_null(),
         };
         buf.poison();
         buf
@@ -139,8 +271,7 @@ impl DevBuf {
             self.bytes
         );
         if bytes > 0 {
-            // SAFETY: `bytes` fit the allocation; the copy ends before
-            // `host` can go away.
+            // SAFETY: `bytes` fit the allocation; `host` outlives the sync.
             cu(
                 unsafe {
                     sys::cuMemcpyHtoDAsync_v2(
@@ -156,9 +287,10 @@ impl DevBuf {
         }
     }
 
-    /// Fills the whole buffer with [`POISON`] again.
+    /// Fills the whole buffer with [`POISON`] (again), after the work
+    /// queued on this rank's stream.
     pub fn poison(&self) {
-        // SAFETY: fills the allocation, on this thread's stream.
+        // SAFETY: fills the allocation.
         cu(
             unsafe {
                 sys::cuMemsetD8Async(
@@ -173,7 +305,7 @@ impl DevBuf {
         sync();
     }
 
-    /// The first `len` values, after all work of the context has finished.
+    /// The first `len` values, after the work queued on this rank's stream.
     pub fn download<T: Copy + Default>(&self, len: usize) -> Vec<T> {
         let mut out = vec![T::default(); len];
         let bytes = std::mem::size_of_val(&out[..]);
@@ -183,8 +315,7 @@ impl DevBuf {
             self.bytes
         );
         if bytes > 0 {
-            // SAFETY: `bytes` fit both sides; the copy ends before `out`
-            // is used.
+            // SAFETY: `bytes` fit both sides; `out` outlives the sync.
             cu(
                 unsafe {
                     sys::cuMemcpyDtoHAsync_v2(
@@ -212,15 +343,34 @@ impl DevBuf {
 
 impl Drop for DevBuf {
     fn drop(&mut self) {
-        // SAFETY: allocated as freed here; the tests synchronize before
-        // buffers go out of scope.
+        // SAFETY: allocated as `pooled` says; the tests synchronize before
+        // buffers go out of scope. A pool allocation is freed in stream
+        // order, without the wait for the whole device that cuMemFree makes
+        // (which, on a GPU that ranks share, could wait for a peer's kernel
+        // that waits for this rank).
         unsafe {
-            if self.stream == 0 {
-                sys::cuMemFree_v2(self.ptr);
+            if self.pooled {
+                sys::cuMemFreeAsync(self.ptr, stream() as sys::CUstream);
             } else {
-                sys::cuMemFreeAsync(self.ptr, self.stream as sys::CUstream);
+                sys::cuMemFree_v2(self.ptr);
             }
         }
+    }
+}
+
+/// Returns the memory that the device's default pool keeps for later
+/// allocations (the rank threads' `DevBuf`s) to the device.
+pub fn trim_pool(ordinal: usize) {
+    use_device(ordinal);
+    let mut pool = null_mut();
+    // SAFETY: plain driver calls on the device's default pool.
+    unsafe {
+        cu(
+            sys::cuDeviceGetDefaultMemPool(&mut pool, ordinal as i32),
+            "cuDeviceGetDefaultMemPool",
+        );
+        cu(sys::cuCtxSynchronize(), "cuCtxSynchronize");
+        cu(sys::cuMemPoolTrimTo(pool, 0), "cuMemPoolTrimTo");
     }
 }
 
@@ -240,24 +390,21 @@ pub fn gpu_config(
     cfg
 }
 
-/// Makes rank `rank`'s context of a `world`-rank group on GPU `rank`, and
-/// checks that creating it left the thread's current CUDA context alone.
-/// With `EP_TEST_NCCL=1` in the environment the context is made by
-/// `ep_ctx_create_from_nccl` on an NCCL communicator of the group instead
-/// (see [`nccl`]), so the same tests run every mode on NCCL windows.
-fn join_on_gpu(world: usize, cfg: &ep_config_t, rank: usize, id: ep_unique_id_t) -> Ctx {
-    join_on_device(world, cfg, rank, rank, id)
-}
-
-/// As [`join_on_gpu`], on GPU `device`.
-pub fn join_on_device(
+/// Makes rank `rank`'s context of a `world`-rank group on GPU `ordinal`, as
+/// a rank thread with the world's `gate`, and checks that creating it left
+/// the thread's current CUDA context alone. With `EP_TEST_NCCL=1` in the
+/// environment the context is made by `ep_ctx_create_from_nccl` on an NCCL
+/// communicator of the group instead (see [`nccl`]), so the same tests run
+/// every mode on NCCL windows.
+fn join_on_gpu(
     world: usize,
     cfg: &ep_config_t,
     rank: usize,
-    device: usize,
+    ordinal: usize,
+    gate: Option<Arc<Gate>>,
     id: ep_unique_id_t,
 ) -> Ctx {
-    use_device(device);
+    become_rank(ordinal, gate);
     let mut before = null_mut();
     let mut after = null_mut();
     // SAFETY: plain driver calls.
@@ -265,7 +412,7 @@ pub fn join_on_device(
     let ctx = if nccl::requested() {
         nccl::context(world, cfg, rank, &id)
     } else {
-        Ctx::create_on(world as i32, id, rank as i32, device as i32, cfg)
+        Ctx::create_on(world as i32, id, rank as i32, ordinal as i32, cfg)
     };
     cu(unsafe { sys::cuCtxGetCurrent(&mut after) }, "current");
     assert_eq!(before, after, "ep_ctx_create changed the current context");
@@ -273,24 +420,31 @@ pub fn join_on_device(
 }
 
 /// Runs `body(rank, ctx)` on `world` threads, rank r on GPU
-/// `r % device_count()` (several ranks share a GPU when there are fewer
-/// GPUs than ranks), and returns the results in rank order.
-pub fn run_gpu_world_shared<T: Send>(
+/// [`device_of`]`(r)` with its own context and stream, and returns the
+/// results in rank order.
+pub fn run_gpu_world<T: Send>(
     world: usize,
     cfg: &ep_config_t,
     body: impl Fn(usize, &Ctx) -> T + Sync,
 ) -> Vec<T> {
-    let devices = device_count();
+    run_gpu_world_on(world, cfg, device_of, body)
+}
+
+/// [`run_gpu_world`] with rank r on GPU `ordinal(r)`.
+pub fn run_gpu_world_on<T: Send>(
+    world: usize,
+    cfg: &ep_config_t,
+    ordinal: impl Fn(usize) -> usize + Sync,
+    body: impl Fn(usize, &Ctx) -> T + Sync,
+) -> Vec<T> {
+    let gate = Arc::new(Gate::new(world));
     run_ranks(
         world,
-        |rank, id| {
-            let ctx = join_on_device(world, cfg, rank, rank % devices, id);
-            if devices < world {
-                use_own_stream();
-            }
-            ctx
+        |rank, id| join_on_gpu(world, cfg, rank, ordinal(rank), Some(gate.clone()), id),
+        |rank, ctx| {
+            let _break = BreakOnPanic(gate.clone());
+            body(rank, ctx)
         },
-        body,
     )
 }
 
@@ -422,31 +576,18 @@ pub mod nccl {
     }
 }
 
-/// Runs `body(rank, ctx)` on `world` threads, rank r on GPU r with its own
-/// context, and returns the results in rank order.
-pub fn run_gpu_world<T: Send>(
-    world: usize,
-    cfg: &ep_config_t,
-    body: impl Fn(usize, &Ctx) -> T + Sync,
-) -> Vec<T> {
-    run_ranks(world, |rank, id| join_on_gpu(world, cfg, rank, id), body)
-}
-
 /// How the ranks of a GPU test run: threads of this process, or processes
 /// running the test named `test` (see [`run_ranks_in_processes`]).
 #[derive(Clone, Copy, Debug)]
 pub enum Ranks {
     Threads,
-    Processes {
-        test: &'static str,
-    },
-    /// Threads, rank r on GPU `r % device_count()`: several ranks share a
-    /// GPU when there are fewer GPUs than ranks.
-    SharedGpus,
+    Processes { test: &'static str },
 }
 
-/// Runs `body(rank, ctx)` on `world` ranks, rank r on GPU r with its own
-/// context, as `ranks` says; `call` names this call among the test's calls.
+/// Runs `body(rank, ctx)` on `world` ranks, rank r on GPU [`device_of`]`(r)`
+/// with its own context, as `ranks` says; `call` names this call among the
+/// test's calls. Ranks as processes need a GPU each (processes cannot share
+/// one): with fewer GPUs the call prints why and runs nothing.
 pub fn run_gpu_ranks(
     ranks: Ranks,
     call: &str,
@@ -458,16 +599,22 @@ pub fn run_gpu_ranks(
         Ranks::Threads => {
             run_gpu_world(world, cfg, body);
         }
-        Ranks::SharedGpus => {
-            run_gpu_world_shared(world, cfg, body);
+        Ranks::Processes { test } => {
+            let gpus = device_count();
+            if world > gpus {
+                println!(
+                    "skipped {call}: {world} ranks as processes need {world} GPUs, this machine has {gpus}"
+                );
+                return;
+            }
+            run_ranks_in_processes(
+                test,
+                call,
+                world,
+                |rank, id| join_on_gpu(world, cfg, rank, rank, None, id),
+                body,
+            )
         }
-        Ranks::Processes { test } => run_ranks_in_processes(
-            test,
-            call,
-            world,
-            |rank, id| join_on_gpu(world, cfg, rank, id),
-            body,
-        ),
     }
 }
 
@@ -491,6 +638,7 @@ pub struct Graph {
 }
 
 impl Graph {
+    /// Captures on a new non-blocking stream (see the file comment).
     pub fn capture(record: impl FnOnce(ep_stream_t)) -> Graph {
         let mut g = Graph {
             stream: null_mut(),
@@ -499,7 +647,13 @@ impl Graph {
         };
         // SAFETY: plain driver calls on this thread's current context.
         unsafe {
-            cu(sys::cuStreamCreate(&mut g.stream, 0), "cuStreamCreate");
+            cu(
+                sys::cuStreamCreate(
+                    &mut g.stream,
+                    sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                ),
+                "cuStreamCreate",
+            );
             cu(
                 sys::cuStreamBeginCapture_v2(
                     g.stream,
@@ -576,13 +730,25 @@ impl super::calls::Mem for DeviceMem {
         Box::new(DevBuf::poisoned(bytes.max(16)))
     }
     fn write_at(&self, ptr: *mut u8, data: &[u8]) {
-        // SAFETY: `ptr` is device memory the library gave out, with room.
+        // SAFETY: `ptr` is device memory the library gave out, with room;
+        // `data` outlives the sync.
         cu(
-            unsafe { sys::cuMemcpyHtoD_v2(ptr as u64, data.as_ptr() as *const _, data.len()) },
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    ptr as u64,
+                    data.as_ptr() as *const _,
+                    data.len(),
+                    stream() as sys::CUstream,
+                )
+            },
             "HtoD",
         );
+        sync();
     }
     fn combine_tolerance(&self) -> f32 {
         self.combine_tolerance
+    }
+    fn stream(&self) -> ep_stream_t {
+        stream()
     }
 }

@@ -1,13 +1,16 @@
 //! The normal-mode GPU tests' machinery, shared by tests/gpu_normal.rs and
 //! tests/gpu_hierarchical.rs: random inputs, poisoned device outputs checked
 //! bit for bit against the reference, and `check_shape`, which runs
-//! dispatches and both combines of many token counts on one context shape.
+//! dispatches and both combines of many token counts on one context shape
+//! (with `ranks_per_node`, on several nodes).
 
 use super::gpu::*;
 use super::{bf16_to_bytes, bits, random_bf16, routing, weights, Ctx, Rng};
 use ep::capi::*;
 use ep::reference::hierarchical::{self, NodeShape};
-use ep::reference::normal::{combine, dispatch, expert_partials, Dispatched, RankTokens, Returned};
+use ep::reference::normal::{
+    combine, dispatch, expert_partials, worst_case_rows, Dispatched, RankTokens, Returned,
+};
 use ep::reference::{Dtype, Topology};
 use half::bf16;
 
@@ -174,67 +177,91 @@ impl Outputs {
 
     /// Checks every output against the reference, bit for bit.
     pub fn check(&self, topo: &Topology, dtype: Dtype, want: &Dispatched, what: &str) {
+        self.check_but(topo, dtype, want, "", what);
+    }
+
+    /// Checks every output but the one named `left_out` (its C field name)
+    /// against the reference, bit for bit.
+    pub fn check_but(
+        &self,
+        topo: &Topology,
+        dtype: Dtype,
+        want: &Dispatched,
+        left_out: &str,
+        what: &str,
+    ) {
         let (h, k, l) = (topo.hidden, topo.topk, topo.local_experts());
         let (rows, erows) = (want.num_rows, want.expert_rows);
         let row_bytes = dtype.row_bytes(h);
         let sc = dtype.scales_per_row(h);
-        assert_eq!(
-            self.recv_num_rows.download::<i32>(1),
-            [rows as i32],
-            "{what}: rows"
+        let check = |name: &str, got: Vec<u32>, want: Vec<u32>| {
+            if name != left_out {
+                assert!(got == want, "{what}: {name}");
+            }
+        };
+        let ints = |v: Vec<i32>| v.into_iter().map(|x| x as u32).collect::<Vec<_>>();
+        let int_slice = |v: &[i32]| v.iter().map(|&x| x as u32).collect::<Vec<_>>();
+        let bytes = |v: Vec<u8>| v.into_iter().map(u32::from).collect::<Vec<_>>();
+        let byte_slice = |v: &[u8]| v.iter().map(|&x| u32::from(x)).collect::<Vec<_>>();
+        check(
+            "recv_num_tokens",
+            ints(self.recv_num_rows.download(1)),
+            vec![rows as u32],
         );
-        assert!(
-            self.recv_x.download::<u8>(rows * row_bytes) == want.x,
-            "{what}: recv_x"
+        check(
+            "recv_x",
+            bytes(self.recv_x.download(rows * row_bytes)),
+            byte_slice(&want.x),
         );
-        assert_eq!(
+        check(
+            "recv_x_scales",
             bits(&self.recv_scales.download(rows * sc)),
             bits(&want.scales),
-            "{what}: scales"
         );
-        assert_eq!(
-            self.recv_topk_idx.download::<i32>(rows * k),
-            want.topk_idx,
-            "{what}: topk_idx"
+        check(
+            "recv_topk_idx",
+            ints(self.recv_topk_idx.download(rows * k)),
+            int_slice(&want.topk_idx),
         );
-        assert_eq!(
+        check(
+            "recv_topk_weights",
             bits(&self.recv_topk_weights.download(rows * k)),
             bits(&want.topk_weights),
-            "{what}: weights"
         );
-        assert_eq!(
-            self.recv_src_info.download::<i32>(rows * 2),
-            want.src_info,
-            "{what}: src_info"
+        check(
+            "recv_src_info",
+            ints(self.recv_src_info.download(rows * 2)),
+            int_slice(&want.src_info),
         );
-        assert_eq!(
-            self.expert_offsets.download::<i32>(l + 1),
-            want.expert_offsets,
-            "{what}: offsets"
+        check(
+            "expert_offsets",
+            ints(self.expert_offsets.download(l + 1)),
+            int_slice(&want.expert_offsets),
         );
-        assert_eq!(
-            self.expert_counts.download::<i32>(l),
-            want.expert_counts,
-            "{what}: counts"
+        check(
+            "expert_counts",
+            ints(self.expert_counts.download(l)),
+            int_slice(&want.expert_counts),
         );
-        assert!(
-            self.expert_x.download::<u8>(erows * row_bytes) == want.expert_x,
-            "{what}: expert_x"
+        check(
+            "expert_x",
+            bytes(self.expert_x.download(erows * row_bytes)),
+            byte_slice(&want.expert_x),
         );
-        assert_eq!(
+        check(
+            "expert_x_scales",
             bits(&self.expert_scales.download(erows * sc)),
             bits(&want.expert_scales),
-            "{what}: expert scales"
         );
-        assert_eq!(
+        check(
+            "expert_weights",
             bits(&self.expert_weights.download(erows)),
             bits(&want.expert_weights),
-            "{what}: expert weights"
         );
-        assert_eq!(
-            self.expert_src_row.download::<i32>(erows),
-            want.expert_src_row,
-            "{what}: src_row"
+        check(
+            "expert_src_row",
+            ints(self.expert_src_row.download(erows)),
+            int_slice(&want.expert_src_row),
         );
     }
 }
@@ -272,6 +299,82 @@ pub fn dtype_name(dtype: Dtype) -> &'static str {
     match dtype {
         Dtype::Bf16 => "BF16",
         Dtype::Fp8E4m3 => "FP8",
+    }
+}
+
+/// One round of `check_shape`: every rank's inputs, and what the reference
+/// says about them, worked out once by the first rank that needs it (the
+/// ranks of a process share it).
+pub struct Round {
+    pub dtype: Dtype,
+    pub inputs: Vec<Input>,
+    pub alignment: i32,
+    pub expected: std::sync::OnceLock<Expected>,
+}
+
+/// The reference's results of one round.
+pub struct Expected {
+    /// Every rank's dispatch.
+    pub all: Vec<Dispatched>,
+    /// Every rank's combine inputs: (source-order rows, expert-major rows).
+    pub combine_x: Vec<(Vec<bf16>, Vec<bf16>)>,
+    /// Every rank's combine output from [source-order, expert-major] input.
+    pub combined: Vec<[Vec<bf16>; 2]>,
+}
+
+impl Round {
+    /// The reference's results; with `nodes` (several nodes) the combine in
+    /// the hierarchical summation order.
+    pub fn expected(&self, topo: Topology, nodes: Option<NodeShape>, seed: u64) -> &Expected {
+        self.expected.get_or_init(|| {
+            let views: Vec<RankTokens> = self.inputs.iter().map(Input::view).collect();
+            let world = topo.world;
+            let all: Vec<Dispatched> = (0..world)
+                .map(|r| dispatch(topo, self.dtype, &views, r, self.alignment as usize))
+                .collect();
+            let combine_x: Vec<(Vec<bf16>, Vec<bf16>)> = all
+                .iter()
+                .enumerate()
+                .map(|(r, d)| combine_inputs(&topo, d, seed ^ r as u64))
+                .collect();
+            let partials: Vec<Vec<bf16>> = all
+                .iter()
+                .zip(&combine_x)
+                .map(|(d, (_, experts))| expert_partials(topo, d, experts))
+                .collect();
+            // Every rank's combine output when rank r returns `rows[r]`.
+            let combined_all = |rows: Vec<&[bf16]>| -> Vec<Vec<bf16>> {
+                let returned: Vec<Returned> = all
+                    .iter()
+                    .zip(rows)
+                    .map(|(d, rows)| Returned {
+                        rows,
+                        src_info: &d.src_info,
+                    })
+                    .collect();
+                (0..world)
+                    .map(|rank| {
+                        let n = self.inputs[rank].num_tokens;
+                        match nodes {
+                            Some(shape) => hierarchical::combine(topo, shape, rank, n, &returned),
+                            None => combine(topo, rank, n, &returned),
+                        }
+                    })
+                    .collect()
+            };
+            let from_rows = combined_all(combine_x.iter().map(|x| &x.0[..]).collect());
+            let from_experts = combined_all(partials.iter().map(|p| &p[..]).collect());
+            let combined = from_rows
+                .into_iter()
+                .zip(from_experts)
+                .map(|(a, b)| [a, b])
+                .collect();
+            Expected {
+                all,
+                combine_x,
+                combined,
+            }
+        })
     }
 }
 
@@ -331,8 +434,12 @@ pub fn check_shape_on_nodes(
                     .iter()
                     .map(|&n| Input::random(&mut rng, &topo, dtype, n, skewed))
                     .collect();
-                let alignment = [1, 4, 128][rounds.len() % 3];
-                rounds.push((dtype, inputs, alignment));
+                rounds.push(Round {
+                    dtype,
+                    inputs,
+                    alignment: [1, 4, 128][rounds.len() % 3],
+                    expected: std::sync::OnceLock::new(),
+                });
             }
         }
         rounds
@@ -341,27 +448,30 @@ pub fn check_shape_on_nodes(
         "world {world} ranks_per_node {ranks_per_node} hidden {hidden} topk {topk} experts {experts}"
     );
     run_gpu_ranks(ranks, &shape, world, &cfg, |rank, ctx| {
-        let rounds = rounds.get_or_init(make_rounds);
+        let rounds: &Vec<Round> = rounds.get_or_init(make_rounds);
         let handle = ctx.handle();
         let mut exact = true;
-        for (round, (dtype, inputs, alignment)) in rounds.iter().enumerate() {
+        for (i, round) in rounds.iter().enumerate() {
+            let (dtype, alignment) = (round.dtype, round.alignment);
+            let n = round.inputs[rank].num_tokens;
             let what = format!(
-                "{shape} rank {rank} round {round} ({}, {} tokens, alignment {alignment})",
-                dtype_name(*dtype),
-                inputs[rank].num_tokens
+                "{shape} rank {rank} round {i} ({}, {n} tokens, alignment {alignment})",
+                dtype_name(dtype),
             );
-            let views: Vec<RankTokens> = inputs.iter().map(Input::view).collect();
-            let all: Vec<Dispatched> = (0..world)
-                .map(|r| dispatch(topo, *dtype, &views, r, *alignment as usize))
-                .collect();
-            let want = &all[rank];
-            let n = inputs[rank].num_tokens;
+            let expected = round.expected(topo, nodes, seed ^ (i as u64 * 64));
+            let want = &expected.all[rank];
 
-            let input = DeviceInput::new(&inputs[rank]);
-            let out = Outputs::new(ctx, &topo, *alignment);
-            out.poison();
-            let mut args = out.args(&input, n, *dtype, *alignment);
-            let no_sync = round % 2 == 1;
+            // Every device buffer of the round, made before the gate (see
+            // tests/common/gpu.rs).
+            let input = DeviceInput::new(&round.inputs[rank]);
+            let out = Outputs::new(ctx, &topo, alignment);
+            let (rows, experts) = &expected.combine_x[rank];
+            let combine_x = [DevBuf::from(rows), DevBuf::from(experts)];
+            let y = DevBuf::of::<bf16>(n * hidden);
+            gate();
+
+            let mut args = out.args(&input, n, dtype, alignment);
+            let no_sync = i % 2 == 1;
             let mut host_rows = -1;
             let mut host_counts = vec![-1; topo.local_experts()];
             if no_sync {
@@ -376,64 +486,34 @@ pub fn check_shape_on_nodes(
                 &what,
             );
             sync();
-            out.check(&topo, *dtype, want, &what);
+            out.check(&topo, dtype, want, &what);
             if !no_sync {
                 assert_eq!(host_rows, want.num_rows as i32, "{what}: host rows");
                 assert_eq!(host_counts, want.expert_counts, "{what}: host counts");
             }
 
-            // Both combines, against the reference fed the same rows.
-            let inputs_of: Vec<(Vec<bf16>, Vec<bf16>)> = all
-                .iter()
-                .enumerate()
-                .map(|(r, d)| combine_inputs(&topo, d, seed ^ (round as u64 * 64 + r as u64)))
-                .collect();
-            for expert_major in [false, true] {
-                let partials: Vec<Vec<bf16>> = all
-                    .iter()
-                    .zip(&inputs_of)
-                    .map(|(d, (rows, experts))| {
-                        if expert_major {
-                            expert_partials(topo, d, experts)
-                        } else {
-                            rows.clone()
-                        }
-                    })
-                    .collect();
-                let returned: Vec<Returned> = all
-                    .iter()
-                    .zip(&partials)
-                    .map(|(d, rows)| Returned {
-                        rows,
-                        src_info: &d.src_info,
-                    })
-                    .collect();
-                let expected = match nodes {
-                    Some(shape) => hierarchical::combine(topo, shape, rank, n, &returned),
-                    None => combine(topo, rank, n, &returned),
-                };
-                let mine = &inputs_of[rank];
-                let x = DevBuf::from(if expert_major { &mine.1 } else { &mine.0 });
-                let y = DevBuf::of::<bf16>(n * hidden);
+            for (layout, (x, combined)) in [EP_COMBINE_SOURCE_ORDER, EP_COMBINE_EXPERT_MAJOR]
+                .into_iter()
+                .zip(combine_x.iter().zip(&expected.combined[rank]))
+            {
+                y.poison();
                 let mut c = super::combine_args();
-                c.input_layout = if expert_major {
-                    EP_COMBINE_EXPERT_MAJOR
-                } else {
-                    EP_COMBINE_SOURCE_ORDER
-                };
+                c.input_layout = layout;
                 c.x = x.as_const();
                 c.out = y.as_mut();
                 // SAFETY: device buffers of the sizes the handle's dispatch gives.
                 ok(unsafe { ep_combine(ctx.0, &c, handle.0, stream()) }, &what);
                 let got = y.download::<bf16>(n * hidden);
-                let kind = if expert_major {
+                let kind = if layout == EP_COMBINE_EXPERT_MAJOR {
                     "expert-major"
                 } else {
                     "source-order"
                 };
-                exact &= assert_close(&got, &expected, &format!("{what}: combine {kind}"));
+                exact &= assert_close(&got, combined, &format!("{what}: combine {kind}"));
             }
             assert_eq!(async_status(ctx), EP_SUCCESS, "{what}");
+            // Every rank is done with the round before any frees its buffers.
+            gate();
         }
         println!(
             "{shape} ({ranks:?}) rank {rank}: dispatch bit-exact, combine {}",
@@ -444,4 +524,48 @@ pub fn check_shape_on_nodes(
             }
         );
     });
+}
+
+/// Whether `world` ranks of `topo` fit the machine: the GPU that holds the
+/// most ranks has room for their worst-case outputs and buffers, and the
+/// host for the reference's results (`Expected` of the two large rounds).
+/// Prints why when they do not.
+pub fn fits(topo: &Topology, max_tokens: usize) -> bool {
+    let world = topo.world;
+    let (rows, expert_rows) = worst_case_rows(*topo, max_tokens, 128);
+    let row = topo.hidden * 2;
+    // Outputs, the library's buffers (returned rows and staged tokens), and
+    // the combine's input and output.
+    let per_rank = (2 * rows + expert_rows) * row + 2 * max_tokens * row;
+    let ranks_per_gpu = world.div_ceil(device_count());
+    let (free, _) = memory_info(0);
+    // A rank receives at most W * T source rows and T * topk expert rows;
+    // a round keeps about three copies of them per rank.
+    let host = 5 * world * (world + topo.topk) * max_tokens * row;
+    let host_total = host_memory();
+    let fits = ranks_per_gpu * per_rank <= free / 10 * 8 && host <= host_total / 2;
+    if !fits {
+        println!(
+            "skipped world {world} hidden {} topk {} experts {}: {ranks_per_gpu} ranks of {} MiB \
+             on one GPU with {} MiB free, {} MiB of host memory for the reference of {} MiB",
+            topo.hidden,
+            topo.topk,
+            topo.num_experts,
+            per_rank >> 20,
+            free >> 20,
+            host >> 20,
+            host_total >> 20
+        );
+    }
+    fits
+}
+
+/// Bytes of host memory (`MemTotal` of /proc/meminfo; 0 when unknown).
+pub fn host_memory() -> usize {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
+        .map_or(0, |kib| kib << 10)
 }

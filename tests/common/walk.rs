@@ -13,10 +13,10 @@
 //! fails its local checks fails on every rank and the ranks stay in step.
 
 use super::calls::*;
+use super::gpu::gate;
 use super::{last_error, Ctx, Handle};
 use ep::capi::*;
 use ep::runtime::contract::{self, Facts, Field};
-use std::ptr::null_mut;
 
 /// A call's pointers, whatever its args struct.
 pub trait Pointers {
@@ -120,6 +120,10 @@ pub fn expect_null(status: ep_status_t, function: &str, field: &str, what: &str)
 
 /// Sets each pointer that `op` passes to NULL in turn (see the module doc).
 pub fn walk_nulls(op: &mut dyn Op, ctx: &Ctx, rank: usize) {
+    // Rank threads on one GPU meet before their first call and after their
+    // last (tests/common/gpu.rs): the handles of the operations are freed
+    // between the walks.
+    gate();
     let phases = op.phases();
     for field in op.fields() {
         if !op.pointers().is_set(field.name) {
@@ -167,6 +171,7 @@ pub fn walk_nulls(op: &mut dyn Op, ctx: &Ctx, rank: usize) {
         }
         correct_call(op, ctx, rank, &format!("`{}` NULL", field.name));
     }
+    gate();
 }
 
 /// One bad input of an operation `T`.
@@ -205,6 +210,7 @@ impl<'a, T: ?Sized> Bad<'a, T> {
 /// Makes `op`'s call with each bad input (its first half), expects its
 /// status and message and no output written, then a correct call.
 pub fn walk_bad<T: Op>(op: &mut T, bads: &[Bad<'_, T>], ctx: &Ctx, rank: usize, host: bool) {
+    gate();
     for bad in bads.iter().filter(|b| host || !b.host_only) {
         let what = format!("rank {rank}: {} with {}", op.label(), bad.what);
         op.pointers().restore();
@@ -217,6 +223,7 @@ pub fn walk_bad<T: Op>(op: &mut T, bads: &[Bad<'_, T>], ctx: &Ctx, rank: usize, 
         assert!(op.pointers().untouched(), "{what}: an output was written");
         correct_call(op, ctx, rank, bad.what);
     }
+    gate();
 }
 
 fn facts_of_tokens(n: usize) -> Facts {
@@ -673,13 +680,13 @@ impl Op for MegaOp<'_> {
     }
     fn prepare(&mut self, _ctx: &Ctx) {}
     fn run(&mut self, ctx: &Ctx, _phase: usize) -> ep_status_t {
-        let (args, handle) = (&self.call.args.args, self.handle.0);
+        let (args, handle, stream) = (&self.call.args.args, self.handle.0, self.call.stream());
         // SAFETY: live context and handle; buffers as the API says.
         unsafe {
             if self.call.args.combine {
-                ep_mega_gemm_combine(ctx.0, args, handle, null_mut())
+                ep_mega_gemm_combine(ctx.0, args, handle, stream)
             } else {
-                ep_mega_dispatch_gemm(ctx.0, args, handle, null_mut())
+                ep_mega_dispatch_gemm(ctx.0, args, handle, stream)
             }
         }
     }
@@ -1042,4 +1049,193 @@ pub fn bad_mega_dispatch<'m>() -> Vec<Bad<'m, MegaOp<'m>>> {
         &["embedded dispatch args"],
     ));
     bads
+}
+
+/// `DispatchCase` with both outputs, the host synchronised.
+pub fn both(alignment: usize) -> DispatchCase {
+    DispatchCase {
+        source_order: true,
+        expert_major: true,
+        alignment,
+        no_host_sync: false,
+    }
+}
+
+/// `LlDispatchCase` of one phase, read from `num_tokens`.
+pub fn ll_dispatch_case(fp8: bool, weights: bool, split: bool) -> LlDispatchCase {
+    LlDispatchCase {
+        fp8,
+        ue8m0: false,
+        weights,
+        split,
+        device_count: false,
+    }
+}
+
+/// The NULL walk of the normal mode, one rank's part, with `mem`'s buffers:
+/// the layout, the dispatch with each output order and both, both combines,
+/// the megakernels. `some`: every rank's token count (none of them 0); the
+/// walk also runs with no tokens anywhere.
+pub fn null_walk_of_the_normal_mode(
+    mem: &dyn Mem,
+    s: &Shape,
+    ctx: &Ctx,
+    rank: usize,
+    some: &[usize],
+) {
+    let none = &vec![0; s.world][..];
+    for (seed, n) in [(1, some), (2, none)] {
+        let tokens = Tokens::new(s, seed, n, false);
+        walk_nulls(&mut LayoutOp::new(mem, s, &tokens, rank), ctx, rank);
+    }
+    let cases = [
+        (3, some, false, both(4)),
+        (4, some, true, both(1)),
+        (5, none, false, both(2)),
+        (
+            6,
+            some,
+            false,
+            DispatchCase {
+                expert_major: false,
+                ..both(1)
+            },
+        ),
+        (
+            7,
+            some,
+            true,
+            DispatchCase {
+                source_order: false,
+                ..both(8)
+            },
+        ),
+    ];
+    for (seed, n, fp8, case) in cases {
+        let tokens = Tokens::new(s, seed, n, fp8);
+        let mut op = DispatchOp::new(mem, ctx, s, &tokens, rank, case);
+        walk_nulls(&mut op, ctx, rank);
+    }
+    for (seed, n) in [(8, some), (9, none)] {
+        let tokens = Tokens::new(s, seed, n, false);
+        for expert_major in [false, true] {
+            let mut op = CombineOp::new(mem, ctx, s, &tokens, rank, seed, expert_major);
+            walk_nulls(&mut op, ctx, rank);
+        }
+    }
+    let tokens = Tokens::new(s, 10, some, false);
+    walk_nulls(&mut MegaOp::dispatch(mem, ctx, s, &tokens, rank), ctx, rank);
+    walk_nulls(&mut MegaOp::combine(mem, ctx, s), ctx, rank);
+}
+
+/// The NULL walk of the low-latency mode, one rank's part, with `mem`'s
+/// buffers: dispatches and combines of every variant (FP8 or BF16, weights
+/// at dispatch or combine, split, zero copy, device token count). `some`:
+/// every rank's token count.
+pub fn null_walk_of_the_low_latency_mode(
+    mem: &dyn Mem,
+    s: &Shape,
+    ctx: &Ctx,
+    rank: usize,
+    some: &[usize],
+) {
+    let none = &vec![0; s.world][..];
+    let dispatches = [
+        (
+            11,
+            some,
+            LlDispatchCase {
+                device_count: true,
+                ..ll_dispatch_case(true, true, false)
+            },
+        ),
+        (12, some, ll_dispatch_case(false, false, false)),
+        (
+            13,
+            some,
+            LlDispatchCase {
+                ue8m0: true,
+                ..ll_dispatch_case(true, true, true)
+            },
+        ),
+        (14, none, ll_dispatch_case(false, true, false)),
+    ];
+    for (seed, n, case) in dispatches {
+        let tokens = LlTokens::new(s, seed, n);
+        walk_nulls(
+            &mut LlDispatchOp::new(mem, s, &tokens, rank, case),
+            ctx,
+            rank,
+        );
+    }
+    let combine = |weights, zero_copy, split| LlCombineCase {
+        weights,
+        zero_copy,
+        split,
+        device_count: false,
+    };
+    let weighted = ll_dispatch_case(true, true, false);
+    let combines = [
+        (
+            15,
+            some,
+            weighted,
+            LlCombineCase {
+                device_count: true,
+                ..combine(true, false, false)
+            },
+        ),
+        (16, some, weighted, combine(false, false, false)),
+        (17, some, weighted, combine(true, true, true)),
+        (
+            18,
+            some,
+            ll_dispatch_case(false, false, true),
+            combine(true, false, true),
+        ),
+        (19, none, weighted, combine(true, false, false)),
+    ];
+    for (seed, n, dispatch, case) in combines {
+        let tokens = LlTokens::new(s, seed, n);
+        let mut op = LlCombineOp::new(mem, s, &tokens, rank, seed, dispatch, case);
+        walk_nulls(&mut op, ctx, rank);
+    }
+}
+
+/// The walk of bad inputs other than NULL pointers, one rank's part, with
+/// `mem`'s buffers; `host`: also the cases only the host backend detects
+/// before the call (it reads the caller's arrays).
+pub fn bad_input_walk(
+    mem: &dyn Mem,
+    s: &Shape,
+    ctx: &Ctx,
+    rank: usize,
+    (some, ll_some): (&[usize], &[usize]),
+    host: bool,
+) {
+    let tokens = Tokens::new(s, 21, some, false);
+    let mut layout = LayoutOp::new(mem, s, &tokens, rank);
+    walk_bad(&mut layout, &bad_layout(s), ctx, rank, host);
+    let mut dispatch = DispatchOp::new(mem, ctx, s, &tokens, rank, both(2));
+    walk_bad(&mut dispatch, &bad_dispatch(s), ctx, rank, host);
+    let mut combine = CombineOp::new(mem, ctx, s, &tokens, rank, 22, true);
+    walk_bad(&mut combine, &bad_combine(), ctx, rank, host);
+    let mut mega = MegaOp::dispatch(mem, ctx, s, &tokens, rank);
+    walk_bad(&mut mega, &bad_mega_dispatch(), ctx, rank, host);
+
+    let ll = LlTokens::new(s, 23, ll_some);
+    let case = LlDispatchCase {
+        device_count: true,
+        ..ll_dispatch_case(true, true, false)
+    };
+    let mut dispatch = LlDispatchOp::new(mem, s, &ll, rank, case);
+    walk_bad(&mut dispatch, &bad_ll_dispatch(s), ctx, rank, host);
+    let combine_case = LlCombineCase {
+        weights: true,
+        zero_copy: false,
+        split: false,
+        device_count: true,
+    };
+    let mut combine = LlCombineOp::new(mem, s, &ll, rank, 24, case, combine_case);
+    walk_bad(&mut combine, &bad_ll_combine(s), ctx, rank, host);
 }

@@ -4,6 +4,7 @@
 
 mod device;
 mod nccl;
+mod report;
 mod run;
 mod traffic;
 
@@ -11,15 +12,18 @@ use std::sync::{Arc, Barrier, Mutex};
 
 use device::fail;
 use ep::capi::ep_unique_id_t;
+use report::{Report, Value};
 
 const HELP: &str = "\
 ep-bench: time ep's dispatch/combine (normal and low-latency modes) on the GPUs of
-one host, one thread and one ep context per GPU (rank r uses device r), next to an
-NCCL all-to-all of the same payload. Prints Markdown tables for bench/RESULTS.md.
+one host, one thread and one ep context per rank (rank r uses device r mod GPUs:
+more ranks than GPUs share them), next to an NCCL all-to-all of the same payload
+(one rank per GPU only). Prints Markdown tables for bench/RESULTS.md.
 
 USAGE: ep-bench [OPTIONS]
 
-  --ranks N              ranks (default: all visible GPUs; host: 2)
+  --ranks N              ranks (default: all visible GPUs; more ranks than GPUs
+                         share the GPUs, each rank with a share of the SMs; host: 2)
   --mode normal|ll|all|traffic
                          which operations (default all); traffic: no timing, the
                          bytes each rank sends over the network and over NVLink
@@ -44,6 +48,7 @@ USAGE: ep-bench [OPTIONS]
                          wait forever for a gated stream
   --backend gpu|host     ep backend (default gpu); host is a smoke test: host
                          memory, wall-clock timing, no NCCL, no CUDA graph
+  --json FILE            also write the results as JSON (bench/plot.py reads it)
   -h, --help             this text
 
 Every timed iteration starts with all ranks at a barrier; an op's time per
@@ -73,6 +78,7 @@ pub struct Opts {
     pub timeout_ms: u32,
     pub gpu: bool,
     pub ungated: bool,
+    pub json: Option<String>,
     /// `--mode traffic`: print the traffic tables only.
     pub traffic: bool,
     pub ranks_per_node: Option<usize>,
@@ -111,6 +117,7 @@ fn parse(args: &[String]) -> Opts {
         timeout_ms: 60000,
         gpu: true,
         ungated: false,
+        json: None,
         traffic: false,
         ranks_per_node: None,
     };
@@ -161,6 +168,7 @@ fn parse(args: &[String]) -> Opts {
             "--graph-pairs" => o.graph_pairs = num(value()).max(1),
             "--timeout-ms" => o.timeout_ms = num(value()) as u32,
             "--ungated" => o.ungated = true,
+            "--json" => o.json = Some(value()),
             "--backend" => match value().as_str() {
                 "gpu" => o.gpu = true,
                 "host" => o.gpu = false,
@@ -215,6 +223,9 @@ fn now_utc() -> String {
 /// State shared by the rank threads.
 pub struct Shared {
     pub world: usize,
+    /// GPUs the ranks use: rank r is on device r % devices (1 on the host
+    /// backend).
+    pub devices: usize,
     pub barrier: Barrier,
     pub id: Mutex<Option<ep_unique_id_t>>,
     /// Host address of rank 0's gate word (see `device::Gate`).
@@ -222,6 +233,8 @@ pub struct Shared {
     pub slots: Mutex<Vec<Vec<f64>>>,
     /// The line printed above every table.
     pub header: String,
+    /// What `--json` writes; rank 0 fills it.
+    pub report: Mutex<Report>,
 }
 
 fn main() {
@@ -250,7 +263,7 @@ fn main() {
         return;
     }
 
-    let (world, device_desc) = if opts.gpu {
+    let (world, devices, device_desc) = if opts.gpu {
         if !device::driver_present() {
             fail(
                 "no CUDA driver (libcuda.so.1) on this machine; use --backend host for a smoke run",
@@ -261,16 +274,21 @@ fn main() {
             fail("no CUDA device visible");
         }
         let world = opts.ranks.unwrap_or(count as usize);
-        if world == 0 || world > count as usize {
-            fail(&format!("--ranks {world}: {count} GPUs visible"));
+        if world == 0 {
+            fail("--ranks must be positive");
         }
-        (world, format!("{world} x {}", device::device_name(0)))
+        let devices = world.min(count as usize);
+        let mut desc = format!("{devices} x {}", device::device_name(0));
+        if world > devices {
+            desc.push_str(&format!(" shared by {world} ranks"));
+        }
+        (world, devices, desc)
     } else {
         let world = opts.ranks.unwrap_or(2);
         if world == 0 {
             fail("--ranks must be positive");
         }
-        (world, "host backend (no GPU)".to_string())
+        (world, 1, "host backend (no GPU)".to_string())
     };
     if !opts.experts.is_multiple_of(world) {
         fail(&format!(
@@ -279,10 +297,13 @@ fn main() {
         ));
     }
 
-    // NCCL baseline: one communicator per GPU, made here for all ranks.
+    // NCCL baseline: one communicator per GPU, made here for all ranks
+    // (NCCL takes one rank per GPU).
     let mut nccl_note = "NCCL: not available (host backend)".to_string();
     let mut nccl = None;
-    if opts.gpu {
+    if opts.gpu && world > devices {
+        nccl_note = "NCCL: not run (ranks share GPUs)".to_string();
+    } else if opts.gpu {
         match nccl::Nccl::load().and_then(|n| n.init_all(world as i32).map(|c| (n, c))) {
             Ok((n, comms)) => {
                 let v = n.version;
@@ -312,19 +333,36 @@ fn main() {
             }
         })
         .collect();
+    let date = now_utc();
     let header = format!(
-        "{}, {device_desc}, {world} ranks, timing: {timing}, {nccl_note}, command: `{}`",
-        now_utc(),
+        "{date}, {device_desc}, {world} ranks, timing: {timing}, {nccl_note}, command: `{}`",
         cmd.join(" ")
     );
+    let report = Report {
+        header: vec![
+            ("date", Value::Str(date)),
+            ("device", Value::Str(device_desc.clone())),
+            ("ranks", Value::Num(world as f64)),
+            (
+                "backend",
+                Value::Str(if opts.gpu { "gpu" } else { "host" }.into()),
+            ),
+            ("timing", Value::Str(timing.into())),
+            ("nccl", Value::Str(nccl_note.clone())),
+            ("command", Value::Str(cmd.join(" "))),
+        ],
+        tables: Vec::new(),
+    };
 
     let shared = Arc::new(Shared {
         world,
+        devices,
         barrier: Barrier::new(world),
         id: Mutex::new(None),
         gate_word: Mutex::new(None),
         slots: Mutex::new(vec![Vec::new(); world]),
         header,
+        report: Mutex::new(report),
     });
     let opts = Arc::new(opts);
     let mut threads = Vec::new();
@@ -352,5 +390,11 @@ fn main() {
     }
     if !ok {
         fail("a rank thread panicked");
+    }
+    if let Some(path) = &opts.json {
+        let json = shared.report.lock().unwrap().to_json();
+        if let Err(e) = std::fs::write(path, json) {
+            fail(&format!("--json {path}: {e}"));
+        }
     }
 }

@@ -10,6 +10,7 @@ use crate::device::{
     capture_graph, destroy_graph, epc, fail, launch_graph, Buf, Dev, Gate, HostWord,
 };
 use crate::nccl::{Comm, Nccl};
+use crate::report::{Table, Value};
 use crate::{Opts, Shared};
 
 /// Expert-major segment alignment used by the expert-major dispatch.
@@ -200,8 +201,20 @@ impl Rank {
         all.iter().map(|x| x[0]).sum::<f64>() / all.len() as f64
     }
 
-    fn table_start(&self, title: &str) {
+    /// Prints a table's title and head; records it for `--json`.
+    fn table_start(&self, title: &str, mode: &'static str, sms: Option<i32>, iterations: usize) {
         if self.r == 0 {
+            let o = &*self.o;
+            self.sh.report.lock().unwrap().tables.push(Table {
+                title: title.to_string(),
+                mode,
+                hidden: o.hidden,
+                topk: o.topk,
+                experts: o.experts,
+                iterations,
+                sms,
+                rows: Vec::new(),
+            });
             println!("\n{}\n\n**{title}**\n", self.sh.header);
             println!("| op | tokens | SMs | median us | p10 us | p90 us | GB/s | NCCL a2a us |");
             println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
@@ -212,9 +225,10 @@ impl Rank {
         if self.r != 0 {
             return;
         }
+        let gbps_value = row.bytes.map(|b| b / row.stats.median / 1e3);
+        self.record_row(&row, gbps_value);
         let sms = row.sms.map_or("-".to_string(), |s| s.to_string());
-        let gbps = row.bytes.map_or("-".to_string(), |b| {
-            let g = b / row.stats.median / 1e3;
+        let gbps = gbps_value.map_or("-".to_string(), |g| {
             if g >= 10.0 {
                 format!("{g:.0}")
             } else {
@@ -230,6 +244,24 @@ impl Rank {
             "| {} | {} | {sms} | {:.1} | {:.1} | {:.1} | {gbps} | {nccl} |",
             row.op, row.tokens, row.stats.median, row.stats.p10, row.stats.p90
         );
+    }
+
+    /// Adds a row to the last table of the `--json` report (rank 0).
+    fn record_row(&self, row: &Row, gbps: Option<f64>) {
+        let mut report = self.sh.report.lock().unwrap();
+        let Some(table) = report.tables.last_mut() else {
+            return;
+        };
+        table.rows.push(Value::Obj(vec![
+            ("op", Value::Str(row.op.to_string())),
+            ("tokens", Value::Num(row.tokens as f64)),
+            ("sms", Value::opt_num(row.sms.map(f64::from))),
+            ("median_us", Value::Num(row.stats.median)),
+            ("p10_us", Value::Num(row.stats.p10)),
+            ("p90_us", Value::Num(row.stats.p90)),
+            ("gbps", Value::opt_num(gbps)),
+            ("nccl_us", Value::opt_num(row.nccl_us)),
+        ]));
     }
 
     /// Runs `warmup + iters` iterations, each after a barrier of all ranks;
@@ -395,7 +427,7 @@ impl Rank {
                     self.world as i32,
                     id,
                     self.r as i32,
-                    self.r as i32,
+                    (self.r % self.sh.devices) as i32,
                     &cfg,
                 ),
                 &format!("ep_ctx_create (rank {})", self.r),
@@ -493,13 +525,18 @@ impl Rank {
         let fp8_row = (h + h / 128 * 4) as f64;
         let bf16_row = (h * 2) as f64;
 
-        self.table_start(&format!(
-            "normal mode: {} SMs, hidden {h}, top-{} of {} experts, {iters} iterations; {}",
-            sms,
-            o.topk,
-            o.experts,
-            self.gate_note("combine times")
-        ));
+        self.table_start(
+            &format!(
+                "normal mode: {} SMs, hidden {h}, top-{} of {} experts, {iters} iterations; {}",
+                sms,
+                o.topk,
+                o.experts,
+                self.gate_note("combine times")
+            ),
+            "normal",
+            Some(sms),
+            iters,
+        );
         for &t in token_list {
             let all = self.layouts(ctx, inp, t);
             let expected_rows: i64 = all.iter().map(|s| s[r] as i64).sum();
@@ -702,13 +739,18 @@ impl Rank {
             comb_x,
             out: Buf::new(dev, max_tokens * h * 2),
         };
-        self.table_start(&format!(
-            "low-latency mode: hidden {h}, top-{} of {} experts, {iters} iterations, graph of {} pairs; {}",
-            o.topk,
-            o.experts,
-            o.graph_pairs,
-            self.gate_note("per-op times")
-        ));
+        self.table_start(
+            &format!(
+                "low-latency mode: hidden {h}, top-{} of {} experts, {iters} iterations, graph of {} pairs; {}",
+                o.topk,
+                o.experts,
+                o.graph_pairs,
+                self.gate_note("per-op times")
+            ),
+            "ll",
+            None,
+            iters,
+        );
         for &t in token_list {
             self.low_latency_rows(ctx, inp, &bufs, t, iters);
         }
@@ -947,7 +989,7 @@ impl Rank {
 }
 
 pub fn rank_main(r: usize, sh: Arc<Shared>, o: Arc<Opts>, nccl: Option<(Nccl, Comm)>) {
-    let dev = Dev::new(o.gpu, r as i32);
+    let dev = Dev::new(o.gpu, (r % sh.devices) as i32);
     let world = sh.world;
     let mut rank = Rank {
         r,

@@ -155,9 +155,16 @@ impl Bootstrap {
         let id = UniqueId::decode(id)?;
         let mesh = join::join(&id, rank, world, timeout, &abort)?;
         let my_host = mesh.table[rank].host_id;
-        let local = (0..world)
+        let local: Vec<usize> = (0..world)
             .filter(|&r| mesh.table[r].host_id == my_host)
             .collect();
+        let mut hosts: Vec<u64> = mesh.table.iter().map(|m| m.host_id).collect();
+        hosts.sort_unstable();
+        hosts.dedup();
+        crate::runtime::log::info!(
+            "bootstrap: {world} ranks on {} host(s); ranks on this host: {local:?}",
+            hosts.len()
+        );
         Ok(Bootstrap {
             rank,
             world,

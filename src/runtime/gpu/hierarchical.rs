@@ -268,7 +268,6 @@ impl Hierarchy {
             topk: cfg.topo.topk as i32,
             hidden: cfg.topo.hidden as i32,
             max_tokens: cfg.max_tokens as i32,
-            send_blocks: cfg.num_sms as i32,
             ..HierParams::default()
         }
     }
@@ -345,7 +344,7 @@ impl Hierarchy {
         };
         let chunks = (flat.num_tokens as usize).div_ceil(CHUNK_TOKENS).max(1) as u32;
         let columns = cfg.world() + cfg.topo.num_experts;
-        let sms = cfg.num_sms as u32;
+        let sms = rt.normal_grid();
         let k = &rt.kernels;
         rt.launch(
             &k.hier_stage,
@@ -395,7 +394,7 @@ impl Hierarchy {
             world: self.nodes.nodes() as i32,
             ..*flat
         };
-        let sms = rt.cfg.num_sms as u32;
+        let sms = rt.normal_grid();
         let k = &rt.kernels;
         rt.launch(&k.combine_send, sms, MOVE_THREADS as u32, 0, stream, &send)?;
         self.node_barrier(rt, stream)?;

@@ -29,12 +29,13 @@
 
 use super::{ptr, Bound, Runtime};
 use crate::abi::{LlCounters, LlParams, LL_CHUNK_CHANNELS, LL_HEADER_BYTES, LL_THREADS};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::reference::Dtype;
 use crate::runtime::backend::Stream;
 use crate::runtime::config::Config;
 use crate::runtime::cuda::Kernel;
 use crate::runtime::ops::{LlCombineOp, LlDispatchOp};
+use crate::runtime::sequence::Call;
 
 /// Byte offsets of the mode's arrays inside its area of every rank's buffer
 /// (the same on every rank); see the layout in `kernels/low_latency.cu`.
@@ -122,17 +123,33 @@ pub struct LlMode {
     /// Where the mode's area starts in every rank's buffer.
     offset: usize,
     area: Area,
-    /// Blocks per launch: one per SM.
+    /// Blocks per launch: one per SM of this rank's share of the GPU.
     grid: u32,
 }
 
 impl LlMode {
     /// The mode's area starts at `offset` of every rank's symmetric buffer.
+    ///
+    /// The kernels' blocks wait for each other, so a launch is cooperative
+    /// (the driver starts the grid only when all of it is resident), and
+    /// the grid is one block per SM of this rank's share: the grids of all
+    /// ranks on the GPU fit on it at once (kernels/low_latency.cu,
+    /// "Co-residency"). Errors: `Unsupported` when a block of
+    /// `LL_THREADS` threads does not fit on an SM.
     pub fn new(rt: &Runtime, offset: usize) -> Result<LlMode> {
+        let bound = rt.bind()?;
+        for kernel in [&rt.kernels.ll_dispatch, &rt.kernels.ll_combine] {
+            if bound.max_blocks_per_sm(kernel, LL_THREADS as u32, 0)? == 0 {
+                return Err(Error::unsupported(format!(
+                    "{}: a block of {LL_THREADS} threads does not fit on an SM of this GPU",
+                    kernel.name()
+                )));
+            }
+        }
         Ok(LlMode {
             offset,
             area: Area::new(&rt.cfg),
-            grid: rt.device.sm_count()?,
+            grid: rt.placement.sm_share(),
         })
     }
 
@@ -169,7 +186,7 @@ impl LlMode {
         }
     }
 
-    /// Launches `kernel` with `params` on `stream`.
+    /// Launches `kernel` with `params` on `stream`, cooperatively.
     fn launch(
         &self,
         rt: &Bound,
@@ -180,10 +197,16 @@ impl LlMode {
         // SAFETY: the caller's arrays stay valid until the stream has run
         // the kernel (API rule), the context's buffers until it is
         // destroyed.
-        unsafe { rt.launch(kernel, self.grid, LL_THREADS as u32, 0, stream, params) }
+        unsafe { rt.launch_cooperative(kernel, self.grid, LL_THREADS as u32, 0, stream, params) }
     }
 
-    pub fn dispatch(&mut self, rt: &Bound, op: &LlDispatchOp, stream: Stream) -> Result<()> {
+    pub fn dispatch(
+        &mut self,
+        rt: &Bound,
+        call: Call,
+        op: &LlDispatchOp,
+        stream: Stream,
+    ) -> Result<()> {
         let phases = op.phases;
         let params = LlParams {
             x: ptr(op.x),
@@ -200,12 +223,19 @@ impl LlMode {
             ue8m0: op.ue8m0 as i32,
             do_send: phases.send as i32,
             do_recv: phases.recv as i32,
+            collective: call.op.code() as i32,
             ..self.params(rt)
         };
         self.launch(rt, &rt.kernels.ll_dispatch, &params, stream)
     }
 
-    pub fn combine(&mut self, rt: &Bound, op: &LlCombineOp, stream: Stream) -> Result<()> {
+    pub fn combine(
+        &mut self,
+        rt: &Bound,
+        call: Call,
+        op: &LlCombineOp,
+        stream: Stream,
+    ) -> Result<()> {
         let phases = op.phases;
         let weighted = op.weighted();
         let x = if op.zero_copy {
@@ -223,6 +253,7 @@ impl LlMode {
             weighted: weighted as i32,
             do_send: phases.send as i32,
             do_recv: phases.recv as i32,
+            collective: call.op.code() as i32,
             ..self.params(rt)
         };
         self.launch(rt, &rt.kernels.ll_combine, &params, stream)

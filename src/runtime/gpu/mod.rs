@@ -13,18 +13,27 @@
 //! current context is left as it was. Kernels report failures (a timed-out
 //! wait, an invalid expert id) in a status word in host-mapped memory, which
 //! [`GpuMonitor`] reads from any thread.
+//!
+//! Several ranks may share one GPU when they are threads of one process
+//! (see [`placement`]): each gets a share of the SMs, and each must pass its
+//! own stream.
 
+mod checks;
 mod hierarchical;
 mod low_latency;
 mod normal;
+mod placement;
 mod symmetric;
 
 use super::backend::{Backend, HandleState, Inputs, Monitor, Stream};
 use super::bootstrap::Bootstrap;
 use super::config::{agree_on_config, Config};
 use super::contract::{Field, Memory, PointerCheck};
-use super::cuda::{ContextGuard, Device, DeviceStatus, Kernel, MappedHost, Module};
+use super::cuda::{
+    ContextGuard, Device, DeviceStatus, Kernel, MappedHost, Module, KERNEL_IMAGES, STREAM_LEGACY,
+};
 use super::group::{HostGroup, NcclGroup};
+use super::log;
 use super::nccl::{self, CommHandle, UniqueId};
 use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, Received};
 use super::sequence::Call;
@@ -35,6 +44,7 @@ use crate::abi::{
 use crate::error::{Error, Result};
 use low_latency::LlMode;
 use normal::NormalMode;
+use placement::Placement;
 use std::ffi::c_void;
 use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -45,7 +55,7 @@ use symmetric::{NativeMemory, NcclMemory, SymmetricMemory};
 /// runtime itself, before the modes' areas: the barrier's `[world]` slots at
 /// offset 0 (so the table of peer buffers is also the barrier's table of
 /// peer slot arrays), then this rank's barrier counts (entered, passed) at
-/// `BARRIER_COUNTER_OFFSET`.
+/// `BARRIER_COUNTER_OFFSET` and its call words at `CALL_WORDS_OFFSET`.
 const SIGNAL_BYTES: usize = 64 * 1024;
 
 /// Every kernel of the library, looked up once when a context loads the
@@ -109,8 +119,10 @@ pub fn create(
     )?;
     cfg.resolve_nodes(boot.local_ranks())?;
     agree_on_config(&boot, cfg)?;
+    let placement = Placement::exchange(&device, &boot)?;
     let module = Module::load(&device)?;
     let kernels = Kernels::load(&module)?;
+    log_summary(cfg, &device, &module);
     let one_host = boot.local_ranks().len() == cfg.world();
     let memory: Box<dyn SymmetricMemory> = if one_host && !nccl_requested()? {
         Box::new(NativeMemory::new(&device, &boot, buffer_bytes(cfg))?)
@@ -130,7 +142,7 @@ pub fn create(
         cfg,
         device,
         (module, kernels),
-        Box::new(boot),
+        (Box::new(boot), placement),
         memory,
         aborted,
     )
@@ -223,15 +235,17 @@ pub unsafe fn create_from_nccl(
     };
     cfg.resolve_nodes(&lsa_ranks)?;
     agree_on_config(&group, cfg)?;
+    let placement = Placement::exchange(&device, &group)?;
     let module = Module::load(&device)?;
     let kernels = Kernels::load(&module)?;
+    log_summary(cfg, &device, &module);
     let gin = gin_signals(cfg, &comm);
     let memory = NcclMemory::new(comm, &device, &kernels, &group, buffer_bytes(cfg), gin)?;
     finish(
         cfg,
         device,
         (module, kernels),
-        Box::new(group),
+        (Box::new(group), placement),
         Box::new(memory),
         aborted,
     )
@@ -243,7 +257,7 @@ fn finish(
     cfg: &Config,
     device: Device,
     (module, kernels): (Module, Kernels),
-    group: Box<dyn HostGroup>,
+    (group, placement): (Box<dyn HostGroup>, Placement),
     memory: Box<dyn SymmetricMemory>,
     aborted: Arc<AtomicBool>,
 ) -> Result<(Box<dyn Backend>, Arc<dyn Monitor>)> {
@@ -262,12 +276,17 @@ fn finish(
         memory,
         monitor: monitor.clone(),
         timeout_ns: cfg.timeout.as_nanos() as u64,
+        placement,
     };
     let ll_offset = SIGNAL_BYTES + normal::buffer_bytes(cfg);
     let hier_offset = ll_offset + low_latency::buffer_bytes(cfg);
     let normal = NormalMode::new(&rt, SIGNAL_BYTES, hier_offset)?;
     let ll = LlMode::new(&rt, ll_offset)?;
     let all_reachable = rt.memory.reachable().iter().all(|&r| r);
+    // No rank returns (and enqueues a collective) before every rank has
+    // made its allocations: on a GPU that ranks share, an allocation could
+    // otherwise wait for a peer's kernel that waits for this rank.
+    rt.group.barrier()?;
     Ok((
         Box::new(GpuBackend {
             rt,
@@ -307,6 +326,49 @@ fn check_reach(cfg: &Config, memory: &dyn SymmetricMemory) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The INFO lines of a new GPU context: the device, the kernels loaded and
+/// what the buffers are made of.
+fn log_summary(cfg: &Config, device: &Device, module: &Module) {
+    if !log::enabled(log::Level::Info) {
+        return;
+    }
+    let unknown = |e: Error| format!("unknown ({})", e.message);
+    let name = device.name().unwrap_or_else(unknown);
+    let sms = device.sm_count().map_or_else(unknown, |n| n.to_string());
+    let arch = device
+        .compute_capability()
+        .map_or_else(unknown, |(major, minor)| format!("sm_{major}{minor}"));
+    log::info!(
+        "GPU backend: device {} = {name}, {arch}, {sms} SMs; normal-mode kernels use {} SMs",
+        cfg.device,
+        cfg.num_sms
+    );
+    match module.kernel_names() {
+        Ok(names) => log::info!(
+            "kernels: {} loaded from {} embedded fatbins ({}): {}",
+            names.len(),
+            KERNEL_IMAGES.len(),
+            log::human_bytes(KERNEL_IMAGES.iter().map(|(_, image)| image.0.len()).sum()),
+            names.join(", ")
+        ),
+        Err(e) => log::info!("kernels: loaded (cannot list them: {})", e.message),
+    }
+    log::info!(
+        "buffer: {} per rank = signals {} + normal mode {} (max_tokens_per_rank {}, hidden {}, topk {}, token_dtype {}, world {}) + low-latency mode {} (ll_max_tokens_per_rank {}, {} local experts)",
+        log::human_bytes(buffer_bytes(cfg)),
+        log::human_bytes(SIGNAL_BYTES),
+        log::human_bytes(normal::buffer_bytes(cfg)),
+        cfg.max_tokens,
+        cfg.topo.hidden,
+        cfg.topo.topk,
+        super::describe::dtype(cfg.token_dtype),
+        cfg.world(),
+        log::human_bytes(low_latency::buffer_bytes(cfg)),
+        cfg.ll_max_tokens,
+        cfg.local_experts()
+    );
 }
 
 /// Bytes of communication buffer one rank allocates for `cfg`: the
@@ -360,6 +422,8 @@ pub struct Runtime {
     pub monitor: Arc<GpuMonitor>,
     /// Longest device-side wait, in nanoseconds of `%globaltimer`.
     pub timeout_ns: u64,
+    /// The ranks on this rank's GPU and the share of its SMs this rank gets.
+    pub placement: Placement,
 }
 
 impl Runtime {
@@ -381,6 +445,12 @@ impl Runtime {
             rt: self,
             _guard: self.device.bind()?,
         })
+    }
+
+    /// Blocks of the normal-mode kernels that move rows: the config's SM
+    /// budget, at most this rank's share of the GPU.
+    pub fn normal_grid(&self) -> u32 {
+        (self.cfg.num_sms as u32).min(self.placement.sm_share())
     }
 
     /// Waits for `stream`, then reports any error a kernel recorded.
@@ -425,6 +495,38 @@ impl Bound<'_> {
         unsafe { kernel.launch(&self._guard, grid, block, shared_bytes, stream as _, params) }
     }
 
+    /// Launches `kernel` cooperatively on `stream` (see
+    /// `Kernel::launch_cooperative`): for kernels whose blocks wait for
+    /// each other.
+    ///
+    /// # Safety
+    /// As for `launch`.
+    pub unsafe fn launch_cooperative<P>(
+        &self,
+        kernel: &Kernel<P>,
+        grid: u32,
+        block: u32,
+        shared_bytes: u32,
+        stream: Stream,
+        params: &P,
+    ) -> Result<()> {
+        // SAFETY: as in `launch`.
+        unsafe {
+            kernel.launch_cooperative(&self._guard, grid, block, shared_bytes, stream as _, params)
+        }
+    }
+
+    /// Blocks of `kernel` that fit on one SM at once (see
+    /// `Kernel::max_blocks_per_sm`).
+    pub fn max_blocks_per_sm<P>(
+        &self,
+        kernel: &Kernel<P>,
+        block: u32,
+        shared_bytes: u32,
+    ) -> Result<u32> {
+        kernel.max_blocks_per_sm(&self._guard, block, shared_bytes)
+    }
+
     /// Enqueues a barrier of all ranks on `stream`: work enqueued after it
     /// sees every write any rank enqueued before it (see kernels/barrier.cu).
     ///
@@ -463,36 +565,6 @@ pub fn ptr<T>(p: *const T) -> u64 {
 /// vectors.
 const ROW_ALIGNMENT: usize = 16;
 
-/// Checks that `ptr` (not NULL) is memory that kernels on `device` may read
-/// and write, for the contract's [`Memory::Device`] fields.
-///
-/// To do (it accepts every pointer today): ask the driver about `ptr`
-/// (`cuPointerGetAttributes` with `CU_POINTER_ATTRIBUTE_MEMORY_TYPE`,
-/// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL` and
-/// `CU_POINTER_ATTRIBUTE_IS_MANAGED`) and accept device memory of `device`
-/// (`cuMemAlloc`, `cuMemCreate`/`cuMemMap`, a pool, or this context's own
-/// buffers), managed memory, and host memory that is mapped for `device`
-/// (`cuMemHostAlloc` with `CU_MEMHOSTALLOC_DEVICEMAP`, or registered). Refuse
-/// anything else with [`wrong_memory`](super::contract::wrong_memory), saying
-/// what it is: "host memory" for pageable memory the driver does not know,
-/// "device memory of device N" for another GPU's memory.
-pub fn check_device_memory(device: &Device, field: &Field, ptr: *const c_void) -> Result<()> {
-    let _ = (device, field, ptr);
-    Ok(())
-}
-
-/// Checks that kernels of this context may be enqueued on `stream`.
-///
-/// To do (it accepts every stream today): NULL (the legacy default stream)
-/// and `CU_STREAM_PER_THREAD` are fine; any other stream must belong to
-/// `device`'s primary context (`cuStreamGetCtx` compared with the primary
-/// context the runtime uses, or `cuStreamGetDevice`), else
-/// `EP_ERR_INVALID_ARGUMENT` naming the stream's device and this context's.
-pub fn check_stream(device: &Device, stream: Stream) -> Result<()> {
-    let _ = (device, stream);
-    Ok(())
-}
-
 struct GpuBackend {
     rt: Runtime,
     normal: NormalMode,
@@ -522,7 +594,7 @@ impl PointerCheck for GpuBackend {
             )));
         }
         match field.memory {
-            Memory::Device => check_device_memory(&self.rt.device, field, ptr),
+            Memory::Device => checks::device_memory(&self.rt.device, field, ptr),
             Memory::Host => Ok(()),
         }
     }
@@ -530,7 +602,23 @@ impl PointerCheck for GpuBackend {
 
 impl Backend for GpuBackend {
     fn check_stream(&self, stream: Stream) -> Result<()> {
-        check_stream(&self.rt.device, stream)
+        // Ranks that share a GPU must each use their own stream: on the
+        // legacy default stream (NULL or `CU_STREAM_LEGACY`) their kernels
+        // would run one after the other, and a kernel waiting for a peer's
+        // would wait for its own successor, until the timeout.
+        let legacy = stream.is_null() || stream as usize == STREAM_LEGACY;
+        let sharing = &self.rt.placement.sharing;
+        if legacy && sharing.len() > 1 {
+            let ranks: Vec<String> = sharing.iter().map(|r| r.to_string()).collect();
+            return Err(Error::invalid(format!(
+                "ranks {} share this GPU, so each must pass its own stream: on the legacy \
+                 default stream (NULL) their kernels would run one after the other and wait \
+                 for each other until the timeout (use a stream created with \
+                 CU_STREAM_NON_BLOCKING, or CU_STREAM_PER_THREAD)",
+                ranks.join(", ")
+            )));
+        }
+        checks::stream(&self.rt.device, stream)
     }
 
     /// The caller's arrays are device memory: their contents are checked by
@@ -547,34 +635,41 @@ impl Backend for GpuBackend {
         self.normal.new_handle_state(&self.rt)
     }
 
+    // The collective calls pass their operation's code to the kernels,
+    // which number the calls on the device (kernels/include/ep_device.cuh,
+    // "Collective calls"; the numbers agree with `call.number` for calls
+    // made directly, and go on counting in CUDA-graph replays).
+
     fn dispatch(
         &mut self,
-        _call: Call,
+        call: Call,
         op: &DispatchOp,
         handle: &mut HandleState,
         stream: Stream,
     ) -> Result<Option<Received>> {
-        self.normal.dispatch(&self.rt.bind()?, op, handle, stream)
+        self.normal
+            .dispatch(&self.rt.bind()?, call, op, handle, stream)
     }
 
     fn combine(
         &mut self,
-        _call: Call,
+        call: Call,
         op: &CombineOp,
         handle: &HandleState,
         stream: Stream,
     ) -> Result<()> {
-        self.normal.combine(&self.rt.bind()?, op, handle, stream)
+        self.normal
+            .combine(&self.rt.bind()?, call, op, handle, stream)
     }
 
-    fn ll_dispatch(&mut self, _call: Call, op: &LlDispatchOp, stream: Stream) -> Result<()> {
+    fn ll_dispatch(&mut self, call: Call, op: &LlDispatchOp, stream: Stream) -> Result<()> {
         self.check_ll()?;
-        self.ll.dispatch(&self.rt.bind()?, op, stream)
+        self.ll.dispatch(&self.rt.bind()?, call, op, stream)
     }
 
-    fn ll_combine(&mut self, _call: Call, op: &LlCombineOp, stream: Stream) -> Result<()> {
+    fn ll_combine(&mut self, call: Call, op: &LlCombineOp, stream: Stream) -> Result<()> {
         self.check_ll()?;
-        self.ll.combine(&self.rt.bind()?, op, stream)
+        self.ll.combine(&self.rt.bind()?, call, op, stream)
     }
 
     fn ll_combine_buffer(&mut self) -> Result<(*mut u8, usize)> {

@@ -17,6 +17,7 @@ use crate::runtime::backend::{HandleState, Stream};
 use crate::runtime::config::Config;
 use crate::runtime::cuda::{DeviceBuffer, MappedHost};
 use crate::runtime::ops::{CombineOp, DispatchOp, LayoutOp, Received};
+use crate::runtime::sequence::Call;
 
 /// Warps per block of the count kernel (`EP_CHUNK_WARPS`).
 const CHUNK_WARPS: usize = CHUNK_TOKENS / 32;
@@ -189,6 +190,7 @@ impl NormalMode {
     pub fn dispatch(
         &mut self,
         rt: &Bound,
+        call: Call,
         op: &DispatchOp,
         handle: &mut HandleState,
         stream: Stream,
@@ -266,10 +268,11 @@ impl NormalMode {
             scale_cols: op.dtype.scales_per_row(topo.hidden) as i32,
             max_tokens: cfg.max_tokens as i32,
             alignment: expert.map_or(1, |e| e.alignment as i32),
+            collective: call.op.code() as i32,
         };
         let chunks = op.num_tokens.div_ceil(CHUNK_TOKENS).max(1) as u32;
         let columns = topo.world + topo.num_experts;
-        let sms = cfg.num_sms as u32;
+        let sms = rt.normal_grid();
         let k = &rt.kernels;
         // SAFETY: the caller's arrays stay valid until the stream has run
         // the kernels (API rule), the handle's and the context's until the
@@ -349,6 +352,7 @@ impl NormalMode {
     pub fn combine(
         &mut self,
         rt: &Bound,
+        call: Call,
         op: &CombineOp,
         handle: &HandleState,
         stream: Stream,
@@ -380,8 +384,9 @@ impl NormalMode {
             topk: cfg.topo.topk as i32,
             hidden: cfg.topo.hidden as i32,
             max_tokens: cfg.max_tokens as i32,
+            collective: call.op.code() as i32,
         };
-        let sms = cfg.num_sms as u32;
+        let sms = rt.normal_grid();
         let k = &rt.kernels;
         // SAFETY: buffers stay valid as for the dispatch.
         unsafe {

@@ -35,6 +35,7 @@ use super::backend::{Backend, HandleState, Inputs, Monitor, Stream};
 use super::bootstrap::Bootstrap;
 use super::config::{agree_on_config, Config};
 use super::contract::{Field, PointerCheck};
+use super::log;
 use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, Received};
 use super::sequence::Call;
 use crate::error::{Error, ErrorKind, Result};
@@ -79,6 +80,16 @@ pub fn create(
         )));
     }
     let areas = Areas::new(cfg);
+    log::info!(
+        "host backend: shared buffer {} per rank, from max_tokens_per_rank {}, hidden {}, topk {}, token_dtype {}, world {}, ll_max_tokens_per_rank {}",
+        log::human_bytes(areas.total),
+        cfg.max_tokens,
+        cfg.topo.hidden,
+        cfg.topo.topk,
+        super::describe::dtype(cfg.token_dtype),
+        cfg.world(),
+        cfg.ll_max_tokens
+    );
     let fd = Mapping::create_memfd(&format!("ep-host-rank{}", cfg.rank), areas.total)?;
     let regions = boot
         .all_gather_fds(fd.as_fd())?
