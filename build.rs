@@ -11,6 +11,13 @@
 //! `ep_abi.h`, the kernels' view of the structs and constants of
 //! src/abi/defs.rs, is generated first, into `$OUT_DIR/include`.
 //!
+//! The network kernels use NCCL's device API, which is header-only: they are
+//! compiled against the headers of the pinned NCCL wheel
+//! (`nvidia-nccl-cu13`, installed into `.venv/` by
+//! `scripts/install-cuda-tools.sh`, never copied into the repository). The
+//! headers' `NCCL_VERSION_CODE` becomes `EP_NCCL_VERSION_CODE` for the Rust
+//! side, which refuses at run time an NCCL library of another version.
+//!
 //! Environment:
 //! - `NVCC`: the nvcc to use. Otherwise `$CUDA_HOME/bin/nvcc`, then `nvcc` on
 //!   PATH, then the one `scripts/install-cuda-tools.sh` put in `.venv/`.
@@ -20,6 +27,8 @@
 //!   in `.venv/`.
 //! - `EP_CUDA_ARCHS`: comma list of targets, such as `90a,100a`. Default:
 //!   `90a` (Hopper), plus `100a` (Blackwell) when this nvcc knows it.
+//! - `EP_NCCL_INCLUDE`: the NCCL include directory (holding `nccl.h` and
+//!   `nccl_device.h`). Otherwise the wheel's, under `.venv/`.
 
 use std::env;
 use std::ffi::OsStr;
@@ -37,7 +46,13 @@ mod abi {
 fn main() {
     println!("cargo:rerun-if-changed=kernels");
     println!("cargo:rerun-if-changed=src/abi");
-    for var in ["NVCC", "CUDA_HOME", "EP_CUDA_ARCHS", "EP_CUTLASS_INCLUDE"] {
+    for var in [
+        "NVCC",
+        "CUDA_HOME",
+        "EP_CUDA_ARCHS",
+        "EP_CUTLASS_INCLUDE",
+        "EP_NCCL_INCLUDE",
+    ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
     if let Err(message) = build() {
@@ -62,6 +77,12 @@ fn build() -> Result<(), String> {
     gencode.push(format!(
         "-gencode=arch=compute_{PTX_ARCH},code=compute_{PTX_ARCH}"
     ));
+
+    let nccl_include = find_nccl_include(&manifest_dir)?;
+    println!(
+        "cargo:rustc-env=EP_NCCL_VERSION_CODE={}",
+        nccl_version_code(&nccl_include)?
+    );
 
     let sources = cuda_sources(&kernels_dir)?;
     let objects_dir = out_dir.join("kernels");
@@ -94,6 +115,8 @@ fn build() -> Result<(), String> {
                 .arg(&abi_dir)
                 .arg("-isystem")
                 .arg(&cutlass)
+                .arg("-I")
+                .arg(&nccl_include)
                 .args(&gencode)
                 .arg(source)
                 .arg("-o")
@@ -197,6 +220,19 @@ fn venv_nvcc(manifest_dir: &Path) -> Option<PathBuf> {
         .find(|nvcc| nvcc.is_file())
 }
 
+/// The first `.venv/lib/python3.X/site-packages/<relative>` that holds
+/// `marker` (wheels that `scripts/install-cuda-tools.sh` installed).
+fn venv_site_dir(manifest_dir: &Path, relative: &str, marker: &str) -> Option<PathBuf> {
+    let lib = manifest_dir.join(".venv/lib");
+    std::fs::read_dir(lib)
+        .ok()
+        .into_iter()
+        .flatten()
+        .filter_map(|entry| entry.ok())
+        .map(|entry| entry.path().join("site-packages").join(relative))
+        .find(|dir| dir.join(marker).is_file())
+}
+
 /// The CUTLASS/CuTe include directory: `EP_CUTLASS_INCLUDE`, or the
 /// `nvidia-cutlass` wheel's headers in `.venv/`
 /// (`.venv/lib/python3.X/site-packages/cutlass_library/source/include`).
@@ -204,24 +240,53 @@ fn find_cutlass(manifest_dir: &Path) -> Result<PathBuf, String> {
     if let Some(dir) = env::var_os("EP_CUTLASS_INCLUDE") {
         return Ok(PathBuf::from(dir));
     }
-    let lib = manifest_dir.join(".venv/lib");
-    std::fs::read_dir(lib)
-        .ok()
-        .into_iter()
-        .flatten()
-        .filter_map(|entry| entry.ok())
-        .map(|entry| {
-            entry
-                .path()
-                .join("site-packages/cutlass_library/source/include")
-        })
-        .find(|dir| dir.join("cute/tensor.hpp").is_file())
-        .ok_or_else(|| {
-            "no CUTLASS headers found (tried $EP_CUTLASS_INCLUDE and .venv/).\n\
+    venv_site_dir(
+        manifest_dir,
+        "cutlass_library/source/include",
+        "cute/tensor.hpp",
+    )
+    .ok_or_else(|| {
+        "no CUTLASS headers found (tried $EP_CUTLASS_INCLUDE and .venv/).\n\
              Run scripts/install-cuda-tools.sh to install the nvidia-cutlass wheel into .venv/, \
              or set EP_CUTLASS_INCLUDE to the directory holding cute/ and cutlass/."
-                .to_string()
+            .to_string()
+    })
+}
+
+/// NCCL's include directory: `EP_NCCL_INCLUDE`, else the pinned wheel's in
+/// `.venv/lib/python3.X/site-packages/nvidia/nccl/include`.
+fn find_nccl_include(manifest_dir: &Path) -> Result<PathBuf, String> {
+    if let Some(dir) = env::var_os("EP_NCCL_INCLUDE") {
+        let dir = PathBuf::from(dir);
+        return if dir.join("nccl_device.h").is_file() {
+            Ok(dir)
+        } else {
+            Err(format!(
+                "EP_NCCL_INCLUDE={}: no nccl_device.h there",
+                dir.display()
+            ))
+        };
+    }
+    venv_site_dir(manifest_dir, "nvidia/nccl/include", "nccl_device.h").ok_or_else(|| {
+        "no NCCL headers found (tried $EP_NCCL_INCLUDE and .venv/).\n\
+         Run scripts/install-cuda-tools.sh to install the pinned NCCL wheel \
+         (nvidia-nccl-cu13) into .venv/, or set EP_NCCL_INCLUDE."
+            .to_string()
+    })
+}
+
+/// `NCCL_VERSION_CODE` of the headers in `include` (e.g. 22809 for 2.28.9).
+fn nccl_version_code(include: &Path) -> Result<u32, String> {
+    let header = include.join("nccl.h");
+    println!("cargo:rerun-if-changed={}", header.display());
+    let text =
+        std::fs::read_to_string(&header).map_err(|e| format!("{}: {e}", header.display()))?;
+    text.lines()
+        .find_map(|line| {
+            let rest = line.trim().strip_prefix("#define NCCL_VERSION_CODE")?;
+            rest.trim().parse().ok()
         })
+        .ok_or_else(|| format!("{}: no NCCL_VERSION_CODE", header.display()))
 }
 
 /// The virtual architecture of the PTX every fatbin carries for GPUs newer

@@ -11,6 +11,9 @@
 /* CUDA's stream type, declared so that no CUDA header is needed;
  * cudaStream_t and CUstream are pointers to it. */
 struct CUstream_st;
+/* NCCL's communicator type, declared so that no NCCL header is needed;
+ * ncclComm_t is a pointer to it. */
+struct ncclComm;
 
 // Version of this API, `major * 10000 + minor * 100 + patch`.
 #define EP_API_VERSION 100
@@ -165,6 +168,19 @@ typedef struct ep_config_t {
   // Low-latency mode: most tokens one rank passes to one LL call, at most
   // `EP_LL_MAX_TOKENS` (default 128); 0 disables the mode and its buffers.
   int32_t ll_max_tokens_per_rank;
+  // Ranks per node: ranks `[n * R, (n + 1) * R)` form node `n`, and the
+  // ranks of one position in their nodes form a rail. 0 (default): the
+  // hosts decide (every host one node; its ranks must be consecutive and
+  // every host must hold as many); `ep_get_buffer_size_hint` then counts
+  // one node. Otherwise a divisor of the world size. With one node the
+  // single-node modes run. With several, `ep_dispatch` sends each token
+  // across the network once per destination node (to the rank of the
+  // source's rail there), which forwards it inside its node, and
+  // `ep_combine` sums inside each node first (see `ep_combine_args_t`).
+  // A value below a host's rank count splits the host into virtual nodes
+  // joined by an emulated network leg, to run the multi-node path on one
+  // host. Every rank passes the same value.
+  int32_t ranks_per_node;
 } ep_config_t;
 
 // 128 opaque bytes made by `ep_get_unique_id` on one rank and sent by the
@@ -281,6 +297,16 @@ typedef struct ep_dispatch_args_t {
 // Arguments of `ep_combine` (normal mode): sums the rows that came back for
 // each of this rank's tokens, in fp32, into BF16 `out`. On the GPU backend
 // `x` and `out` must be 16-byte aligned.
+//
+// Summation order (the same on every backend, so results are
+// deterministic): each expert rank first makes one BF16 row per received
+// token (the caller's row, or with `EP_COMBINE_EXPERT_MAJOR` the fp32 sum
+// of weight * row over its local experts ascending). With one node, `out`
+// is the fp32 sum of those rows, ranks ascending, rounded to BF16 once.
+// With several nodes (`ranks_per_node`), each node's rows are first summed
+// in fp32, ranks ascending, and rounded to BF16 (one node partial per token
+// and node); `out` is the fp32 sum of the node partials, nodes ascending,
+// rounded to BF16.
 typedef struct ep_combine_args_t {
   uint32_t struct_size;
   // `EP_COMBINE_ARGS_MAGIC`.
@@ -590,6 +616,33 @@ ep_status_t ep_ctx_create(struct ep_ctx_t **ctx,
                           int32_t device,
                           const struct ep_config_t *config);
 
+// Creates a GPU context on the caller's NCCL communicator `comm` (borrowed:
+// ep never destroys it): the context's rank, world size and CUDA device are
+// the communicator's (`ncclCommUserRank`, `ncclCommCount`,
+// `ncclCommCuDevice`). Collective over `comm`: every rank calls it with the
+// same config. The symmetric buffers are NCCL windows (`ncclMemAlloc` +
+// `ncclCommWindowRegister`), the peers of NCCL's LSA team (the ranks
+// reached over NVLink) are reached through their LSA pointers, and a device
+// communicator carries the network leg to the other nodes. The context's
+// host-side collectives (configuration agreement, barriers) run on `comm`
+// (`ncclAllGather` on a stream of the context, with `timeout_ms`);
+// `ep_ctx_destroy` deregisters the windows, which NCCL may require of every
+// rank. `comm` must outlive the context.
+//
+// NCCL is found at run time: the copy already loaded in the process
+// (`libnccl.so.2`, which must be the one that made `comm`), else
+// `EP_NCCL_LIBRARY`, else `libnccl.so.2`. Its version must be the one ep's
+// network kernels were compiled against (2.28.9): another is refused with
+// `EP_ERR_UNSUPPORTED` and a message naming both. `config->backend` must be
+// `EP_BACKEND_GPU` or `EP_BACKEND_AUTO` (which then means the GPU);
+// `ranks_per_node` 0 makes every LSA team a node. On failure `*ctx` is
+// NULL.
+//
+// Pointers: `comm`, `config` and `ctx` are required.
+ep_status_t ep_ctx_create_from_nccl(struct ncclComm *comm,
+                                    const struct ep_config_t *config,
+                                    struct ep_ctx_t **ctx);
+
 // Frees a context and its buffers. The caller makes sure no work that uses
 // them is still running (synchronize its streams first). Destroying is
 // the only way out of a context that failed for good (see
@@ -632,6 +685,16 @@ ep_status_t ep_ctx_get_info(const struct ep_ctx_t *ctx,
                             int32_t *world_size,
                             int32_t *num_local_experts,
                             int32_t *backend);
+
+// Writes this context's node shape: ranks per node (as configured, or as
+// the hosts decided when the config said 0) and the number of nodes. More
+// than one node means the hierarchical modes run.
+//
+// Pointers: `ctx` is required; `ranks_per_node` and `num_nodes` may be NULL
+// (then that value is not written).
+ep_status_t ep_ctx_get_node_info(const struct ep_ctx_t *ctx,
+                                 int32_t *ranks_per_node,
+                                 int32_t *num_nodes);
 
 // Bytes of communication buffer one rank allocates for `config` with
 // `world_size` ranks, on the backend the config selects.

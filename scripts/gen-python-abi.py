@@ -94,7 +94,7 @@ def parse(text):
                     raise HeaderError("cannot parse parameter %r of %s" % (p, name))
                 plist.append((m.group(2), m.group(1).strip()))
         functions.append((name, " ".join(result.split()), plist))
-    leftover = re.sub(r'extern\s+"C"\s*\{|\}|struct\s+CUstream_st\s*;', "", body)
+    leftover = re.sub(r'extern\s+"C"\s*\{|\}|struct\s+(CUstream_st|ncclComm)\s*;', "", body)
     leftover = re.sub(r"[\w\s\*]+?\bep_\w+\s*\([^)]*\)\s*;", "", leftover)
     if leftover.strip():
         raise HeaderError("unparsed text in the header: %r" % leftover.strip()[:200])
@@ -132,7 +132,7 @@ class Types:
 
     def known(self, base):
         base = base.replace("struct ", "").strip()
-        if base in ("void", "CUstream_st") or base in SCALARS or base in self.opaque \
+        if base in ("void", "CUstream_st", "ncclComm") or base in SCALARS or base in self.opaque \
                 or base in self.structs or base in self.typedefs:
             return
         raise HeaderError("pointer to unknown type %r" % base)

@@ -19,6 +19,14 @@ OUT="${OUT:-./gpu-out}"
 G="$(cd "$(dirname "$0")" && pwd)"
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH="$G${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# NCCL 2.28.9 (what ep's network kernels are built for) and the CUDA runtime
+# from the Python environment's NVIDIA wheels; the system's libnccl.so.2 may
+# be another version, which ep refuses.
+WHEELS="$(python3 -c 'import nvidia, os; print(nvidia.__path__[0])' 2>/dev/null || true)"
+if [ -n "$WHEELS" ] && [ -f "$WHEELS/nccl/lib/libnccl.so.2" ]; then
+  export EP_NCCL_LIBRARY="$WHEELS/nccl/lib/libnccl.so.2"
+  export LD_LIBRARY_PATH="$WHEELS/nccl/lib:$WHEELS/cu13/lib:$LD_LIBRARY_PATH"
+fi
 START=$(date +%s)
 SUMMARY=()
 FAILED=0
@@ -95,6 +103,18 @@ if [ -d "$G/python/tests" ]; then
   step "python example host 2 ranks" 20 120 "${PY[@]}" "$G/python/examples/torch_two_ranks.py"
   step "python example gpu" 20 120 "${PY[@]}" "$G/python/examples/torch_two_ranks.py" --gpu \
     --ranks "$(( R < 2 ? R : 2 ))"
+fi
+
+# 1b. Every mode on contexts made from NCCL communicators (NCCL windows):
+# the single-node suites again with EP_TEST_NCCL=1, on every GPU.
+if [ -n "${EP_NCCL_LIBRARY:-}" ]; then
+  step "nccl normal" 30 300 env EP_TEST_NCCL=1 "$G/tests/gpu_normal" --ignored --test-threads=1 \
+    dispatch_and_combine_match_the_reference
+  step "nccl low-latency" 30 300 env EP_TEST_NCCL=1 "$G/tests/gpu_low_latency" --ignored \
+    --test-threads=1 dispatch_and_combine_match_the_reference variants_match_the_reference
+  [ "$NGPU" -gt 1 ] && step "nccl hierarchical" 30 300 env EP_TEST_NCCL=1 \
+    "$G/tests/gpu_hierarchical" --ignored --test-threads=1 virtual_nodes_match_the_reference
+  [ -x "$G/nccl_context" ] && step "nccl example ${NGPU} ranks" 20 60 "$G/nccl_context" "$NGPU"
 fi
 
 # 2. The C demo over the GPU backend (ranks as processes), all GPUs then 2.

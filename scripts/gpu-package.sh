@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Builds everything the GPU machine runs (it has no Rust) and copies it into
 # the git-ignored folder .gpu/: libep.so, the GPU test binaries
-# (tests/gpu_*.rs), ep-bench, the C demo, the Python package with its tests
-# (python/, loaded there through EP_LIBRARY), scripts/gpu-check.sh, and the
-# fused kernels' runner (scripts/gpu-mega.sh) and benchmark
-# (bench/mega_bench.py).
+# (tests/gpu_*.rs), ep-bench, the C demo, the NCCL example, the Python
+# package with its tests (python/, loaded there through EP_LIBRARY),
+# scripts/gpu-check.sh, and the fused kernels' runner (scripts/gpu-mega.sh)
+# and benchmark (bench/mega_bench.py).
 # Debug info is stripped from the copies to stay well under 60 MiB.
 # Then, on the GPU machine: bash .gpu/gpu-check.sh [budget-seconds]
 set -euo pipefail
@@ -53,6 +53,18 @@ if [ -f examples-c/demo.c ]; then
   [ -f .gpu/demo ] || echo "warning: examples-c/demo.c did not compile" >&2
 fi
 
+# The NCCL example, against the pinned NCCL wheel's nccl.h, linked to its
+# libnccl.so.2 and the CUDA runtime wheel's libcudart.so.13 (found on the GPU
+# machine through LD_LIBRARY_PATH, see gpu-check.sh).
+wheels=$(find .venv/lib -maxdepth 3 -path '*/site-packages/nvidia' -type d 2>/dev/null | head -n 1)
+if [ -n "$wheels" ] && [ -f examples-c/nccl_context.c ]; then
+  cc -std=c11 -O2 -Wall -Wextra -Werror -Iinclude -I"$wheels/nccl/include" -I"$wheels/cu13/include" \
+     examples-c/nccl_context.c -o .gpu/nccl_context -Ltarget/release -lep \
+     -L"$wheels/nccl/lib" -l:libnccl.so.2 -L"$wheels/cu13/lib" -l:libcudart.so.13 \
+     -Wl,-rpath,'$ORIGIN' || true
+  [ -f .gpu/nccl_context ] || echo "warning: examples-c/nccl_context.c did not compile" >&2
+fi
+
 # The Python package is pure Python: its sources and tests, without caches
 # (gpu-check.sh points EP_LIBRARY at .gpu/libep.so).
 mkdir -p .gpu/python
@@ -66,6 +78,7 @@ chmod +x .gpu/gpu-check.sh .gpu/gpu-mega.sh
 
 strip --strip-debug .gpu/libep.so .gpu/ep-bench .gpu/tests/* 2>/dev/null || true
 [ -f .gpu/demo ] && strip --strip-debug .gpu/demo
+[ -f .gpu/nccl_context ] && strip --strip-debug .gpu/nccl_context
 
 echo "contents of .gpu/:"
 (cd .gpu && find . -type f -exec ls -l {} + | awk '{printf "  %10d  %s\n", $5, $9}')

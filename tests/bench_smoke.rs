@@ -66,6 +66,59 @@ fn bad_arguments_are_refused() {
     assert_eq!(out.status.code(), Some(2));
 }
 
+/// `--mode traffic`: per-rank bytes over the network and NVLink from the
+/// hierarchical plans, next to the single-node paths; the hierarchy sends
+/// fewer bytes over the network, and with one node none.
+#[test]
+fn traffic_mode_counts_network_and_nvlink_bytes() {
+    let run = |rpn: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_ep-bench"))
+            .args(["--mode", "traffic", "--ranks", "4", "--ranks-per-node", rpn])
+            .args([
+                "--tokens",
+                "64",
+                "--hidden",
+                "512",
+                "--topk",
+                "4",
+                "--experts",
+                "16",
+            ])
+            .output()
+            .expect("ep-bench runs");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let out = run("2");
+    assert!(out.contains("4 ranks in 2 node(s) of 2"), "{out}");
+    for rank in 0..4 {
+        assert_eq!(rows(&out, &rank.to_string()).len(), 1, "{out}");
+    }
+    let all = rows(&out, "all")[0];
+    let cells: Vec<f64> = all
+        .split('|')
+        .filter_map(|c| c.trim().parse().ok())
+        .collect();
+    assert_eq!(cells.len(), 4, "{all}");
+    assert!(cells[0] > 0.0 && cells[0] < cells[1], "{all}");
+    let ratio = out
+        .lines()
+        .find_map(|l| l.strip_prefix("Network bytes: hierarchical / single-node paths = "))
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .expect("the ratio line");
+    assert!(ratio > 0.0 && ratio < 1.0, "{out}");
+    let one_node = run("4");
+    assert!(
+        one_node.contains("Network bytes: none (one node)."),
+        "{one_node}"
+    );
+}
+
 #[test]
 fn json_holds_every_table_row() {
     let path = std::env::temp_dir().join(format!("ep-bench-{}.json", std::process::id()));

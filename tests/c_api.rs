@@ -231,6 +231,15 @@ fn null_pointers_of_context_functions() {
             EP_SUCCESS
         );
         expect_null(
+            ep_ctx_get_node_info(null(), null_mut(), null_mut()),
+            "ep_ctx_get_node_info",
+            "ctx",
+        );
+        assert_eq!(
+            ep_ctx_get_node_info(ctx.0, null_mut(), null_mut()),
+            EP_SUCCESS
+        );
+        expect_null(
             ep_get_dispatch_capacity(null(), 1, null_mut(), null_mut()),
             "ep_get_dispatch_capacity",
             "ctx",
@@ -645,6 +654,27 @@ fn config_values_are_checked() {
         &with(&|c| c.max_tokens_per_rank = 0),
         &["max_tokens_per_rank = 0"],
     );
+    bad_config(
+        2,
+        0,
+        &with(&|c| c.ranks_per_node = -1),
+        &["ranks_per_node = -1"],
+    );
+    bad_config(
+        2,
+        0,
+        &with(&|c| c.ranks_per_node = 3),
+        &["ranks_per_node = 3 is outside [0, 2]"],
+    );
+    bad_config(
+        6,
+        0,
+        &with(&|c| {
+            c.ranks_per_node = 4;
+            c.num_experts = 12;
+        }),
+        &["ranks_per_node = 4 does not divide world_size = 6"],
+    );
 }
 
 fn host_backend_env_lock() -> std::sync::MutexGuard<'static, ()> {
@@ -724,6 +754,18 @@ fn backend_env_and_older_config() {
         );
     }
     assert_eq!((rank, world, local, backend), (0, 1, 6, EP_BACKEND_HOST));
+    let (mut rpn, mut nodes) = (-1, -1);
+    unsafe {
+        assert_eq!(
+            ep_ctx_get_node_info(ctx.0, &mut rpn, &mut nodes),
+            EP_SUCCESS
+        )
+    };
+    assert_eq!(
+        (rpn, nodes),
+        (1, 1),
+        "an old config: ranks_per_node from the host"
+    );
     // LL is enabled (default 128 tokens per rank).
     let mut buf = null_mut();
     let mut len = 0usize;
@@ -1657,4 +1699,58 @@ fn last_error_is_per_thread_and_never_null() {
     assert!(here.contains("ep_get_version"));
     let there = std::thread::spawn(last_error).join().unwrap();
     assert_eq!(there, "");
+}
+
+/// A config of the release before `ranks_per_node` is accepted, and the
+/// field past its size is not read (it takes the default: the hosts decide).
+#[test]
+fn config_without_ranks_per_node_is_accepted() {
+    let mut cfg = small_config();
+    cfg.struct_size = std::mem::offset_of!(ep_config_t, ranks_per_node) as u32;
+    cfg.ranks_per_node = 77;
+    let ctx = Ctx::single(&cfg);
+    let (mut rpn, mut nodes) = (-1, -1);
+    unsafe {
+        assert_eq!(
+            ep_ctx_get_node_info(ctx.0, &mut rpn, &mut nodes),
+            EP_SUCCESS
+        )
+    };
+    assert_eq!((rpn, nodes), (1, 1));
+}
+
+/// `ep_ctx_create_from_nccl` checks its pointers and the backend before it
+/// touches NCCL (a communicator cannot be made without a GPU; the GPU tests
+/// run the real thing).
+#[test]
+fn create_from_nccl_checks_its_arguments() {
+    let cfg = small_config();
+    let fake = 0x1000 as *mut ncclComm;
+    let mut ctx = 0x10 as *mut ep_ctx_t;
+    unsafe {
+        expect_null(
+            ep_ctx_create_from_nccl(fake, &cfg, null_mut()),
+            "ep_ctx_create_from_nccl",
+            "ctx",
+        );
+        expect_null(
+            ep_ctx_create_from_nccl(null_mut(), &cfg, &mut ctx),
+            "ep_ctx_create_from_nccl",
+            "comm",
+        );
+        assert!(ctx.is_null(), "ctx not reset to NULL on failure");
+        expect_null(
+            ep_ctx_create_from_nccl(fake, null(), &mut ctx),
+            "ep_ctx_create_from_nccl",
+            "config",
+        );
+        // small_config() is a host-backend config.
+        expect(
+            ep_ctx_create_from_nccl(fake, &cfg, &mut ctx),
+            EP_ERR_INVALID_ARGUMENT,
+            "ep_ctx_create_from_nccl",
+            &["runs on the GPU backend"],
+        );
+        assert!(ctx.is_null());
+    }
 }

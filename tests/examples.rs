@@ -1,7 +1,8 @@
 //! The examples and the C API test, built against the cdylib of this build
 //! and run on the host backend: examples-c/demo.c (4 and 2 ranks as
 //! processes), examples-c/demo.cpp (4 ranks as threads), examples-c/demo.py
-//! (2 ranks, ctypes; skipped without python3) and tests/c/api_test.c.
+//! (2 ranks, ctypes; skipped without python3) and tests/c/api_test.c;
+//! examples-c/nccl_context.c is only compiled (it needs GPUs).
 
 mod common;
 
@@ -116,4 +117,51 @@ fn c_api_test() {
         last.ends_with(" passed, 0 failed") && !last.starts_with("0 passed"),
         "unexpected summary {last:?}:\n{out}"
     );
+}
+
+/// The NVIDIA wheels' directory under `.venv/` (`.../site-packages/nvidia`),
+/// where scripts/install-cuda-tools.sh puts the pinned NCCL and the CUDA
+/// runtime.
+fn nvidia_wheels() -> PathBuf {
+    std::fs::read_dir(root().join(".venv/lib"))
+        .expect(".venv/lib: run scripts/install-cuda-tools.sh")
+        .filter_map(|e| e.ok())
+        .map(|e| e.path().join("site-packages/nvidia"))
+        .find(|dir| dir.join("nccl/include/nccl.h").is_file())
+        .expect("no NCCL wheel in .venv: run scripts/install-cuda-tools.sh")
+}
+
+/// examples-c/nccl_context.c compiles against the pinned NCCL wheel's
+/// nccl.h and links its libnccl.so.2 and the CUDA runtime wheel's library.
+/// It needs a GPU to run (scripts/gpu-check.sh runs it).
+#[test]
+fn nccl_example_builds() {
+    let wheels = nvidia_wheels();
+    let lib = lib_dir();
+    let exe = out_dir().join("nccl_context");
+    let output = Command::new(c_compiler(false))
+        .args(["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror"])
+        .arg("-I")
+        .arg(root().join("include"))
+        .arg("-I")
+        .arg(wheels.join("nccl/include"))
+        .arg("-I")
+        .arg(wheels.join("cu13/include"))
+        .arg(root().join("examples-c/nccl_context.c"))
+        .arg("-o")
+        .arg(&exe)
+        .arg(format!("-L{}", lib.display()))
+        .arg("-lep")
+        .arg(format!("-L{}", wheels.join("nccl/lib").display()))
+        .arg("-l:libnccl.so.2")
+        .arg(format!("-L{}", wheels.join("cu13/lib").display()))
+        .arg("-l:libcudart.so.13")
+        .output()
+        .expect("run the compiler");
+    assert!(
+        output.status.success(),
+        "compiling examples-c/nccl_context.c failed:\n{}",
+        show(&output)
+    );
+    assert!(exe.is_file());
 }

@@ -9,6 +9,7 @@ mod common;
 use common::*;
 use ep::capi::*;
 use ep::reference::fp8::quantize_row;
+use ep::reference::hierarchical::{self, NodeShape};
 use ep::reference::layout::dispatch_layout;
 use ep::reference::low_latency::{
     ll_combine, ll_dispatch, LlDispatched, LlExpertOutputs, LlRankTokens,
@@ -299,7 +300,7 @@ fn check_normal(shape: &Shape, run: &Run, rank: usize, ctx: &Ctx) {
             src_info: &refs[r].src_info,
         })
         .collect();
-    let want = normal::combine(topo, rank, me.n, &returned);
+    let want = combine_reference(ctx, topo, rank, me.n, &returned);
     let mut out = poisoned::<bf16>(me.n * hidden);
     let mut c = combine_args();
     c.input_layout = EP_COMBINE_SOURCE_ORDER;
@@ -332,7 +333,7 @@ fn check_normal(shape: &Shape, run: &Run, rank: usize, ctx: &Ctx) {
             src_info: &refs[r].src_info,
         })
         .collect();
-    let want = normal::combine(topo, rank, me.n, &returned);
+    let want = combine_reference(ctx, topo, rank, me.n, &returned);
     let mut out = poisoned::<bf16>(me.n * hidden);
     c.input_layout = EP_COMBINE_EXPERT_MAJOR;
     c.x = y_em[rank].as_ptr() as *const _;
@@ -343,6 +344,27 @@ fn check_normal(shape: &Shape, run: &Run, rank: usize, ctx: &Ctx) {
         bf16_to_bytes(&out) == bf16_to_bytes(&want),
         "{what}: expert-major combine"
     );
+}
+
+/// The combine the context must give: single-node, or node partials first
+/// when the context has several nodes.
+fn combine_reference(
+    ctx: &Ctx,
+    topo: Topology,
+    rank: usize,
+    n: usize,
+    returned: &[Returned],
+) -> Vec<bf16> {
+    let (mut rpn, mut nodes) = (0, 0);
+    let status = unsafe { ep_ctx_get_node_info(ctx.0, &mut rpn, &mut nodes) };
+    assert_eq!(status, EP_SUCCESS, "{}", last_error());
+    assert_eq!(rpn * nodes, topo.world as i32);
+    if nodes > 1 {
+        let shape = NodeShape::new(topo.world, rpn as usize);
+        hierarchical::combine(topo, shape, rank, n, returned)
+    } else {
+        normal::combine(topo, rank, n, returned)
+    }
 }
 
 fn random_run(rng: &mut Rng, world: usize, fp8_ok: bool, bf16_ok: bool) -> Run {
@@ -437,6 +459,65 @@ fn normal_dispatch_and_combine_match_reference() {
             }
         });
     }
+}
+
+/// Several nodes (`ranks_per_node` below the world size, virtual nodes of
+/// one host): dispatch gives the single-node results, combine the
+/// hierarchical summation order; the low-latency mode is unchanged.
+#[test]
+fn hierarchical_node_shapes_match_reference() {
+    let mut rng = Rng::new(0x5eed_0002);
+    for (world, rpn) in [(2, 1), (4, 1), (4, 2), (6, 2), (6, 3), (8, 2), (8, 4)] {
+        let shape = Shape {
+            world,
+            hidden: [128, 256][rng.below(2)],
+            topk: [1, 4, 8][rng.below(3)],
+            experts: 48 / world * world,
+        };
+        let mut cfg = shape.config(EP_DTYPE_BF16, LL_MAX);
+        cfg.ranks_per_node = rpn;
+        let runs: Vec<Run> = (0..3)
+            .map(|_| random_run(&mut rng, world, true, true))
+            .collect();
+        let mode = LlMode {
+            out_dtype: EP_DTYPE_FP8_E4M3,
+            ue8m0: false,
+            dispatch_weights: true,
+            combine_weights: false,
+            zero_copy: false,
+            split: true,
+            count_in_memory: false,
+        };
+        let ll_tokens: Vec<usize> = (0..world).map(|r| [0, 1, 17, LL_MAX][r % 4]).collect();
+        let seed = rng.next_u64();
+        run_world(world, &cfg, |rank, ctx| {
+            let (mut got_rpn, mut nodes) = (0, 0);
+            unsafe { ep_ctx_get_node_info(ctx.0, &mut got_rpn, &mut nodes) };
+            assert_eq!((got_rpn, nodes), (rpn, world as i32 / rpn));
+            for run in &runs {
+                check_normal(&shape, run, rank, ctx);
+            }
+            check_ll(&shape, mode, &ll_tokens, seed, rank, ctx);
+        });
+    }
+}
+
+/// `ranks_per_node = 0` on one host: one node of every rank.
+#[test]
+fn ranks_per_node_zero_means_one_node_per_host() {
+    let shape = Shape {
+        world: 4,
+        hidden: 128,
+        topk: 4,
+        experts: 8,
+    };
+    let cfg = shape.config(EP_DTYPE_BF16, 0);
+    run_world(4, &cfg, |_, ctx| {
+        let (mut rpn, mut nodes) = (-1, -1);
+        let status = unsafe { ep_ctx_get_node_info(ctx.0, &mut rpn, &mut nodes) };
+        assert_eq!(status, EP_SUCCESS);
+        assert_eq!((rpn, nodes), (4, 1));
+    });
 }
 
 #[test]

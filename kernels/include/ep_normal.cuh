@@ -1,5 +1,6 @@
 // Shared by the normal-mode kernels (kernels/normal.cu) and the fused
-// kernels (kernels/mega.cu): the row movement and reduction helpers both use.
+// kernels (kernels/mega.cu): the row movement and the expert-major combine's
+// send of one row (its vector sums are ep_device.cuh's).
 // The protocol is described in kernels/normal.cu.
 #pragma once
 
@@ -18,8 +19,6 @@
 #define EP_MOVE_WARPS (EP_MOVE_THREADS / 32)
 // 16-byte vectors each lane has in flight when copying a row.
 #define EP_COPY_UNROLL 8
-// 16-byte vectors (8 channels each) each lane sums at once in a combine.
-#define EP_SUM_UNROLL 4
 
 // ---------------------------------------------------------------------------
 // Small helpers
@@ -69,41 +68,6 @@ __device__ __forceinline__ void ep_warp_copy_row(const uint8_t* src, uint8_t* ds
                     row[i] = v[u];
                 }
             }
-        }
-    }
-}
-
-// acc[u] += w * row[base + 32 u] for the EP_SUM_UNROLL vectors of one lane,
-// in fp32, each product rounded before it is added (the reference's order;
-// with w = 1 the product is exact, so plain sums use this too).
-__device__ __forceinline__ void ep_add_weighted_vectors(float (&acc)[EP_SUM_UNROLL][8],
-                                                        const int4* row, float w, int base,
-                                                        int vectors) {
-    int4 raw[EP_SUM_UNROLL];
-#pragma unroll
-    for (int u = 0; u < EP_SUM_UNROLL; ++u) {
-        if (base + u * 32 < vectors) {
-            raw[u] = row[base + u * 32];
-        }
-    }
-#pragma unroll
-    for (int u = 0; u < EP_SUM_UNROLL; ++u) {
-        float f[8];
-        ep_unpack_bf16x8(raw[u], f);
-#pragma unroll
-        for (int c = 0; c < 8; ++c) {
-            acc[u][c] = __fadd_rn(acc[u][c], __fmul_rn(w, f[c]));
-        }
-    }
-}
-
-// row[base + 32 u] = BF16 of acc[u], for the vectors of one lane.
-__device__ __forceinline__ void ep_store_bf16_vectors(int4* row, const float (&acc)[EP_SUM_UNROLL][8],
-                                                      int base, int vectors) {
-#pragma unroll
-    for (int u = 0; u < EP_SUM_UNROLL; ++u) {
-        if (base + u * 32 < vectors) {
-            row[base + u * 32] = ep_pack_bf16x8(acc[u]);
         }
     }
 }

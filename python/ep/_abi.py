@@ -63,6 +63,7 @@ class ep_config_t(Structure):
         ("num_sms", c_int32),
         ("timeout_ms", c_uint32),
         ("ll_max_tokens_per_rank", c_int32),
+        ("ranks_per_node", c_int32),
     ]
 
 
@@ -189,10 +190,12 @@ FUNCTIONS = {
     "ep_config_init": (c_int32, [c_void_p], ["config"]),
     "ep_get_unique_id": (c_int32, [c_void_p], ["id"]),
     "ep_ctx_create": (c_int32, [c_void_p, c_int32, ep_unique_id_t, c_int32, c_int32, c_void_p], ["ctx", "world_size", "id", "rank", "device", "config"]),
+    "ep_ctx_create_from_nccl": (c_int32, [c_void_p, c_void_p, c_void_p], ["comm", "config", "ctx"]),
     "ep_ctx_destroy": (c_int32, [c_void_p], ["ctx"]),
     "ep_ctx_abort": (c_int32, [c_void_p], ["ctx"]),
     "ep_ctx_get_async_error": (c_int32, [c_void_p, c_void_p], ["ctx", "status"]),
     "ep_ctx_get_info": (c_int32, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p], ["ctx", "rank", "world_size", "num_local_experts", "backend"]),
+    "ep_ctx_get_node_info": (c_int32, [c_void_p, c_void_p, c_void_p], ["ctx", "ranks_per_node", "num_nodes"]),
     "ep_get_buffer_size_hint": (c_int32, [c_void_p, c_int32, c_void_p], ["config", "world_size", "bytes"]),
     "ep_get_dispatch_layout": (c_int32, [c_void_p, c_void_p, c_int32, c_void_p, c_void_p, c_void_p, c_void_p], ["ctx", "topk_idx", "num_tokens", "num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank", "stream"]),
     "ep_get_dispatch_capacity": (c_int32, [c_void_p, c_int32, c_void_p, c_void_p], ["ctx", "expert_alignment", "recv_rows", "expert_rows"]),

@@ -72,6 +72,42 @@ abi_consts! {
     /// `MegaParams::mode`: GEMM + combine.
     MEGA_MODE_COMBINE: i32 = 1;
 
+    /// Hierarchical mode: bytes of the header a source stages per token and
+    /// puts to the gateway of every remote destination node (ints):
+    /// `[HIER_HDR_EXPERTS + k]` effective expert of slot k (-1 if none),
+    /// `[HIER_HDR_WEIGHTS + k]` its weight (float bits), `[HIER_HDR_SLOTS +
+    /// k]` the pair's position among the source's pairs of that expert,
+    /// `[HIER_HDR_RANKS + r]` the token's position among the source's
+    /// tokens for rank r or -1, `[HIER_HDR_CALL]` the dispatch call that
+    /// wrote it.
+    HIER_HEADER_BYTES: usize = 512;
+    HIER_HDR_EXPERTS: usize = 0;
+    HIER_HDR_WEIGHTS: usize = MAX_TOPK;
+    HIER_HDR_SLOTS: usize = 2 * MAX_TOPK;
+    HIER_HDR_RANKS: usize = 3 * MAX_TOPK;
+    HIER_HDR_CALL: usize = 3 * MAX_TOPK + MAX_WORLD_SIZE;
+    /// Hierarchical mode: kinds of network signal; each rank has one
+    /// signal per (kind, source node), id `kind * nodes + node`.
+    HIER_SIGNAL_DISPATCH: i32 = 0;
+    HIER_SIGNAL_COMBINE: i32 = 1;
+    HIER_SIGNAL_BARRIER: i32 = 2;
+    HIER_SIGNAL_KINDS: usize = 3;
+    /// Hierarchical mode: the call counters of its kernels, each a pair
+    /// (calls so far, blocks of the running launch that read it), ints in
+    /// the rank's own area.
+    HIER_COUNTER_SEND: usize = 0;
+    HIER_COUNTER_FORWARD: usize = 2;
+    HIER_COUNTER_WAIT: usize = 4;
+    HIER_COUNTER_BARRIER: usize = 6;
+    /// Blocks of the running send and node-reduce launches that finished
+    /// their puts (the last one signals).
+    HIER_COUNTER_SEND_DONE: usize = 8;
+    HIER_COUNTER_REDUCE_DONE: usize = 9;
+    HIER_COUNTER_INTS: usize = 10;
+    /// Hierarchical mode: bytes reserved for an `ncclDevComm` (NCCL
+    /// 2.28.9's is 200; the kernels check).
+    NCCL_DEV_COMM_BYTES: usize = 512;
+
     /// `DeviceStatus::code`: no error.
     STATUS_OK: i32 = 0;
     /// A bounded wait passed its deadline.
@@ -96,6 +132,9 @@ abi_consts! {
     PHASE_COMBINE: i32 = 4;
     PHASE_LL_DISPATCH: i32 = 5;
     PHASE_LL_COMBINE: i32 = 6;
+    PHASE_HIER_DISPATCH: i32 = 7;
+    PHASE_HIER_COMBINE: i32 = 8;
+    PHASE_HIER_BARRIER: i32 = 9;
 }
 
 abi_struct! {
@@ -360,6 +399,22 @@ abi_struct! {
 }
 
 abi_struct! {
+    /// Parameters of the kernel that reads where a symmetric NCCL window's
+    /// copies are on the ranks of this rank's LSA team
+    /// (kernels/nccl_window.cu).
+    pub struct NcclPeerBasesParams {
+        /// `ncclWindow_t` of the symmetric buffer.
+        window: u64 => "void*",
+        /// `[world]` output: the window's base on each rank, or 0.
+        peer_bases: u64 => "uint64_t*",
+        /// World rank of the team's first rank (the team is consecutive).
+        first_lsa_rank: i32,
+        lsa_size: i32,
+        world: i32,
+    }
+}
+
+abi_struct! {
     /// Parameters of the fused kernels (kernels/mega.cu, which describes
     /// them), both modes.
     pub struct MegaParams {
@@ -405,6 +460,84 @@ abi_struct! {
     }
 }
 
+abi_struct! {
+    /// Parameters of the hierarchical kernels (kernels/hierarchical.cu).
+    /// Offsets `off_*` are bytes into the normal mode's area, which starts
+    /// `area` bytes into every rank's buffer; `hier_*` are bytes into the
+    /// buffer (src/runtime/gpu/hierarchical.rs has the layout).
+    pub struct HierParams {
+        /// The caller's tokens, scales, routing and weights (dispatch).
+        x: u64 => "const uint8_t*",
+        x_scales: u64 => "const float*",
+        topk_idx: u64 => "const int*",
+        topk_weights: u64 => "const float*",
+        /// `[world]` every rank's buffer as mapped here; 0 for a rank this
+        /// GPU cannot reach (the network leg then uses GIN).
+        peer_bases: u64 => "const uint64_t*",
+        /// This rank's buffer.
+        own_base: u64 => "uint8_t*",
+        /// The device communicator (`ncclDevComm`) and the buffer's window
+        /// (`ncclWindow_t`), or 0 without NCCL.
+        dev_comm: u64 => "const void*",
+        window: u64 => "void*",
+        status: u64 => "EpDeviceStatus*",
+        abort_flag: u64 => "const int*",
+        timeout_ns: u64,
+        /// The handle: `[max_tokens, world]` and `[max_tokens, nodes]`
+        /// whether each of this rank's tokens went to each rank and node;
+        /// `[nodes, max_tokens]` bit l set when the token of the rail
+        /// source on node m went to rank l of this node; `[nodes]` token
+        /// counts of those sources.
+        handle_in_rank: u64 => "uint8_t*",
+        handle_in_node: u64 => "uint8_t*",
+        handle_relay_mask: u64 => "uint64_t*",
+        handle_relay_count: u64 => "int*",
+        /// The normal mode's area and arrays (see DispatchParams).
+        area: i64,
+        off_staged_x: i64,
+        off_staged_scales: i64,
+        off_slot_rank: i64,
+        off_rank_pos: i64,
+        off_chunk_counts: i64,
+        off_totals: i64,
+        off_in_token: i64,
+        off_in_local: i64,
+        off_in_rank: i64,
+        off_in_weight: i64,
+        off_returned: i64,
+        /// `[HIER_SIGNAL_KINDS, nodes]` u64 emulated signal words.
+        hier_signals: i64,
+        /// `[HIER_COUNTER_INTS]` call counters.
+        hier_counters: i64,
+        /// `[nodes - 1]` relay blocks of `relay_bytes` each: the normal
+        /// area's `[staged_x, totals]` span for the rail source of another
+        /// node, slot `(m - node + nodes) % nodes - 1`.
+        hier_relay: i64,
+        relay_bytes: i64,
+        /// `[nodes, max_tokens]` headers, `HIER_HEADER_BYTES` each.
+        hier_headers: i64,
+        /// `[nodes]` token counts of the rail sources.
+        hier_notify: i64,
+        /// `[nodes, max_tokens, hidden]` BF16 node partials of this rank's
+        /// tokens.
+        hier_node_sums: i64,
+        /// `[nodes - 1, max_tokens, hidden]` BF16 node partials this rank
+        /// computed for the rail sources of other nodes, before the put.
+        hier_combine_stage: i64,
+        num_tokens: i32,
+        rank: i32,
+        world: i32,
+        ranks_per_node: i32,
+        num_experts: i32,
+        topk: i32,
+        /// Bytes of one token row, fp32 scales per row (0 for BF16).
+        row_bytes: i32,
+        scale_cols: i32,
+        hidden: i32,
+        max_tokens: i32,
+    }
+}
+
 /// The whole `ep_abi.h`, as build.rs writes it.
 pub fn c_header() -> String {
     let mut out = String::from(
@@ -426,6 +559,8 @@ pub fn c_header() -> String {
         LlParams::c_definition(),
         TmaDescriptor::c_definition(),
         MegaParams::c_definition(),
+        NcclPeerBasesParams::c_definition(),
+        HierParams::c_definition(),
     ] {
         out.push('\n');
         out.push_str(&definition);

@@ -129,6 +129,7 @@ fn request_of(c: &ep_config_t, world: i32, rank: i32, device: i32) -> Result<Con
         num_sms: c.num_sms,
         timeout_ms: c.timeout_ms,
         ll_max_tokens_per_rank: c.ll_max_tokens_per_rank,
+        ranks_per_node: c.ranks_per_node,
     })
 }
 
@@ -196,6 +197,61 @@ pub unsafe extern "C" fn ep_ctx_create(
                 Err(err)
             }
         }
+    })
+}
+
+/// Creates a GPU context on the caller's NCCL communicator `comm` (borrowed:
+/// ep never destroys it): the context's rank, world size and CUDA device are
+/// the communicator's (`ncclCommUserRank`, `ncclCommCount`,
+/// `ncclCommCuDevice`). Collective over `comm`: every rank calls it with the
+/// same config. The symmetric buffers are NCCL windows (`ncclMemAlloc` +
+/// `ncclCommWindowRegister`), the peers of NCCL's LSA team (the ranks
+/// reached over NVLink) are reached through their LSA pointers, and a device
+/// communicator carries the network leg to the other nodes. The context's
+/// host-side collectives (configuration agreement, barriers) run on `comm`
+/// (`ncclAllGather` on a stream of the context, with `timeout_ms`);
+/// `ep_ctx_destroy` deregisters the windows, which NCCL may require of every
+/// rank. `comm` must outlive the context.
+///
+/// NCCL is found at run time: the copy already loaded in the process
+/// (`libnccl.so.2`, which must be the one that made `comm`), else
+/// `EP_NCCL_LIBRARY`, else `libnccl.so.2`. Its version must be the one ep's
+/// network kernels were compiled against (2.28.9): another is refused with
+/// `EP_ERR_UNSUPPORTED` and a message naming both. `config->backend` must be
+/// `EP_BACKEND_GPU` or `EP_BACKEND_AUTO` (which then means the GPU);
+/// `ranks_per_node` 0 makes every LSA team a node. On failure `*ctx` is
+/// NULL.
+///
+/// Pointers: `comm`, `config` and `ctx` are required.
+#[no_mangle]
+pub unsafe extern "C" fn ep_ctx_create_from_nccl(
+    comm: *mut ncclComm,
+    config: *const ep_config_t,
+    ctx: *mut *mut ep_ctx_t,
+) -> ep_status_t {
+    run("ep_ctx_create_from_nccl", || {
+        if ctx.is_null() {
+            return Err(Error::null("ctx"));
+        }
+        *ctx = std::ptr::null_mut();
+        if comm.is_null() {
+            return Err(Error::null("comm"));
+        }
+        let c = read_versioned(config)?;
+        if !matches!(c.backend, EP_BACKEND_GPU | EP_BACKEND_AUTO) {
+            return Err(Error::invalid(format!(
+                "backend = {}: a context on an NCCL communicator runs on the GPU backend (EP_BACKEND_GPU or EP_BACKEND_AUTO)",
+                c.backend
+            )));
+        }
+        let nccl = crate::runtime::nccl::load()?;
+        let (world, rank, device) = nccl.comm_info(comm as crate::runtime::nccl::Comm)?;
+        let mut cfg = request_of(&c, world as i32, rank as i32, device)?;
+        cfg.backend = BackendKind::Gpu;
+        log::enter(&cfg);
+        let inner = Context::create_from_nccl(cfg, comm as crate::runtime::nccl::Comm)?;
+        *ctx = Box::into_raw(Box::new(ep_ctx_t { inner }));
+        Ok(())
     })
 }
 
@@ -290,6 +346,30 @@ pub unsafe extern "C" fn ep_ctx_get_info(
             if !ptr.is_null() {
                 *ptr = value;
             }
+        }
+        Ok(())
+    })
+}
+
+/// Writes this context's node shape: ranks per node (as configured, or as
+/// the hosts decided when the config said 0) and the number of nodes. More
+/// than one node means the hierarchical modes run.
+///
+/// Pointers: `ctx` is required; `ranks_per_node` and `num_nodes` may be NULL
+/// (then that value is not written).
+#[no_mangle]
+pub unsafe extern "C" fn ep_ctx_get_node_info(
+    ctx: *const ep_ctx_t,
+    ranks_per_node: *mut i32,
+    num_nodes: *mut i32,
+) -> ep_status_t {
+    run("ep_ctx_get_node_info", || {
+        let nodes = deref(ctx, "ctx")?.inner.config().nodes();
+        if !ranks_per_node.is_null() {
+            *ranks_per_node = nodes.ranks_per_node as i32;
+        }
+        if !num_nodes.is_null() {
+            *num_nodes = nodes.nodes() as i32;
         }
         Ok(())
     })

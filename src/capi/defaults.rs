@@ -28,6 +28,7 @@ impl Versioned for ep_config_t {
             num_sms: 24,
             timeout_ms: 100_000,
             ll_max_tokens_per_rank: 128,
+            ranks_per_node: 0,
         }
     }
 }

@@ -184,6 +184,10 @@ pub type ep_stream_t = *mut CUstream_st;
 /// CUDA's opaque stream type, declared so that no CUDA header is needed.
 pub enum CUstream_st {}
 
+/// NCCL's opaque communicator type (`ncclComm_t` is a pointer to it),
+/// declared so that no NCCL header is needed.
+pub enum ncclComm {}
+
 /// 128 opaque bytes made by `ep_get_unique_id` on one rank and sent by the
 /// caller to every other rank. They hold the rendezvous address and a random
 /// secret: treat them as a credential.
@@ -228,6 +232,19 @@ pub struct ep_config_t {
     /// Low-latency mode: most tokens one rank passes to one LL call, at most
     /// `EP_LL_MAX_TOKENS` (default 128); 0 disables the mode and its buffers.
     pub ll_max_tokens_per_rank: i32,
+    /// Ranks per node: ranks `[n * R, (n + 1) * R)` form node `n`, and the
+    /// ranks of one position in their nodes form a rail. 0 (default): the
+    /// hosts decide (every host one node; its ranks must be consecutive and
+    /// every host must hold as many); `ep_get_buffer_size_hint` then counts
+    /// one node. Otherwise a divisor of the world size. With one node the
+    /// single-node modes run. With several, `ep_dispatch` sends each token
+    /// across the network once per destination node (to the rank of the
+    /// source's rail there), which forwards it inside its node, and
+    /// `ep_combine` sums inside each node first (see `ep_combine_args_t`).
+    /// A value below a host's rank count splits the host into virtual nodes
+    /// joined by an emulated network leg, to run the multi-node path on one
+    /// host. Every rank passes the same value.
+    pub ranks_per_node: i32,
 }
 
 /// Bytes of the oldest accepted `ep_config_t` (through `token_dtype`).
@@ -343,6 +360,16 @@ pub const EP_DISPATCH_ARGS_MIN_SIZE: u32 = std::mem::size_of::<ep_dispatch_args_
 /// Arguments of `ep_combine` (normal mode): sums the rows that came back for
 /// each of this rank's tokens, in fp32, into BF16 `out`. On the GPU backend
 /// `x` and `out` must be 16-byte aligned.
+///
+/// Summation order (the same on every backend, so results are
+/// deterministic): each expert rank first makes one BF16 row per received
+/// token (the caller's row, or with `EP_COMBINE_EXPERT_MAJOR` the fp32 sum
+/// of weight * row over its local experts ascending). With one node, `out`
+/// is the fp32 sum of those rows, ranks ascending, rounded to BF16 once.
+/// With several nodes (`ranks_per_node`), each node's rows are first summed
+/// in fp32, ranks ascending, and rounded to BF16 (one node partial per token
+/// and node); `out` is the fp32 sum of the node partials, nodes ascending,
+/// rounded to BF16.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct ep_combine_args_t {

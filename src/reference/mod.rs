@@ -21,6 +21,7 @@
 //! them, and the operations that take routing panic on them.
 
 pub mod fp8;
+pub mod hierarchical;
 pub mod layout;
 pub mod low_latency;
 pub mod mega;

@@ -280,30 +280,48 @@ pub fn combine(topo: Topology, rank: usize, num_tokens: usize, returned: &[Retur
     let hidden = topo.hidden;
     let mut acc = vec![0f32; num_tokens * hidden];
     for (r, ret) in returned.iter().enumerate() {
-        assert_eq!(ret.src_info.len() % 2, 0, "rank {r}: src_info holds pairs");
-        assert_eq!(
-            ret.rows.len(),
-            ret.src_info.len() / 2 * hidden,
-            "rank {r}: one row per src_info pair"
-        );
-        for (info, row) in ret
-            .src_info
-            .chunks_exact(2)
-            .zip(ret.rows.chunks_exact(hidden))
-        {
-            if info[0] != rank as i32 {
-                continue;
-            }
-            let token = usize::try_from(info[1])
-                .ok()
-                .filter(|&t| t < num_tokens)
-                .unwrap_or_else(|| panic!("rank {r}: row for token {} of {num_tokens}", info[1]));
+        for (token, row) in ret.rows_for(r, rank, num_tokens, hidden) {
             for (a, &v) in acc[token * hidden..][..hidden].iter_mut().zip(row) {
                 *a += v.to_f32();
             }
         }
     }
     acc.into_iter().map(bf16::from_f32).collect()
+}
+
+impl<'a> Returned<'a> {
+    /// The rows that rank `r` (which returned these) addresses to `rank`,
+    /// in row order, with their token.
+    ///
+    /// # Panics
+    /// If the lengths disagree, or such a row names a token `>= num_tokens`.
+    pub fn rows_for(
+        &self,
+        r: usize,
+        rank: usize,
+        num_tokens: usize,
+        hidden: usize,
+    ) -> impl Iterator<Item = (usize, &'a [bf16])> {
+        assert_eq!(self.src_info.len() % 2, 0, "rank {r}: src_info holds pairs");
+        assert_eq!(
+            self.rows.len(),
+            self.src_info.len() / 2 * hidden,
+            "rank {r}: one row per src_info pair"
+        );
+        self.src_info
+            .chunks_exact(2)
+            .zip(self.rows.chunks_exact(hidden))
+            .filter(move |(info, _)| info[0] == rank as i32)
+            .map(move |(info, row)| {
+                let token = usize::try_from(info[1])
+                    .ok()
+                    .filter(|&t| t < num_tokens)
+                    .unwrap_or_else(|| {
+                        panic!("rank {r}: row for token {} of {num_tokens}", info[1])
+                    });
+                (token, row)
+            })
+    }
 }
 
 #[cfg(test)]

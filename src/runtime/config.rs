@@ -1,6 +1,7 @@
 //! The validated configuration of one context.
 
 use crate::error::{Error, Result};
+use crate::reference::hierarchical::NodeShape;
 use crate::reference::{Dtype, Topology};
 use std::time::Duration;
 
@@ -37,6 +38,7 @@ pub struct ConfigRequest {
     pub num_sms: i32,
     pub timeout_ms: u32,
     pub ll_max_tokens_per_rank: i32,
+    pub ranks_per_node: i32,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -51,6 +53,8 @@ pub struct Config {
     pub timeout: Duration,
     /// 0 when the low-latency mode is disabled.
     pub ll_max_tokens: usize,
+    /// Ranks per node; 0 until [`Config::resolve_nodes`] asks the hosts.
+    pub ranks_per_node: usize,
 }
 
 fn in_range(name: &str, value: i32, lo: usize, hi: usize) -> Result<usize> {
@@ -102,6 +106,12 @@ impl Config {
             0,
             LL_MAX_TOKENS,
         )?;
+        let ranks_per_node = in_range("ranks_per_node", req.ranks_per_node, 0, world)?;
+        if ranks_per_node > 0 && !world.is_multiple_of(ranks_per_node) {
+            return Err(Error::invalid(format!(
+                "ranks_per_node = {ranks_per_node} does not divide world_size = {world}"
+            )));
+        }
         Ok(Config {
             rank: req.rank as usize,
             device: req.device,
@@ -121,6 +131,7 @@ impl Config {
                 req.timeout_ms as u64
             }),
             ll_max_tokens,
+            ranks_per_node,
         })
     }
 
@@ -131,13 +142,44 @@ impl Config {
     pub fn local_experts(&self) -> usize {
         self.topo.local_experts()
     }
+
+    /// The nodes the ranks form; one node while `ranks_per_node` is 0 (as
+    /// `ep_get_buffer_size_hint` counts it).
+    pub fn nodes(&self) -> NodeShape {
+        match self.ranks_per_node {
+            0 => NodeShape::new(self.world(), self.world()),
+            r => NodeShape::new(self.world(), r),
+        }
+    }
+
+    /// Fixes `ranks_per_node` when the caller left it to the hosts: every
+    /// host is a node. `host_ranks` are the ranks on this rank's host,
+    /// ascending; they must be consecutive and start at a multiple of their
+    /// count (every host holding as many is checked when the ranks agree on
+    /// the configuration).
+    pub fn resolve_nodes(&mut self, host_ranks: &[usize]) -> Result<()> {
+        if self.ranks_per_node != 0 {
+            return Ok(());
+        }
+        let n = host_ranks.len();
+        let consecutive = host_ranks.windows(2).all(|w| w[1] == w[0] + 1);
+        let aligned = host_ranks.first().is_some_and(|&f| f % n.max(1) == 0);
+        if n == 0 || !consecutive || !aligned || !self.world().is_multiple_of(n) {
+            return Err(Error::unsupported(format!(
+                "ranks_per_node = 0 makes every host a node, which needs each host's ranks consecutive and as many on every host; this host holds ranks {host_ranks:?} of {}: set ranks_per_node",
+                self.world()
+            )));
+        }
+        self.ranks_per_node = n;
+        Ok(())
+    }
 }
 
 /// Checks that every rank passed the same configuration; a mismatch would
 /// otherwise surface as corrupted data or a hang.
-pub fn agree_on_config(boot: &super::bootstrap::Bootstrap, cfg: &Config) -> Result<()> {
+pub fn agree_on_config(group: &dyn super::group::HostGroup, cfg: &Config) -> Result<()> {
     let t = &cfg.topo;
-    let fields: [(&str, u64); 9] = [
+    let fields: [(&str, u64); 10] = [
         ("max_tokens_per_rank", cfg.max_tokens as u64),
         ("hidden", t.hidden as u64),
         ("topk", t.topk as u64),
@@ -147,9 +189,10 @@ pub fn agree_on_config(boot: &super::bootstrap::Bootstrap, cfg: &Config) -> Resu
         ("num_sms", cfg.num_sms as u64),
         ("timeout_ms", cfg.timeout.as_millis() as u64),
         ("ll_max_tokens_per_rank", cfg.ll_max_tokens as u64),
+        ("ranks_per_node", cfg.ranks_per_node as u64),
     ];
     let mine: Vec<u8> = fields.iter().flat_map(|(_, v)| v.to_le_bytes()).collect();
-    for (peer, theirs) in boot.all_gather(&mine)?.iter().enumerate() {
+    for (peer, theirs) in group.all_gather(&mine)?.iter().enumerate() {
         if theirs.len() != mine.len() {
             return Err(Error::remote(format!(
                 "rank {peer} sent a malformed configuration"

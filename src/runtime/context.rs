@@ -107,12 +107,18 @@ fn half_done(p: Pending) -> Error {
 
 impl Context {
     /// Joins the group described by `unique_id` and sets up the backend.
-    pub fn create(cfg: Config, unique_id: &[u8; 128]) -> Result<Context> {
+    /// The backend fixes what the configuration left to the hosts
+    /// (`ranks_per_node`).
+    pub fn create(mut cfg: Config, unique_id: &[u8; 128]) -> Result<Context> {
         let (backend, monitor) = match cfg.backend {
-            BackendKind::Host => host::create(&cfg, unique_id)?,
-            BackendKind::Gpu => gpu::create(&cfg, unique_id)?,
+            BackendKind::Host => host::create(&mut cfg, unique_id)?,
+            BackendKind::Gpu => gpu::create(&mut cfg, unique_id)?,
         };
-        Ok(Context {
+        Ok(Context::with(cfg, backend, monitor))
+    }
+
+    fn with(cfg: Config, backend: Box<dyn Backend>, monitor: Arc<dyn Monitor>) -> Context {
+        Context {
             id: NEXT_CONTEXT_ID.fetch_add(1, Ordering::Relaxed),
             cfg,
             inner: Mutex::new(Inner {
@@ -122,7 +128,17 @@ impl Context {
                 pending: None,
             }),
             monitor,
-        })
+        }
+    }
+
+    /// A GPU context on the caller's NCCL communicator.
+    ///
+    /// # Safety
+    /// `comm` is a live communicator of the loaded NCCL that outlives the
+    /// context.
+    pub unsafe fn create_from_nccl(mut cfg: Config, comm: super::nccl::Comm) -> Result<Context> {
+        let (backend, monitor) = gpu::create_from_nccl(&mut cfg, comm)?;
+        Ok(Context::with(cfg, backend, monitor))
     }
 
     pub fn config(&self) -> &Config {
@@ -548,6 +564,7 @@ mod tests {
             num_sms: 0,
             timeout_ms: 1000,
             ll_max_tokens_per_rank: 0,
+            ranks_per_node: 0,
         })
         .unwrap();
         let ctx = Context {

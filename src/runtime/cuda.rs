@@ -1015,6 +1015,9 @@ impl DeviceStatus {
             abi::PHASE_COMBINE => "combine kernel",
             abi::PHASE_LL_DISPATCH => "low-latency dispatch kernel",
             abi::PHASE_LL_COMBINE => "low-latency combine kernel",
+            abi::PHASE_HIER_DISPATCH => "hierarchical dispatch kernel",
+            abi::PHASE_HIER_COMBINE => "hierarchical combine kernel",
+            abi::PHASE_HIER_BARRIER => "hierarchical barrier kernel",
             _ => "kernel",
         };
         let (kind, what) = match self.code {

@@ -87,6 +87,10 @@ pub fn test_worlds(gib_per_rank: usize) -> Vec<usize> {
             total >> 30
         );
     }
+    if nccl::requested() {
+        // NCCL refuses two ranks of one communicator on one GPU.
+        worlds.retain(|&w| w <= gpus);
+    }
     worlds
 }
 
@@ -392,7 +396,10 @@ pub fn gpu_config(
 
 /// Makes rank `rank`'s context of a `world`-rank group on GPU `ordinal`, as
 /// a rank thread with the world's `gate`, and checks that creating it left
-/// the thread's current CUDA context alone.
+/// the thread's current CUDA context alone. With `EP_TEST_NCCL=1` in the
+/// environment the context is made by `ep_ctx_create_from_nccl` on an NCCL
+/// communicator of the group instead (see [`nccl`]), so the same tests run
+/// every mode on NCCL windows.
 fn join_on_gpu(
     world: usize,
     cfg: &ep_config_t,
@@ -406,7 +413,11 @@ fn join_on_gpu(
     let mut after = null_mut();
     // SAFETY: plain driver calls.
     cu(unsafe { sys::cuCtxGetCurrent(&mut before) }, "current");
-    let ctx = Ctx::create_on(world as i32, id, rank as i32, ordinal as i32, cfg);
+    let ctx = if nccl::requested() {
+        nccl::context(world, cfg, rank, &id)
+    } else {
+        Ctx::create_on(world as i32, id, rank as i32, ordinal as i32, cfg)
+    };
     cu(unsafe { sys::cuCtxGetCurrent(&mut after) }, "current");
     assert_eq!(before, after, "ep_ctx_create changed the current context");
     ctx
@@ -439,6 +450,134 @@ pub fn run_gpu_world_on<T: Send>(
             body(rank, ctx)
         },
     )
+}
+
+/// NCCL communicators for the GPU tests: `EP_TEST_NCCL=1` makes every GPU
+/// test context a context on an NCCL communicator (ranks as threads share
+/// one `ncclUniqueId` per group). NCCL is loaded from `EP_NCCL_LIBRARY`,
+/// else `libnccl.so.2`, with `RTLD_GLOBAL`, so that ep finds the same copy.
+pub mod nccl {
+    use super::super::{last_error, Ctx};
+    use ep::capi::*;
+    use std::collections::HashMap;
+    use std::ffi::{c_char, c_int, c_void, CString};
+    use std::sync::{Mutex, OnceLock};
+
+    pub type Comm = *mut c_void;
+
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    pub struct UniqueId(pub [u8; 128]);
+
+    pub struct Lib {
+        pub get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> c_int,
+        pub comm_init_rank: unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> c_int,
+        pub comm_destroy: unsafe extern "C" fn(Comm) -> c_int,
+        pub comm_count: unsafe extern "C" fn(Comm, *mut c_int) -> c_int,
+        pub get_version: unsafe extern "C" fn(*mut c_int) -> c_int,
+        pub error_string: unsafe extern "C" fn(c_int) -> *const c_char,
+    }
+
+    /// Symbol `name` of `lib` as a function pointer of type `T`.
+    ///
+    /// # Safety
+    /// `T` must be the symbol's function type.
+    unsafe fn symbol<T: Copy>(lib: *mut c_void, name: &str) -> T {
+        let c = CString::new(name).unwrap();
+        let p = libc::dlsym(lib, c.as_ptr());
+        assert!(!p.is_null(), "the NCCL library lacks {name}");
+        std::mem::transmute_copy::<*mut c_void, T>(&p)
+    }
+
+    /// True when the tests should make their contexts on NCCL.
+    pub fn requested() -> bool {
+        std::env::var("EP_TEST_NCCL").is_ok_and(|v| v == "1")
+    }
+
+    /// The NCCL library (loaded once per process).
+    pub fn lib() -> &'static Lib {
+        static LIB: OnceLock<Lib> = OnceLock::new();
+        LIB.get_or_init(|| {
+            let name = std::env::var("EP_NCCL_LIBRARY").unwrap_or_else(|_| "libnccl.so.2".into());
+            let c_name = CString::new(name.clone()).unwrap();
+            // SAFETY: dlopen/dlsym with NUL-terminated names; the symbols
+            // get their nccl.h types.
+            unsafe {
+                let lib = libc::dlopen(c_name.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL);
+                assert!(!lib.is_null(), "cannot load NCCL from {name}");
+                Lib {
+                    get_unique_id: symbol(lib, "ncclGetUniqueId"),
+                    comm_init_rank: symbol(lib, "ncclCommInitRank"),
+                    comm_destroy: symbol(lib, "ncclCommDestroy"),
+                    comm_count: symbol(lib, "ncclCommCount"),
+                    get_version: symbol(lib, "ncclGetVersion"),
+                    error_string: symbol(lib, "ncclGetErrorString"),
+                }
+            }
+        })
+    }
+
+    fn check(result: c_int, what: &str) {
+        if result != 0 {
+            // SAFETY: a static string.
+            let text = unsafe { std::ffi::CStr::from_ptr((lib().error_string)(result)) };
+            panic!("{what}: NCCL error {result} ({})", text.to_string_lossy());
+        }
+    }
+
+    /// The `ncclUniqueId` of the group whose ep id is `group` (made by the
+    /// first rank that asks).
+    fn group_id(group: &[u8; 128]) -> UniqueId {
+        static IDS: Mutex<Vec<([u8; 128], UniqueId)>> = Mutex::new(Vec::new());
+        let mut ids = IDS.lock().unwrap();
+        if let Some((_, id)) = ids.iter().find(|(g, _)| g == group) {
+            return *id;
+        }
+        let mut id = UniqueId([0; 128]);
+        // SAFETY: writes one id.
+        check(unsafe { (lib().get_unique_id)(&mut id) }, "ncclGetUniqueId");
+        ids.push((*group, id));
+        id
+    }
+
+    /// A communicator of rank `rank` of `world` on the current device.
+    pub fn communicator(world: usize, rank: usize, id: UniqueId) -> Comm {
+        let mut comm = std::ptr::null_mut();
+        // SAFETY: writes one communicator.
+        check(
+            unsafe { (lib().comm_init_rank)(&mut comm, world as c_int, id, rank as c_int) },
+            "ncclCommInitRank",
+        );
+        comm
+    }
+
+    /// The communicators of live test contexts, destroyed with them.
+    fn comms() -> &'static Mutex<HashMap<usize, usize>> {
+        static COMMS: OnceLock<Mutex<HashMap<usize, usize>>> = OnceLock::new();
+        COMMS.get_or_init(|| Mutex::new(HashMap::new()))
+    }
+
+    /// Rank `rank`'s context on a fresh communicator of its group, on the
+    /// current device; the communicator is destroyed after the context.
+    pub fn context(world: usize, cfg: &ep_config_t, rank: usize, group: &ep_unique_id_t) -> Ctx {
+        let comm = communicator(world, rank, group_id(&group.internal));
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: a live communicator, a valid config and out-parameter.
+        let status = unsafe { ep_ctx_create_from_nccl(comm.cast(), cfg, &mut ctx) };
+        assert_eq!(status, EP_SUCCESS, "rank {rank}: {}", last_error());
+        comms().lock().unwrap().insert(ctx as usize, comm as usize);
+        Ctx(ctx)
+    }
+
+    /// Called after `ep_ctx_destroy(ctx)`: destroys the context's
+    /// communicator if this module made it.
+    pub fn release(ctx: *mut ep_ctx_t) {
+        let Some(comm) = comms().lock().unwrap().remove(&(ctx as usize)) else {
+            return;
+        };
+        // SAFETY: our own communicator, no longer used by its context.
+        unsafe { (lib().comm_destroy)(comm as Comm) };
+    }
 }
 
 /// How the ranks of a GPU test run: threads of this process, or processes

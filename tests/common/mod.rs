@@ -8,6 +8,7 @@
 pub mod calls;
 pub mod gpu;
 pub mod mega;
+pub mod normal;
 pub mod tools;
 pub mod walk;
 
@@ -227,6 +228,8 @@ impl Drop for Ctx {
     fn drop(&mut self) {
         // SAFETY: the context is live and no work is running.
         unsafe { ep_ctx_destroy(self.0) };
+        // A GPU test context on an NCCL communicator of the test's own.
+        gpu::nccl::release(self.0);
     }
 }
 

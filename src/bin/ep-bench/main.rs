@@ -6,6 +6,7 @@ mod device;
 mod nccl;
 mod report;
 mod run;
+mod traffic;
 
 use std::sync::{Arc, Barrier, Mutex};
 
@@ -23,7 +24,12 @@ USAGE: ep-bench [OPTIONS]
 
   --ranks N              ranks (default: all visible GPUs; more ranks than GPUs
                          share the GPUs, each rank with a share of the SMs; host: 2)
-  --mode normal|ll|all   which operations (default all)
+  --mode normal|ll|all|traffic
+                         which operations (default all); traffic: no timing, the
+                         bytes each rank sends over the network and over NVLink
+                         in one dispatch + combine, hierarchical (--ranks-per-node)
+                         next to single-node paths, from the plans (no GPU needed)
+  --ranks-per-node R     traffic: ranks per node (default: all ranks one node)
   --tokens T             tokens per rank (default 4096 normal, 128 ll)
   --hidden H             elements per token, multiple of 128 (default 7168)
   --topk K               experts per token (default 8)
@@ -73,6 +79,9 @@ pub struct Opts {
     pub gpu: bool,
     pub ungated: bool,
     pub json: Option<String>,
+    /// `--mode traffic`: print the traffic tables only.
+    pub traffic: bool,
+    pub ranks_per_node: Option<usize>,
 }
 
 fn parse_list<T: std::str::FromStr>(flag: &str, v: &str) -> Vec<T> {
@@ -109,6 +118,8 @@ fn parse(args: &[String]) -> Opts {
         gpu: true,
         ungated: false,
         json: None,
+        traffic: false,
+        ranks_per_node: None,
     };
     let mut sms_sweep = None;
     let mut i = 0;
@@ -137,11 +148,13 @@ fn parse(args: &[String]) -> Opts {
         };
         match name {
             "--ranks" => o.ranks = Some(num(value())),
+            "--ranks-per-node" => o.ranks_per_node = Some(num(value())),
             "--mode" => match value().as_str() {
                 "normal" => (o.normal, o.ll) = (true, false),
                 "ll" => (o.normal, o.ll) = (false, true),
                 "all" => (o.normal, o.ll) = (true, true),
-                m => usage_error(&format!("--mode: {m:?} is not normal, ll or all")),
+                "traffic" => o.traffic = true,
+                m => usage_error(&format!("--mode: {m:?} is not normal, ll, all or traffic")),
             },
             "--tokens" => o.tokens = Some(num(value())),
             "--hidden" => o.hidden = num(value()),
@@ -231,6 +244,23 @@ fn main() {
     // this when it initializes.
     if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
         std::env::set_var("NCCL_NVLS_ENABLE", "0");
+    }
+
+    if opts.traffic {
+        let world = opts.ranks.unwrap_or(8);
+        if world == 0 || !opts.experts.is_multiple_of(world) {
+            fail(&format!(
+                "--experts {} is not divisible by {world} ranks",
+                opts.experts
+            ));
+        }
+        let header = format!(
+            "{}, traffic of the plans (no device), command: `ep-bench {}`",
+            now_utc(),
+            args[1..].join(" ")
+        );
+        traffic::print(&opts, world, &header);
+        return;
     }
 
     let (world, devices, device_desc) = if opts.gpu {

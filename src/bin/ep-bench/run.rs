@@ -17,7 +17,7 @@ use crate::{Opts, Shared};
 const EXPERT_ALIGNMENT: i32 = 128;
 
 /// splitmix64: small, fast, seeded per rank.
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
     fn next(&mut self) -> u64 {
@@ -30,7 +30,7 @@ impl Rng {
     fn unit(&mut self) -> f32 {
         (self.next() >> 40) as f32 / (1u64 << 24) as f32
     }
-    fn below(&mut self, n: usize) -> usize {
+    pub(crate) fn below(&mut self, n: usize) -> usize {
         (((self.next() >> 32) * n as u64) >> 32) as usize
     }
 }

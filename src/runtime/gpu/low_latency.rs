@@ -263,7 +263,7 @@ impl LlMode {
     /// the caller writes it; the kernels read it in an `EP_LL_ZERO_COPY`
     /// combine.
     pub fn combine_buffer(&mut self, rt: &Runtime) -> Result<(*mut u8, usize)> {
-        let at = rt.memory.base(rt.cfg.rank) + (self.offset + self.area.combine_buffer) as u64;
+        let at = rt.memory.own_base() + (self.offset + self.area.combine_buffer) as u64;
         Ok((at as *mut u8, self.area.combine_buffer_bytes))
     }
 }

@@ -1,6 +1,13 @@
 //! The GPU backend: CUDA kernels on the caller's device and stream, ranks
 //! connected over NVLink.
 //!
+//! A context is made by `ep_ctx_create` (ep's bootstrap; symmetric memory of
+//! its own on one host, or, with ranks on several hosts or
+//! `EP_TRANSPORT=nccl`, an NCCL communicator of its own made from an
+//! `ncclUniqueId` the bootstrap carries) or by `ep_ctx_create_from_nccl` on
+//! the caller's communicator. Either way the modes see one
+//! [`SymmetricMemory`] (see `symmetric.rs`).
+//!
 //! Work runs on the device's primary context (never created, replaced or
 //! destroyed here); every call pushes it and pops it again, so the caller's
 //! current context is left as it was. Kernels report failures (a timed-out
@@ -12,6 +19,7 @@
 //! own stream.
 
 mod checks;
+mod hierarchical;
 mod low_latency;
 mod mega;
 mod normal;
@@ -25,15 +33,17 @@ use super::contract::{Field, Memory, PointerCheck};
 use super::cuda::{
     ContextGuard, Device, DeviceStatus, Kernel, MappedHost, Module, KERNEL_IMAGES, STREAM_LEGACY,
 };
+use super::group::{HostGroup, NcclGroup};
 use super::log;
+use super::nccl::{self, CommHandle, UniqueId};
 use super::ops::{
     CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaCombineOp, MegaDispatchOp,
     Received,
 };
 use super::sequence::Call;
 use crate::abi::{
-    self, BarrierParams, CombineParams, DispatchParams, LayoutParams, LlParams, MegaParams,
-    BARRIER_COUNTER_OFFSET, BARRIER_THREADS,
+    self, BarrierParams, CombineParams, DispatchParams, HierParams, LayoutParams, LlParams,
+    MegaParams, NcclPeerBasesParams, BARRIER_COUNTER_OFFSET, BARRIER_THREADS,
 };
 use crate::error::{Error, Result};
 use low_latency::LlMode;
@@ -44,7 +54,7 @@ use std::ffi::c_void;
 use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use symmetric::SymmetricMemory;
+use symmetric::{NativeMemory, NcclMemory, SymmetricMemory};
 
 /// Bytes at the start of every rank's buffer for cross-rank signals of the
 /// runtime itself, before the modes' areas: the barrier's `[world]` slots at
@@ -69,6 +79,13 @@ pub struct Kernels {
     pub mega_fp8: Kernel<MegaParams>,
     pub mega_bf16_pair: Kernel<MegaParams>,
     pub mega_fp8_pair: Kernel<MegaParams>,
+    pub nccl_peer_bases: Kernel<NcclPeerBasesParams>,
+    pub hier_stage: Kernel<HierParams>,
+    pub hier_send: Kernel<HierParams>,
+    pub hier_forward: Kernel<HierParams>,
+    pub hier_node_reduce: Kernel<HierParams>,
+    pub hier_wait: Kernel<HierParams>,
+    pub hier_rail_barrier: Kernel<HierParams>,
 }
 
 impl Kernels {
@@ -87,11 +104,21 @@ impl Kernels {
             mega_fp8: module.function(c"ep_mega_fp8_kernel")?,
             mega_bf16_pair: module.function(c"ep_mega_bf16_pair_kernel")?,
             mega_fp8_pair: module.function(c"ep_mega_fp8_pair_kernel")?,
+            nccl_peer_bases: module.function(c"ep_nccl_peer_bases_kernel")?,
+            hier_stage: module.function(c"ep_hier_stage_kernel")?,
+            hier_send: module.function(c"ep_hier_send_kernel")?,
+            hier_forward: module.function(c"ep_hier_forward_kernel")?,
+            hier_node_reduce: module.function(c"ep_hier_node_reduce_kernel")?,
+            hier_wait: module.function(c"ep_hier_wait_kernel")?,
+            hier_rail_barrier: module.function(c"ep_hier_rail_barrier_kernel")?,
         })
     }
 }
 
-pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, Arc<dyn Monitor>)> {
+pub fn create(
+    cfg: &mut Config,
+    unique_id: &[u8; 128],
+) -> Result<(Box<dyn Backend>, Arc<dyn Monitor>)> {
     // Probe the driver before joining, so a machine without a GPU fails at
     // once with `CudaUnavailable`.
     let device = Device::new(cfg.device as usize)?;
@@ -103,12 +130,151 @@ pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, 
         cfg.timeout,
         aborted.clone(),
     )?;
+    cfg.resolve_nodes(boot.local_ranks())?;
     agree_on_config(&boot, cfg)?;
     let placement = Placement::exchange(&device, &boot)?;
     let module = Module::load(&device)?;
     let kernels = Kernels::load(&module)?;
     log_summary(cfg, &device, &module);
-    let memory = SymmetricMemory::new(&device, &boot, buffer_bytes(cfg))?;
+    let one_host = boot.local_ranks().len() == cfg.world();
+    let memory: Box<dyn SymmetricMemory> = if one_host && !nccl_requested()? {
+        Box::new(NativeMemory::new(&device, &boot, buffer_bytes(cfg))?)
+    } else {
+        let comm = own_communicator(&boot, &device)?;
+        let gin = gin_signals(cfg, &comm);
+        Box::new(NcclMemory::new(
+            comm,
+            &device,
+            &kernels,
+            &boot,
+            buffer_bytes(cfg),
+            gin,
+        )?)
+    };
+    finish(
+        cfg,
+        device,
+        (module, kernels),
+        (Box::new(boot), placement),
+        memory,
+        aborted,
+    )
+}
+
+/// GIN signals the device communicator needs: the network leg's, when the
+/// context has several nodes and some rank is outside this rank's NVLink
+/// domain (NCCL's LSA team); none otherwise (the leg is emulated over
+/// NVLink).
+fn gin_signals(cfg: &Config, comm: &CommHandle) -> usize {
+    // SAFETY: a live communicator.
+    let lsa = unsafe { comm.nccl.team_lsa(comm.comm) };
+    let nodes = cfg.nodes();
+    if nodes.is_hierarchical() && (lsa.ranks as usize) < cfg.world() {
+        hierarchical::gin_signals(nodes)
+    } else {
+        0
+    }
+}
+
+/// Whether `EP_TRANSPORT` asks for NCCL on one host (`nccl`), or not
+/// (`native`, the default). Ranks on several hosts always use NCCL.
+fn nccl_requested() -> Result<bool> {
+    match std::env::var("EP_TRANSPORT").as_deref() {
+        Err(_) | Ok("") | Ok("native") => Ok(false),
+        Ok("nccl") => Ok(true),
+        Ok(other) => Err(Error::invalid(format!(
+            "EP_TRANSPORT={other}: expected `native` or `nccl`"
+        ))),
+    }
+}
+
+/// The context's own NCCL communicator over the ranks of `boot`: rank 0
+/// makes an `ncclUniqueId`, the bootstrap carries it to every rank, and all
+/// call `ncclCommInitRank` (NCCL's own wait).
+fn own_communicator(boot: &Bootstrap, device: &Device) -> Result<Arc<CommHandle>> {
+    let nccl = nccl::load()?;
+    let _context = device.bind()?;
+    let mine = if boot.rank() == 0 {
+        nccl.unique_id()?.internal.to_vec()
+    } else {
+        Vec::new()
+    };
+    let ids = boot.all_gather(&mine)?;
+    let internal: [u8; 128] = ids[0]
+        .as_slice()
+        .try_into()
+        .map_err(|_| Error::remote("rank 0 sent a malformed NCCL unique id"))?;
+    let comm = nccl.comm_init_rank(boot.world(), UniqueId { internal }, boot.rank())?;
+    Ok(Arc::new(CommHandle {
+        nccl,
+        comm,
+        owned: true,
+    }))
+}
+
+/// The GPU backend on the caller's NCCL communicator
+/// (`ep_ctx_create_from_nccl`): `cfg` holds the rank, world and device the
+/// communicator reports.
+///
+/// # Safety
+/// `comm` is a live communicator of the loaded NCCL that outlives the
+/// context.
+pub unsafe fn create_from_nccl(
+    cfg: &mut Config,
+    comm: nccl::Comm,
+) -> Result<(Box<dyn Backend>, Arc<dyn Monitor>)> {
+    let nccl = nccl::load()?;
+    let device = Device::new(cfg.device as usize)?;
+    let aborted = Arc::new(AtomicBool::new(false));
+    let comm = Arc::new(CommHandle {
+        nccl,
+        comm,
+        owned: false,
+    });
+    let group = NcclGroup::new(
+        comm.clone(),
+        &device,
+        (cfg.rank, cfg.world()),
+        cfg.timeout,
+        aborted.clone(),
+    )?;
+    // Every LSA team (NVLink domain) is a node unless the config says.
+    let lsa = nccl.team_lsa(comm.comm);
+    let lsa_ranks: Vec<usize> = if lsa.stride == 1 && lsa.rank >= 0 && lsa.rank <= cfg.rank as i32 {
+        let first = cfg.rank - lsa.rank as usize;
+        (first..first + lsa.ranks.max(0) as usize).collect()
+    } else {
+        Vec::new()
+    };
+    cfg.resolve_nodes(&lsa_ranks)?;
+    agree_on_config(&group, cfg)?;
+    let placement = Placement::exchange(&device, &group)?;
+    let module = Module::load(&device)?;
+    let kernels = Kernels::load(&module)?;
+    log_summary(cfg, &device, &module);
+    let gin = gin_signals(cfg, &comm);
+    let memory = NcclMemory::new(comm, &device, &kernels, &group, buffer_bytes(cfg), gin)?;
+    finish(
+        cfg,
+        device,
+        (module, kernels),
+        (Box::new(group), placement),
+        Box::new(memory),
+        aborted,
+    )
+}
+
+/// What both ways of making a GPU context share once the ranks agree and
+/// the symmetric buffers exist.
+fn finish(
+    cfg: &Config,
+    device: Device,
+    (module, kernels): (Module, Kernels),
+    (group, placement): (Box<dyn HostGroup>, Placement),
+    memory: Box<dyn SymmetricMemory>,
+    aborted: Arc<AtomicBool>,
+) -> Result<(Box<dyn Backend>, Arc<dyn Monitor>)> {
+    check_reach(cfg, memory.as_ref())?;
     let monitor = Arc::new(GpuMonitor {
         status: MappedHost::new(&device, 1)?,
         abort_flag: MappedHost::new(&device, 1)?,
@@ -119,28 +285,62 @@ pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, 
         device,
         module,
         kernels,
-        boot,
+        group,
         memory,
         monitor: monitor.clone(),
         timeout_ns: cfg.timeout.as_nanos() as u64,
         placement,
     };
-    let normal = NormalMode::new(&rt, SIGNAL_BYTES)?;
-    let ll = LlMode::new(&rt, SIGNAL_BYTES + normal::buffer_bytes(cfg))?;
+    let ll_offset = SIGNAL_BYTES + normal::buffer_bytes(cfg);
+    let hier_offset = ll_offset + low_latency::buffer_bytes(cfg);
+    let normal = NormalMode::new(&rt, SIGNAL_BYTES, hier_offset)?;
+    let ll = LlMode::new(&rt, ll_offset)?;
     let mega = MegaMode::new(&rt)?;
+    let all_reachable = rt.memory.reachable().iter().all(|&r| r);
     // No rank returns (and enqueues a collective) before every rank has
     // made its allocations: on a GPU that ranks share, an allocation could
     // otherwise wait for a peer's kernel that waits for this rank.
-    rt.boot.barrier()?;
+    rt.group.barrier()?;
     Ok((
         Box::new(GpuBackend {
             rt,
             normal,
             ll,
             mega,
+            all_reachable,
         }),
         monitor,
     ))
+}
+
+/// Which ranks this rank's GPU must reach by loads and stores: every rank
+/// of its node; with one node, every rank. The others (other nodes) need
+/// the GIN network leg.
+fn check_reach(cfg: &Config, memory: &dyn SymmetricMemory) -> Result<()> {
+    let nodes = cfg.nodes();
+    let reachable = memory.reachable();
+    let home = nodes.node_of(cfg.rank);
+    if let Some(far) = nodes.ranks_of(home).find(|&r| !reachable[r]) {
+        return Err(Error::unsupported(format!(
+            "rank {far} is on the node of rank {} (ranks_per_node = {}) but not reachable over NVLink: set ranks_per_node to the NVLink domain's size or less",
+            cfg.rank, nodes.ranks_per_node
+        )));
+    }
+    let gin = memory.nccl().is_some_and(|n| n.gin);
+    if let Some(far) = reachable.iter().position(|&r| !r) {
+        if !nodes.is_hierarchical() {
+            return Err(Error::unsupported(format!(
+                "rank {far} is not reachable over NVLink from rank {}: ranks in several NVLink domains need ranks_per_node set to the domain size",
+                cfg.rank
+            )));
+        }
+        if !gin {
+            return Err(Error::unsupported(format!(
+                "rank {far} is on another node and not reachable over NVLink, and NCCL gave no GIN network for the network leg"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The INFO lines of a new GPU context: the device, the kernels loaded and
@@ -186,9 +386,14 @@ fn log_summary(cfg: &Config, device: &Device, module: &Module) {
     );
 }
 
-/// Bytes of communication buffer one rank allocates for `cfg`.
+/// Bytes of communication buffer one rank allocates for `cfg`: the
+/// runtime's signals, the normal mode's, the low-latency mode's, and with
+/// several nodes the hierarchical mode's (network leg buffers included).
 pub fn buffer_bytes(cfg: &Config) -> usize {
-    SIGNAL_BYTES + normal::buffer_bytes(cfg) + low_latency::buffer_bytes(cfg)
+    SIGNAL_BYTES
+        + normal::buffer_bytes(cfg)
+        + low_latency::buffer_bytes(cfg)
+        + hierarchical::buffer_bytes(cfg)
 }
 
 /// The host-mapped words the kernels and any host thread share.
@@ -226,8 +431,9 @@ pub struct Runtime {
     /// Keeps the kernels' code loaded; `kernels` are its functions.
     pub module: Module,
     pub kernels: Kernels,
-    pub boot: Bootstrap,
-    pub memory: SymmetricMemory,
+    /// The host collectives of the ranks (kept for the context's life).
+    pub group: Box<dyn HostGroup>,
+    pub memory: Box<dyn SymmetricMemory>,
     pub monitor: Arc<GpuMonitor>,
     /// Longest device-side wait, in nanoseconds of `%globaltimer`.
     pub timeout_ns: u64,
@@ -344,7 +550,7 @@ impl Bound<'_> {
     pub unsafe fn barrier(&self, stream: Stream) -> Result<()> {
         let params = BarrierParams {
             peer_signals: self.memory.peer_bases(),
-            epoch_counter: self.memory.base(self.cfg.rank) + BARRIER_COUNTER_OFFSET as u64,
+            epoch_counter: self.memory.own_base() + BARRIER_COUNTER_OFFSET as u64,
             abort_flag: self.abort_ptr(),
             status: self.status_ptr(),
             timeout_ns: self.timeout_ns,
@@ -379,6 +585,20 @@ struct GpuBackend {
     normal: NormalMode,
     ll: LlMode,
     mega: MegaMode,
+    /// Every rank is reachable over NVLink (the low-latency mode's kernels
+    /// need it: they have no network leg yet).
+    all_reachable: bool,
+}
+
+impl GpuBackend {
+    fn check_ll(&self) -> Result<()> {
+        if self.all_reachable {
+            return Ok(());
+        }
+        Err(Error::unsupported(
+            "the low-latency mode across NVLink domains needs a GIN network leg, which this release does not have (it runs on virtual nodes of one NVLink domain)",
+        ))
+    }
 }
 
 impl PointerCheck for GpuBackend {
@@ -459,7 +679,13 @@ impl Backend for GpuBackend {
     }
 
     fn check_fused(&self) -> Result<()> {
-        self.mega.check_supported()
+        self.mega.check_supported()?;
+        if self.normal.hierarchical() || !self.all_reachable {
+            return Err(Error::unsupported(
+                "the fused kernels run within one NVLink domain (one node): they have no network leg yet",
+            ));
+        }
+        Ok(())
     }
 
     fn mega_dispatch_gemm(
@@ -485,10 +711,12 @@ impl Backend for GpuBackend {
     }
 
     fn ll_dispatch(&mut self, call: Call, op: &LlDispatchOp, stream: Stream) -> Result<()> {
+        self.check_ll()?;
         self.ll.dispatch(&self.rt.bind()?, call, op, stream)
     }
 
     fn ll_combine(&mut self, call: Call, op: &LlCombineOp, stream: Stream) -> Result<()> {
+        self.check_ll()?;
         self.ll.combine(&self.rt.bind()?, call, op, stream)
     }
 

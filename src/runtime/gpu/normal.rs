@@ -6,6 +6,7 @@
 //! dispatch/combine pair needs no host synchronisation and can be captured
 //! in a CUDA graph), and enqueues the launches.
 
+use super::hierarchical::{HierHandle, Hierarchy};
 use super::{ptr, Bound, Runtime};
 use crate::abi::{
     CombineParams, DispatchParams, LayoutParams, CHUNK_TOKENS, LAYOUT_THREADS, MOVE_THREADS,
@@ -21,40 +22,47 @@ use crate::runtime::sequence::Call;
 /// Warps per block of the count kernel (`EP_CHUNK_WARPS`).
 const CHUNK_WARPS: usize = CHUNK_TOKENS / 32;
 
+/// Blocks of the count kernel: one per chunk of `CHUNK_TOKENS` tokens, at
+/// least one.
+fn chunks(num_tokens: usize) -> u32 {
+    num_tokens.div_ceil(CHUNK_TOKENS).max(1) as u32
+}
+
 /// Byte offsets of the mode's arrays inside its area of every rank's
 /// buffer (the same on every rank). `T` = max tokens per rank, `W` = world,
-/// `E` = experts.
+/// `E` = experts. The hierarchical mode keeps copies of the span from
+/// `staged_x` to `totals` for other nodes (see hierarchical.rs).
 #[derive(Debug, Clone, Copy)]
-struct Area {
+pub(super) struct Area {
     /// `[T, row]` this rank's tokens, for the peers to pull.
-    staged_x: usize,
+    pub(super) staged_x: usize,
     /// `[T, hidden / 128]` their FP8 scales.
-    staged_scales: usize,
+    pub(super) staged_scales: usize,
     /// `[T, topk]` position of each (token, slot) among its chunk's, then
     /// among all, pairs of its expert.
-    slot_rank: usize,
+    pub(super) slot_rank: usize,
     /// `[T, W]` position of each token among its chunk's tokens for each
     /// rank, or -1.
-    rank_pos: usize,
+    pub(super) rank_pos: usize,
     /// `[chunks, W + E]` the count kernel's per-chunk counts.
-    chunk_counts: usize,
+    pub(super) chunk_counts: usize,
     /// `[W + E]` tokens per rank, then pairs per expert (read by peers).
-    totals: usize,
+    pub(super) totals: usize,
     /// Records the sources push here, one per token they send, `[W, T]`
     /// rows: the token index, and per slot the local expert (or -1), its
     /// position among that source's pairs of the expert, and the weight.
-    in_token: usize,
-    in_local: usize,
-    in_rank: usize,
-    in_weight: usize,
+    pub(super) in_token: usize,
+    pub(super) in_local: usize,
+    pub(super) in_rank: usize,
+    pub(super) in_weight: usize,
     /// `[W, T, hidden]` BF16 rows the ranks return in a combine.
-    returned: usize,
+    pub(super) returned: usize,
     /// Bytes of the whole area.
-    bytes: usize,
+    pub(super) bytes: usize,
 }
 
 impl Area {
-    fn new(cfg: &Config) -> Area {
+    pub(super) fn new(cfg: &Config) -> Area {
         let t = &cfg.topo;
         let (tokens, world) = (cfg.max_tokens, t.world);
         let chunks = tokens.div_ceil(CHUNK_TOKENS);
@@ -104,6 +112,8 @@ pub(super) struct GpuHandle {
     /// `[2 L + 1]` the expert-major segment starts (`L + 1`), then the real
     /// rows of each local expert: what a fused combine multiplies.
     pub(super) expert_layout: DeviceBuffer,
+    /// The hierarchy's part, with several nodes.
+    hier: Option<HierHandle>,
     /// The last dispatch recorded here, if it succeeded.
     pub(super) dispatched: Option<Dispatched>,
 }
@@ -136,15 +146,31 @@ pub struct NormalMode {
     /// `[1 + local experts]`: rows received, then rows per local expert,
     /// written by the pull kernel for the host-synchronised dispatch.
     host_counts: MappedHost<i32>,
+    /// With several nodes: the hierarchical exchange, which replaces the
+    /// single-node one.
+    hier: Option<Hierarchy>,
 }
 
 impl NormalMode {
-    /// The mode's area starts at `offset` of every rank's symmetric buffer.
-    pub fn new(rt: &Runtime, offset: usize) -> Result<NormalMode> {
+    /// Whether the dispatch and combine take the hierarchical path (several
+    /// nodes).
+    pub fn hierarchical(&self) -> bool {
+        self.hier.is_some()
+    }
+
+    /// The mode's area starts at `offset` of every rank's symmetric buffer;
+    /// with several nodes the hierarchical mode's at `hier_offset`.
+    pub fn new(rt: &Runtime, offset: usize, hier_offset: usize) -> Result<NormalMode> {
+        let hier = if rt.cfg.nodes().is_hierarchical() {
+            Some(Hierarchy::new(rt, offset, hier_offset)?)
+        } else {
+            None
+        };
         Ok(NormalMode {
             offset,
             area: Area::new(&rt.cfg),
             host_counts: MappedHost::new(&rt.device, 1 + rt.cfg.local_experts())?,
+            hier,
         })
     }
 
@@ -186,6 +212,7 @@ impl NormalMode {
             num_rows: DeviceBuffer::new(&rt.device, 4)?,
             in_rank: DeviceBuffer::new(&rt.device, cfg.max_tokens * cfg.world())?,
             expert_layout: DeviceBuffer::new(&rt.device, (2 * cfg.local_experts() + 1) * 4)?,
+            hier: self.hier.as_ref().map(|h| h.new_handle(rt)).transpose()?,
             dispatched: None,
         }))
     }
@@ -219,8 +246,16 @@ impl NormalMode {
         // valid until the stream has run the kernels (API rule), and the
         // handle's and the context's, valid until they are destroyed.
         unsafe {
-            self.enqueue_routing(rt, &params, op.num_tokens, stream)?;
-            rt.barrier(stream)?;
+            match (&self.hier, &handle.hier) {
+                (Some(hier), Some(hier_handle)) => {
+                    self.enqueue_count(rt, &params, op.num_tokens, stream)?;
+                    hier.dispatch(rt, &params, hier_handle, stream)?;
+                }
+                _ => {
+                    self.enqueue_routing(rt, &params, op.num_tokens, stream)?;
+                    rt.barrier(stream)?;
+                }
+            }
         }
         let host_counts = if host_sync {
             rt.synchronize(stream)?;
@@ -332,14 +367,39 @@ impl NormalMode {
         }
     }
 
-    /// Enqueues the dispatch up to its rows: count (which starts the
-    /// collective call), stage, barrier, pull (which moves the expert-major
-    /// rows too unless `params.skip_expert_rows`). The caller enqueues the
-    /// closing barrier.
+    /// Enqueues the dispatch's count kernel, which starts the collective
+    /// call.
     ///
     /// # Safety
     /// `params` must come from [`Self::dispatch_params`], with every array
     /// valid until the stream has run the kernels.
+    unsafe fn enqueue_count(
+        &self,
+        rt: &Bound,
+        params: &DispatchParams,
+        num_tokens: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        let columns = rt.cfg.topo.world + rt.cfg.topo.num_experts;
+        // SAFETY: the caller vouches for the arrays.
+        unsafe {
+            rt.launch(
+                &rt.kernels.dispatch_count,
+                chunks(num_tokens),
+                CHUNK_TOKENS as u32,
+                (CHUNK_WARPS * columns * 4) as u32,
+                stream,
+                params,
+            )
+        }
+    }
+
+    /// Enqueues the single-node dispatch up to its rows: count, stage,
+    /// barrier, pull (which moves the expert-major rows too unless
+    /// `params.skip_expert_rows`). The caller enqueues the closing barrier.
+    ///
+    /// # Safety
+    /// As [`Self::enqueue_count`].
     pub(super) unsafe fn enqueue_routing(
         &self,
         rt: &Bound,
@@ -347,24 +407,15 @@ impl NormalMode {
         num_tokens: usize,
         stream: Stream,
     ) -> Result<()> {
-        let topo = rt.cfg.topo;
-        let chunks = num_tokens.div_ceil(CHUNK_TOKENS).max(1) as u32;
-        let columns = topo.world + topo.num_experts;
+        let columns = rt.cfg.topo.world + rt.cfg.topo.num_experts;
         let sms = rt.normal_grid();
         let k = &rt.kernels;
         // SAFETY: the caller vouches for the arrays.
         unsafe {
-            rt.launch(
-                &k.dispatch_count,
-                chunks,
-                CHUNK_TOKENS as u32,
-                (CHUNK_WARPS * columns * 4) as u32,
-                stream,
-                params,
-            )?;
+            self.enqueue_count(rt, params, num_tokens, stream)?;
             rt.launch(
                 &k.dispatch_stage,
-                chunks.max(sms),
+                chunks(num_tokens).max(sms),
                 CHUNK_TOKENS as u32,
                 (columns * 4) as u32,
                 stream,
@@ -394,6 +445,9 @@ impl NormalMode {
         let params = self.combine_params(rt, call, op, handle, dispatched);
         // SAFETY: buffers stay valid as for the dispatch.
         unsafe {
+            if let (Some(hier), Some(hier_handle)) = (&self.hier, &handle.hier) {
+                return hier.combine(rt, &params, hier_handle, stream);
+            }
             rt.launch(
                 &rt.kernels.combine_send,
                 rt.normal_grid(),

@@ -15,8 +15,8 @@
 //! runs (GPU UUID and a token of its process, all-gathered at create), so
 //! all of them refuse such a group with the same `EP_ERR_UNSUPPORTED`.
 
-use super::super::bootstrap::Bootstrap;
 use super::super::cuda::Device;
+use super::super::group::HostGroup;
 use crate::error::{Error, Result};
 use std::sync::OnceLock;
 
@@ -93,7 +93,7 @@ impl Placement {
     /// Errors: `Unsupported` when ranks of different processes name one GPU,
     /// or more ranks share a GPU than it has SMs; `Remote` for a malformed
     /// record from a peer.
-    pub fn exchange(device: &Device, boot: &Bootstrap) -> Result<Placement> {
+    pub fn exchange(device: &Device, boot: &dyn HostGroup) -> Result<Placement> {
         let mine = Site {
             uuid: device.uuid()?,
             process: process_token(),

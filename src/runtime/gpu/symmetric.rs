@@ -1,18 +1,65 @@
-//! Symmetric memory: every rank allocates one communication buffer of the
-//! same size with `cuMemCreate`, exports it as a POSIX file descriptor, sends
-//! the descriptor to the other ranks of its host over the bootstrap's Unix
-//! channel, and maps every peer's buffer into its own address space. A kernel
-//! then reaches offset `o` of rank `r`'s buffer at `peer_bases[r] + o`, and
-//! its stores travel over NVLink. Ranks that are threads of one process take
-//! the same path (a descriptor imports within a process as well).
+//! Symmetric memory: every rank has one communication buffer of the same
+//! size, and a kernel reaches offset `o` of rank `r`'s buffer at
+//! `peer_bases[r] + o` for every rank `r` its GPU can load from and store to
+//! (over NVLink); its stores travel over NVLink. Ranks its GPU cannot reach
+//! (other nodes) have a 0 entry: the network leg reaches them.
+//!
+//! Two implementations behind [`SymmetricMemory`], so every mode runs on
+//! either:
+//! - [`NativeMemory`]: each rank allocates with `cuMemCreate`, exports the
+//!   allocation as a POSIX file descriptor, sends it to the other ranks of
+//!   its host over the bootstrap's Unix channel, and maps every peer's
+//!   buffer. Ranks that are threads of one process take the same path (a
+//!   descriptor imports within a process as well). One host only.
+//! - [`NcclMemory`]: `ncclMemAlloc` + `ncclCommWindowRegister` (a symmetric
+//!   window) on an NCCL communicator; the peers of the LSA team (NCCL's
+//!   load/store-accessible ranks) are reached through `ncclGetLsaPointer`,
+//!   and a device communicator (`ncclDevCommCreate`) serves the network
+//!   kernels (GIN) for the other ranks.
 //!
 //! NVLink multicast objects are never created: only unicast peer mappings.
 
 use super::super::bootstrap::Bootstrap;
 use super::super::cuda::{check, Device, DeviceBuffer};
+use super::super::group::HostGroup;
+use super::super::nccl::{self, CommHandle, DevComm, DevCommRequirements, Nccl, Window};
+use super::Kernels;
+use crate::abi::NcclPeerBasesParams;
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+
+/// What the network kernels need of an NCCL context: device addresses of
+/// the window's description and of the device communicator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NcclDevice {
+    /// `ncclWindow_t` of the symmetric buffer.
+    pub window: u64,
+    /// An `ncclDevComm` in device memory.
+    pub dev_comm: u64,
+    /// The device communicator has GIN contexts and signals (the network
+    /// leg can use GIN); false where NCCL has no network to offer.
+    pub gin: bool,
+}
+
+/// One rank's view of the symmetric buffers.
+pub trait SymmetricMemory: Send {
+    /// Device address of this rank's buffer.
+    fn own_base(&self) -> u64;
+    /// Device array `[world]` of every rank's buffer as mapped here; 0 for
+    /// a rank this GPU cannot reach by loads and stores.
+    fn peer_bases(&self) -> u64;
+    /// Host copy of which entries of `peer_bases` are mapped.
+    fn reachable(&self) -> &[bool];
+    /// Host copy of `peer_bases`.
+    fn host_peer_bases(&self) -> &[u64];
+    /// Bytes of each rank's buffer.
+    fn size(&self) -> usize;
+    /// The NCCL handles of the buffer, for the network kernels; `None` for
+    /// native memory.
+    fn nccl(&self) -> Option<NcclDevice>;
+}
 
 /// One mapped buffer: a physical allocation (ours or a peer's) and the
 /// virtual range it is mapped at; unmapped and released on drop.
@@ -39,16 +86,19 @@ impl Drop for Mapping {
 }
 
 /// This rank's buffer and the mappings of every peer's, index = rank.
-pub struct SymmetricMemory {
+pub struct NativeMemory {
     mappings: Vec<Mapping>,
     /// `[world]` device pointers to every rank's buffer, for kernels.
     peer_bases: DeviceBuffer,
+    host_bases: Vec<u64>,
+    reachable: Vec<bool>,
+    rank: usize,
     size: usize,
 }
 
 // SAFETY: the handles and addresses are plain values; the driver API is
 // thread-safe.
-unsafe impl Send for SymmetricMemory {}
+unsafe impl Send for NativeMemory {}
 
 fn allocation_prop(device: &Device) -> sys::CUmemAllocationProp {
     // SAFETY: an all-zero CUmemAllocationProp is a valid starting point.
@@ -104,11 +154,11 @@ fn map(device: &Device, handle: sys::CUmemGenericAllocationHandle, size: usize) 
     })
 }
 
-impl SymmetricMemory {
+impl NativeMemory {
     /// Allocates `bytes` (rounded up to the allocation granularity) on every
     /// rank and maps all of them on all ranks, zero-filled. Collective: every
     /// rank of `boot` calls it with the same size.
-    pub fn new(device: &Device, boot: &Bootstrap, bytes: usize) -> Result<SymmetricMemory> {
+    pub fn new(device: &Device, boot: &Bootstrap, bytes: usize) -> Result<NativeMemory> {
         if boot.local_ranks().len() != boot.world() {
             return Err(Error::unsupported(
                 "the GPU backend connects ranks over NVLink and needs them on one host",
@@ -179,12 +229,15 @@ impl SymmetricMemory {
             )?;
             mappings.push(map(device, handle, size)?);
         }
-        let memory = SymmetricMemory {
+        let bases: Vec<u64> = mappings.iter().map(|m| m.base).collect();
+        let memory = NativeMemory {
             mappings,
             peer_bases: DeviceBuffer::new(device, boot.world() * 8)?,
+            host_bases: bases.clone(),
+            reachable: vec![true; boot.world()],
+            rank: boot.rank(),
             size,
         };
-        let bases: Vec<u64> = memory.mappings.iter().map(|m| m.base).collect();
         // SAFETY: synchronous copy to a buffer of `world` u64s; zero-fill of
         // our own mapping.
         unsafe {
@@ -196,29 +249,239 @@ impl SymmetricMemory {
                 ),
                 "cuMemcpyHtoD",
             )?;
-            check(
-                sys::cuMemsetD8_v2(memory.base(boot.rank()), 0, size),
-                "cuMemsetD8",
-            )?;
+            check(sys::cuMemsetD8_v2(memory.own_base(), 0, size), "cuMemsetD8")?;
             check(sys::cuCtxSynchronize(), "cuCtxSynchronize")?;
         }
         // Nobody may write into a peer's buffer before the peer has zeroed it.
         boot.barrier()?;
         Ok(memory)
     }
+}
 
-    /// Device address of rank `rank`'s buffer, as mapped on this rank.
-    pub fn base(&self, rank: usize) -> sys::CUdeviceptr {
-        self.mappings[rank].base
+impl SymmetricMemory for NativeMemory {
+    fn own_base(&self) -> u64 {
+        self.mappings[self.rank].base
     }
 
-    /// Device array `[world]` of every rank's buffer address, for kernels.
-    pub fn peer_bases(&self) -> sys::CUdeviceptr {
+    fn peer_bases(&self) -> u64 {
         self.peer_bases.ptr()
     }
 
-    /// Bytes of each rank's buffer.
-    pub fn size(&self) -> usize {
+    fn reachable(&self) -> &[bool] {
+        &self.reachable
+    }
+
+    fn host_peer_bases(&self) -> &[u64] {
+        &self.host_bases
+    }
+
+    fn size(&self) -> usize {
         self.size
+    }
+
+    fn nccl(&self) -> Option<NcclDevice> {
+        None
+    }
+}
+
+/// Threads of the kernel that reads the window's LSA pointers.
+const PEER_BASES_THREADS: u32 = 64;
+/// Window sizes are multiples of this (NCCL's allocation granularity on
+/// current GPUs; a multiple of `NCCL_WIN_REQUIRED_ALIGNMENT`).
+const WINDOW_GRANULARITY: usize = 2 << 20;
+
+/// The symmetric buffer as an NCCL window; see the module comment.
+pub struct NcclMemory {
+    nccl: &'static Nccl,
+    comm: Arc<CommHandle>,
+    device: Device,
+    /// What `ncclMemAlloc` returned.
+    allocation: u64,
+    window: Window,
+    dev_comm: DevComm,
+    /// `dev_comm` copied to device memory, for the kernels.
+    dev_comm_on_device: DeviceBuffer,
+    gin: bool,
+    peer_bases: DeviceBuffer,
+    host_bases: Vec<u64>,
+    reachable: Vec<bool>,
+    /// This rank's buffer as its kernels address it (its own LSA pointer).
+    own_base: u64,
+    size: usize,
+}
+
+// SAFETY: the handles and addresses are plain values; NCCL's and the
+// driver's calls on them are made by one thread at a time.
+unsafe impl Send for NcclMemory {}
+
+impl NcclMemory {
+    /// Allocates and registers `bytes` (rounded up) on every rank of
+    /// `comm`, zero-filled, and creates the device communicator, with
+    /// `gin_signals` GIN signals when non-zero. Collective over the
+    /// communicator (every rank calls it with the same sizes); `group`
+    /// carries the closing barrier.
+    pub fn new(
+        comm: Arc<CommHandle>,
+        device: &Device,
+        kernels: &Kernels,
+        group: &dyn HostGroup,
+        bytes: usize,
+        gin_signals: usize,
+    ) -> Result<NcclMemory> {
+        let nccl = comm.nccl;
+        let world = group.world();
+        let size = bytes.max(1).div_ceil(WINDOW_GRANULARITY) * WINDOW_GRANULARITY;
+        let _context = device.bind()?;
+        let allocation = nccl.mem_alloc(size)?;
+        // From here on, drop undoes whatever was set up.
+        let mut memory = NcclMemory {
+            nccl,
+            comm,
+            device: device.clone(),
+            allocation,
+            window: std::ptr::null_mut(),
+            dev_comm: DevComm::zeroed(),
+            dev_comm_on_device: DeviceBuffer::new(device, nccl::DEV_COMM_BYTES)?,
+            gin: false,
+            peer_bases: DeviceBuffer::new(device, world * 8)?,
+            host_bases: vec![0; world],
+            reachable: vec![false; world],
+            own_base: 0,
+            size,
+        };
+        // SAFETY: zero-fills our own allocation, synchronously.
+        unsafe {
+            check(sys::cuMemsetD8_v2(allocation, 0, size), "cuMemsetD8")?;
+            check(sys::cuCtxSynchronize(), "cuCtxSynchronize")?;
+        }
+        let comm = memory.comm.comm;
+        // SAFETY: a live communicator; the allocation is NCCL's and lives
+        // as long as the window (both freed in drop, window first).
+        memory.window = unsafe { nccl.window_register(comm, allocation, size)? };
+        let mut requirements = DevCommRequirements {
+            lsa_barrier_count: 1,
+            ..DevCommRequirements::default()
+        };
+        if gin_signals > 0 {
+            requirements.gin_context_count = 1;
+            requirements.gin_signal_count = gin_signals as i32;
+        }
+        // SAFETY: a live communicator.
+        memory.dev_comm = unsafe { nccl.dev_comm_create(comm, &requirements)? };
+        memory.gin = gin_signals > 0;
+        memory.find_peers(kernels, group.rank())?;
+        // SAFETY: synchronous copy of the host struct into its buffer.
+        unsafe {
+            check(
+                sys::cuMemcpyHtoD_v2(
+                    memory.dev_comm_on_device.ptr(),
+                    memory.dev_comm.bytes.as_ptr().cast(),
+                    nccl::DEV_COMM_BYTES,
+                ),
+                "cuMemcpyHtoD",
+            )?;
+        }
+        // Nobody may write into a peer's buffer before the peer has zeroed it.
+        group.barrier()?;
+        Ok(memory)
+    }
+
+    /// Fills `peer_bases` with the LSA pointers of the window for the ranks
+    /// of this rank's LSA team (consecutive world ranks) and 0 for the
+    /// others, with a kernel (LSA pointers are device-side functions).
+    fn find_peers(&mut self, kernels: &Kernels, rank: usize) -> Result<()> {
+        let (lsa_rank, lsa_size) = (self.dev_comm.lsa_rank(), self.dev_comm.lsa_size());
+        let world = self.reachable.len();
+        if lsa_rank >= lsa_size || lsa_rank > rank || rank - lsa_rank + lsa_size > world {
+            return Err(Error::internal(format!(
+                "NCCL reports LSA rank {lsa_rank} of {lsa_size} for rank {rank} of {world}"
+            )));
+        }
+        let first = rank - lsa_rank;
+        for (r, reachable) in self.reachable.iter_mut().enumerate() {
+            *reachable = (first..first + lsa_size).contains(&r);
+        }
+        let params = NcclPeerBasesParams {
+            window: self.window as u64,
+            peer_bases: self.peer_bases.ptr(),
+            first_lsa_rank: first as i32,
+            lsa_size: lsa_size as i32,
+            world: world as i32,
+        };
+        let mut bases = vec![0u64; world];
+        let guard = self.device.bind()?;
+        // SAFETY: the parameters point to our own buffers; the null stream
+        // is synchronized before the table is read back.
+        unsafe {
+            kernels.nccl_peer_bases.launch(
+                &guard,
+                1,
+                PEER_BASES_THREADS,
+                0,
+                std::ptr::null_mut(),
+                &params,
+            )?;
+            check(sys::cuCtxSynchronize(), "cuCtxSynchronize")?;
+            check(
+                sys::cuMemcpyDtoH_v2(bases.as_mut_ptr().cast(), params.peer_bases, world * 8),
+                "cuMemcpyDtoH",
+            )?;
+        }
+        self.own_base = bases[rank];
+        self.host_bases = bases;
+        if self.own_base == 0 {
+            return Err(Error::internal("NCCL gave no LSA pointer for this rank"));
+        }
+        Ok(())
+    }
+}
+
+impl SymmetricMemory for NcclMemory {
+    fn own_base(&self) -> u64 {
+        self.own_base
+    }
+
+    fn peer_bases(&self) -> u64 {
+        self.peer_bases.ptr()
+    }
+
+    fn reachable(&self) -> &[bool] {
+        &self.reachable
+    }
+
+    fn host_peer_bases(&self) -> &[u64] {
+        &self.host_bases
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn nccl(&self) -> Option<NcclDevice> {
+        Some(NcclDevice {
+            window: self.window as u64,
+            dev_comm: self.dev_comm_on_device.ptr(),
+            gin: self.gin,
+        })
+    }
+}
+
+impl Drop for NcclMemory {
+    fn drop(&mut self) {
+        let Ok(_context) = self.device.bind() else {
+            return;
+        };
+        let comm = self.comm.comm;
+        // SAFETY: undoes `new` in reverse order; no kernel uses the buffer
+        // any more (the API's rule for ep_ctx_destroy).
+        unsafe {
+            if self.dev_comm.lsa_size() > 0 {
+                self.nccl.dev_comm_destroy(comm, &self.dev_comm);
+            }
+            if !self.window.is_null() {
+                self.nccl.window_deregister(comm, self.window);
+            }
+            self.nccl.mem_free(self.allocation);
+        }
     }
 }

@@ -9,6 +9,11 @@
 //!    outputs with the reference code, then step 1 (so no rank overwrites its
 //!    region while another still reads it).
 //!
+//! With several nodes (`ranks_per_node`) the results are the GPU's
+//! hierarchical ones: the normal combine sums inside each node first
+//! (`reference::hierarchical::combine`); dispatch and the low-latency mode
+//! give the same results on any node shape.
+//!
 //! Every rank sees every rank's tag at each step, so ranks in different calls
 //! all stop at the same step with `EP_ERR_REMOTE` and read nothing. Errors
 //! found between the steps are returned only after step 1, so no rank is
@@ -37,6 +42,7 @@ use super::ops::{
 };
 use super::sequence::Call;
 use crate::error::{Error, ErrorKind, Result};
+use crate::reference::hierarchical;
 use crate::reference::layout::{dispatch_layout, validate_experts, InvalidExpert};
 use crate::reference::low_latency::{ll_combine, ll_dispatch, LlExpertOutputs, LlRankTokens};
 use crate::reference::mega::{grouped_gemm, ExpertWeights, GemmRows};
@@ -56,7 +62,10 @@ use std::sync::{Arc, Mutex};
 const PUBLISH: u32 = 0;
 const GATHER: u32 = 1;
 
-pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, Arc<dyn Monitor>)> {
+pub fn create(
+    cfg: &mut Config,
+    unique_id: &[u8; 128],
+) -> Result<(Box<dyn Backend>, Arc<dyn Monitor>)> {
     let aborted = Arc::new(AtomicBool::new(false));
     let boot = Bootstrap::connect(
         unique_id,
@@ -65,6 +74,7 @@ pub fn create(cfg: &Config, unique_id: &[u8; 128]) -> Result<(Box<dyn Backend>, 
         cfg.timeout,
         aborted.clone(),
     )?;
+    cfg.resolve_nodes(boot.local_ranks())?;
     agree_on_config(&boot, cfg)?;
     if boot.local_ranks().len() != cfg.world() {
         return Err(Error::unsupported(format!(
@@ -585,7 +595,14 @@ impl Backend for HostBackend {
                 }
             })
             .collect();
-        let out = combine(topo, self.rank(), state.num_tokens, &returned);
+        // The GPU's summation order: node partials first when there are
+        // several nodes.
+        let nodes = self.cfg.nodes();
+        let out = if nodes.is_hierarchical() {
+            hierarchical::combine(topo, nodes, self.rank(), state.num_tokens, &returned)
+        } else {
+            combine(topo, self.rank(), state.num_tokens, &returned)
+        };
         self.step(&call, GATHER)?;
         // SAFETY: `out` has room for the dispatch's tokens (checked by the
         // context where there are any).
