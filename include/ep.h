@@ -452,11 +452,13 @@ typedef struct ep_ll_combine_args_t {
 // `ref` being the reference's fp32 value.
 //
 // Both calls need `n` and `k` to be multiples of 128 up to
-// `EP_MEGA_MAX_DIM`, never synchronise
-// with the host (capturable in a CUDA graph), and run on the GPU in the
-// order they are made, like every operation of the context. On the GPU
-// backend they need a Hopper GPU (compute capability 9.0); elsewhere they
-// return `EP_ERR_UNSUPPORTED`. Data pointers must be 16-byte aligned.
+// `EP_MEGA_MAX_DIM`, never synchronise with the host (capturable in a CUDA
+// graph), and run on the GPU in the order they are made, like every
+// operation of the context. On the GPU
+// backend they need a Hopper GPU (compute capability 9.0) and a context
+// within one node; elsewhere they return `EP_ERR_UNSUPPORTED`. Any
+// `expert_alignment` works (a GEMM tile's rows belong to one expert). Data
+// pointers must be 16-byte aligned.
 typedef struct ep_mega_args_t {
   uint32_t struct_size;
   // `EP_MEGA_ARGS_MAGIC`.
