@@ -1,8 +1,10 @@
 //! What each rank thread does: inputs, contexts, the timed loops, the
 //! cross-rank statistics and the tables (printed by rank 0).
 
+use std::cell::Cell;
 use std::ptr;
 use std::sync::Arc;
+use std::time::Instant;
 
 use ep::capi::*;
 
@@ -611,6 +613,9 @@ impl Rank {
                 }
                 us
             };
+            // The host's side of a call: how long the call itself takes on
+            // the CPU, from entry to return (`ep_combine` enqueues only).
+            let combine_host_us = Cell::new(0.0);
             let combine = |layout: i32, x: &Buf, what: &str, gate: bool| -> f64 {
                 let mut c: ep_combine_args_t = unsafe { std::mem::zeroed() };
                 // SAFETY: valid out-pointer; x and out are live buffers of the right size.
@@ -624,12 +629,29 @@ impl Rank {
                 let [us] = self.time_ops(
                     gate,
                     [&|| {
+                        let start = Instant::now();
                         epc(
                             unsafe { ep_combine(ctx, &c, handle, dev.ep_stream()) },
                             what,
-                        )
+                        );
+                        combine_host_us.set(start.elapsed().as_secs_f64() * 1e6);
                     }],
                 );
+                us
+            };
+            // A dispatch without host synchronisation, timed on the host
+            // only: the CPU cost of a call that enqueues its kernels.
+            let dispatch_host_us = || -> f64 {
+                let mut a = source_order(EP_DTYPE_BF16);
+                a.flags = EP_DISPATCH_NO_HOST_SYNC;
+                let start = Instant::now();
+                // SAFETY: every pointer in `a` is a live buffer of its documented size.
+                epc(
+                    unsafe { ep_dispatch(ctx, &a, handle, dev.ep_stream()) },
+                    "ep_dispatch BF16 no host sync",
+                );
+                let us = start.elapsed().as_secs_f64() * 1e6;
+                dev.sync();
                 us
             };
 
@@ -655,6 +677,7 @@ impl Rank {
                     "ep_combine source-order",
                     gate,
                 );
+                let c_src_host = combine_host_us.get();
                 self.barrier();
                 let mut a = source_order(EP_DTYPE_FP8_E4M3);
                 let d_fp8 = dispatch(&mut a, "ep_dispatch FP8", &mut hc);
@@ -674,7 +697,9 @@ impl Rank {
                     "ep_combine expert-major",
                     gate,
                 );
-                vec![d_bf16, d_fp8, d_em, c_src, c_em]
+                self.barrier();
+                let d_host = dispatch_host_us();
+                vec![d_bf16, d_fp8, d_em, c_src, c_em, d_host, c_src_host]
             });
             host_counts = hc;
 
@@ -708,6 +733,21 @@ impl Rank {
                     stats,
                     bytes: Some(bytes * row_bytes),
                     nccl_us,
+                });
+            }
+            let host_rows = [
+                ("dispatch BF16 no host sync: host time per call", &s[5]),
+                ("combine BF16 source-order: host time per call", &s[6]),
+            ];
+            for (op, times) in host_rows {
+                let stats = self.stats(times);
+                self.print_row(Row {
+                    op,
+                    tokens: t,
+                    sms: Some(sms),
+                    stats,
+                    bytes: None,
+                    nccl_us: None,
                 });
             }
         }
@@ -846,19 +886,31 @@ impl Rank {
         };
         let last = o.warmup + iters - 1;
 
-        // Dispatch and combine back to back: each op's time and the pair's.
+        // Dispatch and combine back to back: each op's time and the pair's,
+        // and each call's time on the host (entry to return: they enqueue).
         let pair = |at: WeightsAt| {
             self.iterate(iters, |i, gate| {
                 let checked = i == 0 || i == last;
                 if checked {
                     poison();
                 }
-                let [d, c] = self.time_ops(gate, [&|| dispatch(0, at), &|| combine(0, at)]);
+                let (dispatch_host, combine_host) = (Cell::new(0.0), Cell::new(0.0));
+                let host_timed = |call: &dyn Fn(), into: &Cell<f64>| {
+                    let start = Instant::now();
+                    call();
+                    into.set(start.elapsed().as_secs_f64() * 1e6);
+                };
+                let [d, c] = self.time_ops(
+                    gate,
+                    [&|| host_timed(&|| dispatch(0, at), &dispatch_host), &|| {
+                        host_timed(&|| combine(0, at), &combine_host)
+                    }],
+                );
                 if checked {
                     let call = if i == 0 { "first" } else { "last" };
                     check(&format!("{at}, {call} call"));
                 }
-                vec![d, c, d + c]
+                vec![d, c, d + c, dispatch_host.get(), combine_host.get()]
             })
         };
         let pair_wd = pair(wd);
@@ -964,6 +1016,20 @@ impl Rank {
             ("LL dispatch recv-only", wd, &split[1], None, None),
             ("LL combine send-only", wd, &split[2], None, None),
             ("LL combine recv-only", wd, &split[3], None, None),
+            (
+                "LL dispatch: host time per call",
+                wd,
+                &pair_wd[3],
+                None,
+                None,
+            ),
+            (
+                "LL combine: host time per call",
+                wd,
+                &pair_wd[4],
+                None,
+                None,
+            ),
         ];
         if let (Some(gd), Some(gc)) = (&graph_wd, &graph_wc) {
             rows.push((GRAPH_OP, wd, &gd[0], Some(db + cb_wd), nc_wd));
