@@ -29,7 +29,6 @@ use ep::reference::mega::RowResult;
 use ep::reference::normal::{worst_case_rows, Dispatched};
 use ep::reference::Dtype;
 use half::bf16;
-use std::ptr::null_mut;
 use std::time::Instant;
 
 /// Rows of a GEMM output checked against the reference: all of them up to
@@ -234,11 +233,11 @@ fn run_calls(ctx: &Ctx, handle: &Handle, case: &MegaCase, b: &Buffers, n: usize,
     // SAFETY: every pointer holds what the API asks for.
     unsafe {
         ok(
-            ep_mega_dispatch_gemm(ctx.0, &m1, handle.0, null_mut()),
+            ep_mega_dispatch_gemm(ctx.0, &m1, handle.0, stream()),
             &format!("{what}: dispatch+GEMM"),
         );
         ok(
-            ep_mega_gemm_combine(ctx.0, &m2, handle.0, null_mut()),
+            ep_mega_gemm_combine(ctx.0, &m2, handle.0, stream()),
             &format!("{what}: GEMM+combine"),
         );
     }

@@ -283,7 +283,10 @@ impl Context {
             inner.ll_dispatch = Some(LlDispatchRecord {
                 call: call.number,
                 num_tokens: op.num_tokens,
-                weighted: !op.topk_weights.is_null(),
+                // A dispatch of no tokens has nothing to weigh: it counts as
+                // given its weights, so its combine may omit them too.
+                weighted: !op.topk_weights.is_null()
+                    || (op.num_tokens == 0 && op.device_num_tokens.is_null()),
             });
         }
         inner.pending = None;

@@ -123,6 +123,10 @@ pub enum Need {
     /// Required when every condition holds; otherwise it is not used and may
     /// be NULL.
     When(&'static [Cond]),
+    /// Required when every condition holds; otherwise it may be NULL, and
+    /// when given the call still reads or writes it (an output that is
+    /// optional once another output is requested, say).
+    WhenElseOptional(&'static [Cond]),
     /// May be NULL; when given, the call reads or writes it.
     Optional,
     /// Never read or written (kept for compatibility); may be NULL.
@@ -159,7 +163,9 @@ impl Field {
     pub fn required(&self, facts: &Facts) -> bool {
         match self.need {
             Need::Always => true,
-            Need::When(conds) => conds.iter().all(|c| c.holds(facts)),
+            Need::When(conds) | Need::WhenElseOptional(conds) => {
+                conds.iter().all(|c| c.holds(facts))
+            }
             Need::Optional | Need::Unused => false,
         }
     }
@@ -167,7 +173,7 @@ impl Field {
     /// Whether the call reads or writes this pointer when it is given.
     pub fn used(&self, facts: &Facts) -> bool {
         match self.need {
-            Need::Always | Need::Optional => true,
+            Need::Always | Need::Optional | Need::WhenElseOptional(_) => true,
             Need::When(_) => self.required(facts),
             Need::Unused => false,
         }
@@ -177,7 +183,7 @@ impl Field {
     pub fn doc(&self) -> String {
         match self.need {
             Need::Always => "Required.".to_string(),
-            Need::When(conds) => {
+            Need::When(conds) | Need::WhenElseOptional(conds) => {
                 let when: Vec<&str> = conds.iter().map(|c| c.phrase()).collect();
                 format!(
                     "Required when {}; may be NULL otherwise (then {}).",
@@ -192,7 +198,7 @@ impl Field {
 
     fn null_error(&self) -> Error {
         let why = match self.need {
-            Need::When(conds) => {
+            Need::When(conds) | Need::WhenElseOptional(conds) => {
                 let when: Vec<&str> = conds.iter().map(|c| c.phrase()).collect();
                 format!(" (required when {})", when.join(" and "))
             }
@@ -357,7 +363,7 @@ pub const DISPATCH: &[Pointer<DispatchOp>] = &[
     Pointer {
         field: rows(
             "recv_x",
-            Need::When(&[Cond::NoExpertMajor]),
+            Need::WhenElseOptional(&[Cond::NoExpertMajor]),
             "no source-order output; the other recv_* pointers are not used",
             1,
         ),
@@ -391,7 +397,7 @@ pub const DISPATCH: &[Pointer<DispatchOp>] = &[
     Pointer {
         field: rows(
             "expert_x",
-            Need::When(&[Cond::NoSourceOrder]),
+            Need::WhenElseOptional(&[Cond::NoSourceOrder]),
             "no expert-major output; the other expert_* pointers are not used",
             1,
         ),
@@ -517,7 +523,7 @@ pub const LL_COMBINE: &[Pointer<LlCombineOp>] = &[
     Pointer {
         field: field(
             "topk_weights",
-            Need::When(&[Cond::Unweighted]),
+            Need::WhenElseOptional(&[Cond::Unweighted]),
             "the weights given to the dispatch apply",
             4,
         ),
