@@ -814,7 +814,10 @@ fn check_ll(shape: &Shape, mode: LlMode, tokens: &[usize], seed: u64, rank: usiz
     a.out_dtype = mode.out_dtype;
     a.x = x.as_ptr() as *const _;
     a.topk_idx = idx.as_ptr();
-    a.topk_weights = if mode.dispatch_weights {
+    // A rank of no tokens passes no weights even when the others do (an
+    // empty array is often NULL, as torch's is): it counts as given them.
+    let no_tokens = n == 0 && !mode.count_in_memory;
+    a.topk_weights = if mode.dispatch_weights && !no_tokens {
         w.as_ptr()
     } else {
         null()

@@ -695,7 +695,9 @@ impl Backend for HostBackend {
             self.publish(a.2, weights.unwrap_or(&[]));
             self.set_header(|h| {
                 h.ll_tokens = n as u64;
-                h.ll_has_weights = weights.is_some() as u64;
+                // No tokens, nothing to weigh: such a rank counts as having
+                // given its weights (as in the context's pairing rule).
+                h.ll_has_weights = (weights.is_some() || n == 0) as u64;
             });
             self.ll_sent = Some(LlSent {
                 num_tokens: n,
