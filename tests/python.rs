@@ -159,7 +159,21 @@ fn plot_script_renders_the_recorded_runs() {
         "bench/plot.py",
     );
     println!("{out}");
-    assert!(out.contains("5 runs, 1 reference files, 5 plots"), "{out}");
+    // Every recorded run is read: the ep-bench files of bench/data (the
+    // others are reference figures, such as DeepEP's).
+    let runs = std::fs::read_dir(root().join("bench/data"))
+        .unwrap()
+        .filter(|entry| {
+            let path = entry.as_ref().unwrap().path();
+            std::fs::read_to_string(path)
+                .unwrap()
+                .contains("\"schema\": \"ep-bench/1\"")
+        })
+        .count();
+    assert!(
+        out.contains(&format!("{runs} runs, 1 reference files, 5 plots")),
+        "{out}"
+    );
     assert!(
         out.contains("vs-deepep: 5 pairs of bars") && out.contains("normal-sms: 2 panels"),
         "{out}"
