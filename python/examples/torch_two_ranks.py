@@ -33,7 +33,7 @@ def rank_main(rank: int, world: int, gpu: bool, port: int) -> None:
         n = 100 + 10 * rank
         x = torch.randn(n, ctx.hidden).to(torch.bfloat16).to(device)
         # DeepEP-style int64 expert ids (int32 avoids a copy); -1 would drop a slot.
-        topk_idx = torch.rand(n, ctx.num_experts).argsort(dim=1)[:, :ctx.topk].to(device)
+        topk_idx = torch.rand(n, ctx.num_experts).argsort(dim=1)[:, :ctx.topk].contiguous().to(device)
         topk_weights = torch.rand(n, ctx.topk).to(device)
         want = x.float() * topk_weights.sum(dim=1, keepdim=True)
 
