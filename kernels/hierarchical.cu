@@ -216,25 +216,13 @@ extern "C" __global__ void ep_hier_stage_kernel(const HierParams p) {
 
     if (blockIdx.x == 0) {
         int* totals = own<int>(p, area_at(p, p.off_totals));
-        for (int c = threadIdx.x; c < columns; c += blockDim.x) {
-            int sum = 0;
-            for (int b = 0; b < chunks; ++b) {
-                sum += chunk_counts[static_cast<int64_t>(b) * columns + c];
-            }
-            totals[c] = sum;
-        }
+        ep_sum_chunk_counts(chunk_counts, columns, chunks, totals);
         if (threadIdx.x == 0) {
             own<int>(p, notify_at(p, home))[0] = p.num_tokens;
         }
     }
     if (static_cast<int>(blockIdx.x) < chunks) {
-        for (int c = threadIdx.x; c < columns; c += blockDim.x) {
-            int sum = 0;
-            for (int b = 0; b < static_cast<int>(blockIdx.x); ++b) {
-                sum += chunk_counts[static_cast<int64_t>(b) * columns + c];
-            }
-            chunk_base[c] = sum;
-        }
+        ep_sum_chunk_counts(chunk_counts, columns, blockIdx.x, chunk_base);
         __syncthreads();
         const int t = blockIdx.x * EP_CHUNK_TOKENS + threadIdx.x;
         if (t < p.num_tokens) {

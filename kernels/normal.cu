@@ -216,22 +216,10 @@ extern "C" __global__ void ep_dispatch_stage_kernel(const DispatchParams p) {
 
     if (blockIdx.x == 0) {
         int* totals = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_totals);
-        for (int c = threadIdx.x; c < columns; c += blockDim.x) {
-            int sum = 0;
-            for (int b = 0; b < chunks; ++b) {
-                sum += chunk_counts[static_cast<int64_t>(b) * columns + c];
-            }
-            totals[c] = sum;
-        }
+        ep_sum_chunk_counts(chunk_counts, columns, chunks, totals);
     }
     if (static_cast<int>(blockIdx.x) < chunks) {
-        for (int c = threadIdx.x; c < columns; c += blockDim.x) {
-            int sum = 0;
-            for (int b = 0; b < static_cast<int>(blockIdx.x); ++b) {
-                sum += chunk_counts[static_cast<int64_t>(b) * columns + c];
-            }
-            chunk_base[c] = sum;
-        }
+        ep_sum_chunk_counts(chunk_counts, columns, blockIdx.x, chunk_base);
         __syncthreads();
         const int token = blockIdx.x * EP_CHUNK_TOKENS + threadIdx.x;
         if (token < p.num_tokens) {

@@ -329,6 +329,21 @@ __device__ __forceinline__ bool ep_last_barrier_passed(uint64_t own_base) {
 // Warps, routing and BF16 vectors
 // ---------------------------------------------------------------------------
 
+// A dispatch's per-chunk counts (`chunk_counts`, [chunks][columns])
+// summed over the first `chunks` chunks, for every column, into `sums`: the
+// totals (all chunks) or a chunk's bases (the chunks before it). The block's
+// threads share the columns.
+__device__ __forceinline__ void ep_sum_chunk_counts(const int* chunk_counts, int columns,
+                                                    int chunks, int* sums) {
+    for (int c = threadIdx.x; c < columns; c += blockDim.x) {
+        int sum = 0;
+        for (int b = 0; b < chunks; ++b) {
+            sum += chunk_counts[static_cast<int64_t>(b) * columns + c];
+        }
+        sums[c] = sum;
+    }
+}
+
 // Bit l set for every lane l below the calling lane.
 __device__ __forceinline__ unsigned ep_lanemask_lt() {
     unsigned mask;
