@@ -7,9 +7,8 @@ random secret: treat it as a credential. The process that made it must stay
 alive until every rank's context exists.
 
 ``from_process_group`` does the shipping over a ``torch.distributed`` group.
-``from_nccl_communicator`` is where a context made from the group's NCCL
-communicator (``ep_ctx_create_from_nccl``) will come, once the library
-exports it.
+``from_nccl_communicator`` needs no unique id: it makes the context from the
+group's NCCL communicator (``ep_ctx_create_from_nccl``).
 """
 import ctypes
 from typing import Any, Optional
@@ -58,26 +57,34 @@ def from_process_group(config: Optional[Config] = None, group: Any = None, *,
     return Context(dist.get_world_size(group), dist.get_rank(group), uid, config, device=device)
 
 
+def nccl_comm_address(comm: Any) -> int:
+    """The ``ncclComm_t`` address behind ``comm``: an int (the address
+    itself), a ``torch.distributed`` process group with an NCCL backend, or
+    that backend (``ProcessGroupNCCL``, whose ``_comm_ptr()`` gives it)."""
+    if isinstance(comm, int):
+        return comm
+    backend = comm
+    if hasattr(comm, "_get_backend"):
+        import torch
+
+        backend = comm._get_backend(torch.device("cuda"))
+    if hasattr(backend, "_comm_ptr"):
+        return int(backend._comm_ptr())
+    raise TypeError(f"{type(comm).__name__} is not an ncclComm_t address, an NCCL process "
+                    "group, or its backend")
+
+
 def from_nccl_communicator(comm: Any, config: Optional[Config] = None, *,
                            device: Optional[int] = None) -> Context:
-    """A context over the ranks (and bootstrap) of an existing NCCL
-    communicator, through ``ep_ctx_create_from_nccl``.
-
-    The libraries of this release do not export that function, so this
-    raises ``UnsupportedError``; use ``from_process_group``. When
-    include/ep.h declares it, ``_abi.FUNCTIONS`` gains its signature
-    (scripts/gen-python-abi.py) and the call belongs here, with ``comm``
-    taken as an ``ncclComm_t`` address or a ``torch.distributed`` NCCL
-    process group (``group._get_backend(torch.device("cuda"))._comm_ptr()``).
-    """
-    name = "ep_ctx_create_from_nccl"
-    if not _lib.has_function(name):
-        raise UnsupportedError(
-            f"{_lib.loaded_path()} does not export {name}: make the context with "
-            f"ep.from_process_group(...) instead", function="from_nccl_communicator")
-    raise UnsupportedError(
-        f"{name} is exported by {_lib.loaded_path()} but this package does not call it yet",
-        function="from_nccl_communicator")
+    """A context over the ranks of an existing NCCL communicator, through
+    ``ep_ctx_create_from_nccl``: ``comm`` is the ``ncclComm_t`` address, a
+    ``torch.distributed`` process group with an NCCL backend, or that
+    backend (see ``nccl_comm_address``). The communicator is borrowed: keep
+    it (and its group) alive until the context is closed. The library loads
+    the NCCL the process already has (torch's) and refuses another version
+    than the one its kernels were built for. Collective: every rank of the
+    communicator calls it."""
+    return Context.from_nccl_comm(nccl_comm_address(comm), config, device=device)
 
 
 class Buffer(Context):

@@ -241,6 +241,35 @@ class Context:
 
     def __init__(self, world_size: int, rank: int, unique_id: Any,
                  config: Optional[Config] = None, *, device: Optional[int] = None):
+        self._clear()
+        c = (config or Config()).to_c()
+        dev = _default_device() if device is None else int(device)
+        ptr = ctypes.c_void_p()
+        _lib.call("ep_ctx_create", ctypes.byref(ptr), int(world_size),
+                  _unique_id_struct(unique_id), int(rank), dev, ctypes.byref(c))
+        self._adopt(ptr.value, c, dev)
+
+    @classmethod
+    def from_nccl_comm(cls, comm: int, config: Optional[Config] = None, *,
+                       device: Optional[int] = None) -> "Context":
+        """The context of this rank of an existing NCCL communicator
+        (``ep_ctx_create_from_nccl``): ``comm`` is the ``ncclComm_t``
+        address, borrowed (never destroyed; it must outlive the context).
+        The ranks, the world size and the bootstrap are the communicator's;
+        ``device`` must be its CUDA device (default: torch's current one).
+        Collective: every rank of the communicator calls it."""
+        self = cls.__new__(cls)
+        self._clear()
+        c = (config or Config()).to_c()
+        dev = _default_device() if device is None else int(device)
+        ptr = ctypes.c_void_p()
+        _lib.call("ep_ctx_create_from_nccl", ctypes.c_void_p(int(comm)), ctypes.byref(c),
+                  ctypes.byref(ptr))
+        self._adopt(ptr.value, c, dev)
+        return self
+
+    def _clear(self) -> None:
+        """The state of a context that holds no ``ep_ctx_t`` yet."""
         self._ptr: Optional[int] = None
         #: ep_handle_t pointers of released handles, reused before new ones
         #: are made and freed only by close() (see ``Handle``).
@@ -248,12 +277,11 @@ class Context:
         self._all_handles: List[int] = []
         self._pending: Optional[Pending] = None
         self._capacity_cache: dict = {}
-        c = (config or Config()).to_c()
-        dev = _default_device() if device is None else int(device)
-        ptr = ctypes.c_void_p()
-        _lib.call("ep_ctx_create", ctypes.byref(ptr), int(world_size),
-                  _unique_id_struct(unique_id), int(rank), dev, ctypes.byref(c))
-        self._ptr = ptr.value
+
+    def _adopt(self, ptr: int, c: Any, dev: int) -> None:
+        """Takes the new ``ep_ctx_t`` at ``ptr``, made from config ``c`` on
+        device ``dev``, and learns its rank, world size and backend."""
+        self._ptr = ptr
         r, w, local, backend = (ctypes.c_int32() for _ in range(4))
         _lib.call("ep_ctx_get_info", self._ptr, ctypes.byref(r), ctypes.byref(w),
                   ctypes.byref(local), ctypes.byref(backend))

@@ -328,3 +328,45 @@ def test_gpu_backend_matches_the_host_backend_in_both_modes_and_in_cuda_graphs()
     print(f"{world} ranks; combines not bit-exact (within one BF16 rounding): {inexact}")
     assert not failures, "\n".join(failures)
     assert all(p.exitcode == 0 for p in procs)
+
+
+def nccl_worker(port, queue):
+    """One rank of a 1-rank NCCL process group: an ep context made from the
+    group's communicator (``ep.from_nccl_communicator``) against a host
+    context, both modes."""
+    import torch.distributed as dist
+
+    failures = []
+    try:
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1, device_id=torch.device("cuda", 0))
+        dist.barrier()  # the communicator exists after a first collective
+        gpu_cfg, host_cfg = configs(1)
+        with ep.from_nccl_communicator(dist.group.WORLD, gpu_cfg) as gpu, \
+                ep.Buffer(None, host_cfg) as host:
+            assert (gpu.backend, gpu.world_size, gpu.rank) == ("gpu", 1, 0)
+            check = Checker(0)
+            normal_round(gpu, host, check, 21, 37, "bf16")
+            ll_round(gpu, host, check, 22, LL_TOKENS, weights_at_dispatch=True)
+            gpu.check_async_error()
+            failures = check.failures
+    except BaseException:
+        failures = failures + ["rank 0: " + traceback.format_exc()]
+    finally:
+        queue.put(failures)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_context_from_a_torch_nccl_group_matches_the_host_backend():
+    backend = torch.distributed.ProcessGroupNCCL if torch.distributed.is_nccl_available() else None
+    if backend is None or not hasattr(backend, "_comm_ptr"):
+        pytest.skip("this torch gives no NCCL communicator address (ProcessGroupNCCL._comm_ptr)")
+    mp = torch.multiprocessing.get_context("spawn")
+    queue = mp.Queue()
+    proc = mp.Process(target=nccl_worker, args=(free_port(), queue), daemon=True)
+    proc.start()
+    failures = queue.get(timeout=120)
+    proc.join(timeout=60)
+    assert not failures, "\n".join(failures)

@@ -326,6 +326,20 @@ def _has_gpu():
     return os.path.exists("/dev/nvidiactl")
 
 
+def test_nccl_entry_point_takes_an_address_a_group_or_its_backend():
+    class Backend:  # what ProcessGroupNCCL offers
+        def _comm_ptr(self):
+            return 0x1234
+
+    assert ep.bootstrap.nccl_comm_address(0x99) == 0x99
+    assert ep.bootstrap.nccl_comm_address(Backend()) == 0x1234
+    with pytest.raises(TypeError, match="is not an ncclComm_t address"):
+        ep.bootstrap.nccl_comm_address(object())
+    # The communicator is required: refused before NCCL is looked for.
+    with pytest.raises(ep.NullPointerError, match="comm"):
+        ep.from_nccl_communicator(0, config())
+
+
 def test_released_handles_are_reused_and_a_fresh_handle_cannot_reuse_a_layout():
     with single() as ctx:
         x = np.zeros((2, TOPO.hidden), np.uint16)
