@@ -443,7 +443,8 @@ fn barrier_times_out_naming_the_missing_peer() {
         rank: 2,
         phase: abi::PHASE_BARRIER,
         detail: 4,
-        call: 0,
+        call,
+        awaited: 5,
     };
     assert_eq!(status, expected);
     assert!(took < Duration::from_secs(2), "{took:?}");
@@ -502,6 +503,7 @@ fn barrier_reports_a_peer_in_another_call() {
         phase: abi::PHASE_BARRIER,
         detail: theirs,
         call: mine,
+        awaited: 0,
     };
     assert_eq!(status, expected);
     assert!(took < Duration::from_secs(5), "{took:?}");
@@ -545,4 +547,77 @@ fn a_barrier_after_a_failed_one_signals_nothing() {
         signals.barrier_after(&device, &module, 0, (7, 5, call), Duration::from_secs(60));
     assert_eq!(status, DeviceStatus::default());
     assert_eq!(signals.signalled_by(&device, 0), vec![0, 0]);
+}
+
+/// Two ranks sharing this GPU, each on its own stream, run 60 barriers in a
+/// row; one arrives first and waits (up to 5 ms, so past the waits' host
+/// polling interval) for the other, in both orders. Every barrier must pass:
+/// a waiting rank sees a peer's signal that arrives while it waits.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn barriers_of_two_ranks_sharing_the_gpu_pass_in_any_order() {
+    let (device, module) = gpu();
+    let kernel = module
+        .function::<BarrierParams>(c"ep_barrier_kernel")
+        .unwrap();
+    let signals = Signals::new(&device, 2);
+    let call = call_word(2, 1);
+    signals.set_call(&device, 0, call);
+    signals.set_call(&device, 1, call);
+    let bound = device.bind().unwrap();
+    let streams: Vec<CUstream> = (0..2)
+        .map(|_| {
+            let mut stream = ptr::null_mut();
+            // SAFETY: creates a stream of the bound context.
+            let res = unsafe {
+                cudarc::driver::sys::cuStreamCreate(
+                    &mut stream,
+                    cudarc::driver::sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                )
+            };
+            assert_eq!(res, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+            stream
+        })
+        .collect();
+    let params = |rank: usize| BarrierParams {
+        peer_signals: signals.table.ptr(),
+        epoch_counter: signals.table_entry(rank) + abi::BARRIER_COUNTER_OFFSET as u64,
+        abort_flag: signals.abort.device_ptr(),
+        status: signals.status.device_ptr(),
+        timeout_ns: Duration::from_secs(5).as_nanos() as u64,
+        rank: rank as i32,
+        world: 2,
+    };
+    for round in 0..60 {
+        let first = round % 2;
+        let delay = Duration::from_micros([0, 50, 500, 5000][round / 2 % 4]);
+        for (i, rank) in [first, 1 - first].into_iter().enumerate() {
+            if i == 1 {
+                std::thread::sleep(delay);
+            }
+            // SAFETY: the parameters match the kernel's; everything
+            // outlives the synchronize below.
+            unsafe {
+                kernel
+                    .launch(
+                        &bound,
+                        1,
+                        BARRIER_THREADS as u32,
+                        0,
+                        streams[rank],
+                        &params(rank),
+                    )
+                    .unwrap();
+            }
+        }
+        for &stream in &streams {
+            // SAFETY: a stream of this device.
+            unsafe { device.stream_synchronize(stream).unwrap() };
+        }
+        assert_eq!(
+            signals.status.read(0),
+            DeviceStatus::default(),
+            "round {round}: rank {first} first, the other {delay:?} later"
+        );
+    }
 }

@@ -122,9 +122,11 @@ __device__ __forceinline__ uint64_t ep_deadline_after(uint64_t timeout_ns) {
 // ---------------------------------------------------------------------------
 
 // Records an error unless one is already recorded (the first one wins).
-// `call` is this rank's call word for EP_STATUS_MISMATCH, else 0.
+// `call` is this rank's call word for a failed wait (mismatch, timeout,
+// abort), else 0; `awaited` is the value a timed-out or aborted wait was for.
 __device__ __forceinline__ void ep_record_error(EpDeviceStatus* status, int code, int rank,
-                                                int phase, int detail, int call = 0) {
+                                                int phase, int detail, int call = 0,
+                                                int awaited = 0) {
     // The CAS is at system scope because the host reads this word too; for
     // host-mapped memory the GPU's atomics are atomic among this GPU's
     // threads, which is all the "first one wins" rule needs (each rank has
@@ -135,6 +137,7 @@ __device__ __forceinline__ void ep_record_error(EpDeviceStatus* status, int code
         s->phase = phase;
         s->detail = detail;
         s->call = call;
+        s->awaited = awaited;
         // Push the fields out to host memory before the kernel exits.
         __threadfence_system();
     }
@@ -269,7 +272,7 @@ __device__ __forceinline__ bool ep_wait_until(Load load, int target, uint64_t de
         }
         const uint64_t now = ep_globaltimer_ns();
         if (now >= deadline_ns) {
-            ep_record_error(status, EP_STATUS_TIMEOUT, rank, phase, value);
+            ep_record_error(status, EP_STATUS_TIMEOUT, rank, phase, value, call.mine, target);
             return false;
         }
         if (next_poll_ns == 0) {
@@ -290,7 +293,7 @@ __device__ __forceinline__ bool ep_wait_until(Load load, int target, uint64_t de
             return false;
         }
         if (ep_ld_relaxed_sys(abort_flag) != 0) {
-            ep_record_error(status, EP_STATUS_ABORTED, rank, phase, value);
+            ep_record_error(status, EP_STATUS_ABORTED, rank, phase, value, call.mine, target);
             return false;
         }
         if (ep_ld_relaxed_sys(&status->code) != EP_STATUS_OK) {

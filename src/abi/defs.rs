@@ -154,8 +154,11 @@ abi_struct! {
         /// Invalid argument: 0 or the bad value. Mismatch: the peer's call
         /// word.
         detail: i32,
-        /// Mismatch: this rank's call word (see `CALL_NUMBER_BITS`); else 0.
+        /// Mismatch, timeout or abort: this rank's call word (see
+        /// `CALL_NUMBER_BITS`); else 0.
         call: i32,
+        /// Timeout or abort: the value the wait was for; else 0.
+        awaited: i32,
     }
 }
 

@@ -997,7 +997,7 @@ pub fn tensor_map(
 
 pub use crate::abi::DeviceStatus;
 
-// SAFETY: five ints, no padding; every bit pattern is a value.
+// SAFETY: six ints, no padding; every bit pattern is a value.
 unsafe impl Plain for DeviceStatus {}
 
 /// The first error a rank's kernels hit (defined in src/abi/defs.rs). It
@@ -1025,13 +1025,21 @@ impl DeviceStatus {
             abi::STATUS_TIMEOUT => (
                 ErrorKind::Timeout,
                 format!(
-                    "timed out waiting for rank {} (last value seen {})",
-                    self.rank, self.detail
+                    "{}timed out waiting for rank {} to reach {} (last value seen {})",
+                    self.in_call(),
+                    self.rank,
+                    self.awaited,
+                    self.detail
                 ),
             ),
             abi::STATUS_ABORTED => (
                 ErrorKind::Aborted,
-                format!("aborted while waiting for rank {}", self.rank),
+                format!(
+                    "{}aborted while waiting for rank {} to reach {}",
+                    self.in_call(),
+                    self.rank,
+                    self.awaited
+                ),
             ),
             abi::STATUS_INVALID_EXPERT => (
                 ErrorKind::InvalidArgument,
@@ -1067,6 +1075,17 @@ impl DeviceStatus {
             ),
         };
         Err(Error::new(kind, format!("{phase}: {what}")))
+    }
+}
+
+impl DeviceStatus {
+    /// "in <call>: " for a failed wait that knows its call, else "".
+    fn in_call(&self) -> String {
+        if self.call == 0 {
+            String::new()
+        } else {
+            format!("in {}: ", describe_call(self.call))
+        }
     }
 }
 
@@ -1154,7 +1173,7 @@ mod tests {
 
     #[test]
     fn device_status_matches_the_c_struct_and_maps_codes() {
-        assert_eq!(size_of::<DeviceStatus>(), 20);
+        assert_eq!(size_of::<DeviceStatus>(), 24);
         assert_eq!(DeviceStatus::default().to_result(), Ok(()));
         let status = |code, rank, phase, detail| DeviceStatus {
             code,
@@ -1162,14 +1181,20 @@ mod tests {
             phase,
             detail,
             call: 0,
+            awaited: 0,
         };
-        let err = status(abi::STATUS_TIMEOUT, 3, abi::PHASE_BARRIER, 6)
-            .to_result()
-            .unwrap_err();
+        let word = |op: i32, n: i32| op << abi::CALL_NUMBER_BITS | n;
+        let timeout = DeviceStatus {
+            call: word(2, 5),
+            awaited: 7,
+            ..status(abi::STATUS_TIMEOUT, 3, abi::PHASE_BARRIER, 6)
+        };
+        let err = timeout.to_result().unwrap_err();
         assert_eq!(err.kind, ErrorKind::Timeout);
         assert_eq!(
             err.message,
-            "barrier kernel: timed out waiting for rank 3 (last value seen 6)"
+            "barrier kernel: in ep_combine (collective call 5 on the device): timed out waiting \
+             for rank 3 to reach 7 (last value seen 6)"
         );
         let kind = |code| {
             status(code, -1, abi::PHASE_LAYOUT, 0)
@@ -1188,7 +1213,6 @@ mod tests {
             ErrorKind::InvalidArgument
         );
         assert_eq!(kind(99), ErrorKind::Internal);
-        let word = |op: i32, n: i32| op << abi::CALL_NUMBER_BITS | n;
         let mismatch = DeviceStatus {
             call: word(3, 7),
             ..status(abi::STATUS_MISMATCH, 1, abi::PHASE_LL_DISPATCH, word(1, 7))
