@@ -9,8 +9,9 @@
 //! - [`NativeMemory`]: each rank allocates with `cuMemCreate`, exports the
 //!   allocation as a POSIX file descriptor, sends it to the other ranks of
 //!   its host over the bootstrap's Unix channel, and maps every peer's
-//!   buffer. Ranks that are threads of one process take the same path (a
-//!   descriptor imports within a process as well). One host only.
+//!   buffer. One host only. Ranks that share a GPU (threads of one process,
+//!   see `placement`) do not map each other's buffers again: they use the
+//!   owner's own mapping (see "Ranks sharing a GPU" below).
 //! - [`NcclMemory`]: `ncclMemAlloc` + `ncclCommWindowRegister` (a symmetric
 //!   window) on an NCCL communicator; the peers of the LSA team (NCCL's
 //!   load/store-accessible ranks) are reached through `ncclGetLsaPointer`,
@@ -18,6 +19,21 @@
 //!   kernels (GIN) for the other ranks.
 //!
 //! NVLink multicast objects are never created: only unicast peer mappings.
+//!
+//! # Ranks sharing a GPU
+//! Two mappings of one allocation on one GPU are *virtual aliases*, and CUDA
+//! keeps aliases coherent only at kernel boundaries: a store through one
+//! alias may stay invisible, for as long as a kernel runs, to a kernel that
+//! was already running and loads through the other (CUDA Programming Guide,
+//! "Virtual Aliasing Support"). Every wait of ep is such a kernel (the
+//! barrier polls its own slots while the peers store into them), so with
+//! aliases a waiting rank could miss a peer's signal for good. Therefore
+//! every buffer on a GPU is reached through one virtual address only: each
+//! rank publishes its own mapping in a table of this process
+//! ([`OWN_MAPPINGS`]), and a rank on the same GPU shares it (an `Arc`, so the
+//! buffer stays mapped until its last user has gone) instead of importing
+//! the descriptor. Peers on other GPUs map the buffer themselves: their
+//! accesses cross NVLink to the owner's memory, which is not an alias.
 
 use super::super::bootstrap::Bootstrap;
 use super::super::cuda::{check, Device, DeviceBuffer};
@@ -28,7 +44,7 @@ use crate::abi::NcclPeerBasesParams;
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 /// What the network kernels need of an NCCL context: device addresses of
 /// the window's description and of the device communicator.
@@ -70,6 +86,11 @@ struct Mapping {
     size: usize,
 }
 
+// SAFETY: a handle and an address are plain values, and the driver API is
+// thread-safe; ranks that share a mapping only read its fields.
+unsafe impl Send for Mapping {}
+unsafe impl Sync for Mapping {}
+
 impl Drop for Mapping {
     fn drop(&mut self) {
         let Ok(_context) = self.device.bind() else {
@@ -85,9 +106,31 @@ impl Drop for Mapping {
     }
 }
 
-/// This rank's buffer and the mappings of every peer's, index = rank.
+/// The buffers of this process's ranks, by base address: where ranks
+/// sharing a GPU find each other's mapping (see "Ranks sharing a GPU").
+/// Entries of dropped mappings are pruned when the table is next used.
+static OWN_MAPPINGS: Mutex<Vec<(u64, Weak<Mapping>)>> = Mutex::new(Vec::new());
+
+/// Lists `mapping` (a rank's own buffer) in [`OWN_MAPPINGS`].
+fn publish(mapping: &Arc<Mapping>) {
+    let mut table = OWN_MAPPINGS.lock().unwrap_or_else(PoisonError::into_inner);
+    table.retain(|(_, weak)| weak.strong_count() > 0);
+    table.push((mapping.base, Arc::downgrade(mapping)));
+}
+
+/// The live mapping of this process listed at `base`, if any.
+fn published(base: u64) -> Option<Arc<Mapping>> {
+    let table = OWN_MAPPINGS.lock().unwrap_or_else(PoisonError::into_inner);
+    table
+        .iter()
+        .filter(|(b, _)| *b == base)
+        .find_map(|(_, weak)| weak.upgrade())
+}
+
+/// This rank's buffer and the mappings of every peer's, index = rank (a
+/// peer on this GPU: the peer's own mapping, shared).
 pub struct NativeMemory {
-    mappings: Vec<Mapping>,
+    mappings: Vec<Arc<Mapping>>,
     /// `[world]` device pointers to every rank's buffer, for kernels.
     peer_bases: DeviceBuffer,
     host_bases: Vec<u64>,
@@ -157,8 +200,15 @@ fn map(device: &Device, handle: sys::CUmemGenericAllocationHandle, size: usize) 
 impl NativeMemory {
     /// Allocates `bytes` (rounded up to the allocation granularity) on every
     /// rank and maps all of them on all ranks, zero-filled. Collective: every
-    /// rank of `boot` calls it with the same size.
-    pub fn new(device: &Device, boot: &Bootstrap, bytes: usize) -> Result<NativeMemory> {
+    /// rank of `boot` calls it with the same size. `sharing`: the ranks on
+    /// this rank's GPU (threads of this process), which are reached through
+    /// their own mappings.
+    pub fn new(
+        device: &Device,
+        boot: &Bootstrap,
+        bytes: usize,
+        sharing: &[usize],
+    ) -> Result<NativeMemory> {
         if boot.local_ranks().len() != boot.world() {
             return Err(Error::unsupported(
                 "the GPU backend connects ranks over NVLink and needs them on one host",
@@ -186,7 +236,8 @@ impl NativeMemory {
             unsafe { sys::cuMemCreate(&mut own, size, &prop, 0) },
             "cuMemCreate",
         )?;
-        let own_mapping = map(device, own, size)?;
+        let own_mapping = Arc::new(map(device, own, size)?);
+        publish(&own_mapping);
         let mut raw_fd: i32 = -1;
         // SAFETY: writes one int (the descriptor) for a handle we own.
         check(
@@ -204,11 +255,28 @@ impl NativeMemory {
         let own_fd = unsafe { OwnedFd::from_raw_fd(raw_fd) };
 
         let fds = boot.all_gather_fds(own_fd.as_fd())?;
+        let own_bases = boot.all_gather(&own_mapping.base.to_le_bytes())?;
         let mut own_mapping = Some(own_mapping);
         let mut mappings = Vec::with_capacity(boot.world());
         for (rank, fd) in fds.iter().enumerate() {
             if rank == boot.rank() {
                 mappings.extend(own_mapping.take());
+                continue;
+            }
+            if sharing.contains(&rank) {
+                // The peer published its mapping before the all-gathers.
+                let base = own_bases[rank]
+                    .as_slice()
+                    .try_into()
+                    .map(u64::from_le_bytes)
+                    .map_err(|_| Error::remote(format!("rank {rank} sent a malformed address")))?;
+                let shared = published(base).ok_or_else(|| {
+                    Error::remote(format!(
+                        "rank {rank} shares this GPU but its buffer is not mapped in this process \
+                         (it left the group during create)"
+                    ))
+                })?;
+                mappings.push(shared);
                 continue;
             }
             let fd = fd
@@ -227,7 +295,7 @@ impl NativeMemory {
                 },
                 "cuMemImportFromShareableHandle",
             )?;
-            mappings.push(map(device, handle, size)?);
+            mappings.push(Arc::new(map(device, handle, size)?));
         }
         let bases: Vec<u64> = mappings.iter().map(|m| m.base).collect();
         let memory = NativeMemory {
