@@ -31,7 +31,8 @@ use super::bootstrap::Bootstrap;
 use super::config::{agree_on_config, Config};
 use super::contract::{Field, Memory, PointerCheck};
 use super::cuda::{
-    ContextGuard, Device, DeviceStatus, Kernel, MappedHost, Module, KERNEL_IMAGES, STREAM_LEGACY,
+    self, ContextGuard, Device, DeviceStatus, Kernel, MappedHost, Module, KERNEL_IMAGES,
+    STREAM_LEGACY,
 };
 use super::group::{HostGroup, NcclGroup};
 use super::log;
@@ -46,6 +47,7 @@ use crate::abi::{
     MegaParams, NcclPeerBasesParams, BARRIER_COUNTER_OFFSET, BARRIER_THREADS,
 };
 use crate::error::{Error, Result};
+use cudarc::driver::sys;
 use low_latency::LlMode;
 use mega::MegaMode;
 use normal::NormalMode;
@@ -138,7 +140,12 @@ pub fn create(
     log_summary(cfg, &device, &module);
     let one_host = boot.local_ranks().len() == cfg.world();
     let memory: Box<dyn SymmetricMemory> = if one_host && !nccl_requested()? {
-        Box::new(NativeMemory::new(&device, &boot, buffer_bytes(cfg))?)
+        Box::new(NativeMemory::new(
+            &device,
+            &boot,
+            buffer_bytes(cfg),
+            &placement.sharing,
+        )?)
     } else {
         let comm = own_communicator(&boot, &device)?;
         let gin = gin_signals(cfg, &comm);
@@ -279,6 +286,13 @@ fn finish(
         status: MappedHost::new(&device, 1)?,
         abort_flag: MappedHost::new(&device, 1)?,
         aborted,
+        signals: SignalWords {
+            device: device.clone(),
+            own_base: memory.own_base(),
+            table: memory.peer_bases(),
+            world: cfg.world(),
+        },
+        logged: AtomicBool::new(false),
     });
     let rt = Runtime {
         cfg: *cfg,
@@ -404,11 +418,73 @@ pub struct GpuMonitor {
     abort_flag: MappedHost<i32>,
     /// Tells host-side waits (bootstrap) to give up.
     aborted: Arc<AtomicBool>,
+    /// Where this rank's barrier words are, for the log after a timeout.
+    signals: SignalWords,
+    /// Whether they were logged already (once per context).
+    logged: AtomicBool,
+}
+
+/// This rank's barrier slots, barrier and call words, and its table of
+/// peer buffers: logged when a wait timed out, to tell a signal that never
+/// came from one that came late.
+struct SignalWords {
+    device: Device,
+    own_base: u64,
+    table: u64,
+    world: usize,
+}
+
+impl SignalWords {
+    /// The words as one line (device reads; only after a failure).
+    fn describe(&self) -> Result<String> {
+        let _context = self.device.bind()?;
+        let words_at = BARRIER_COUNTER_OFFSET / 8;
+        let mut head = vec![0u64; words_at + 2];
+        let mut table = vec![0u64; self.world];
+        // SAFETY: reads the rank's own buffer (slots, then the four words)
+        // and its table, both at least this long.
+        unsafe {
+            cuda::check(
+                sys::cuMemcpyDtoH_v2(head.as_mut_ptr().cast(), self.own_base, head.len() * 8),
+                "cuMemcpyDtoH",
+            )?;
+            cuda::check(
+                sys::cuMemcpyDtoH_v2(table.as_mut_ptr().cast(), self.table, table.len() * 8),
+                "cuMemcpyDtoH",
+            )?;
+        }
+        let slots: Vec<String> = head[..self.world]
+            .iter()
+            .map(|s| format!("{}@{:#x}", *s as u32, s >> 32))
+            .collect();
+        let words = |w: u64| (w as u32, (w >> 32) as u32);
+        let barrier = words(head[words_at]);
+        let calls = words(head[words_at + 1]);
+        let table: Vec<String> = table.iter().map(|b| format!("{b:#x}")).collect();
+        Ok(format!(
+            "barrier slots (epoch@call) [{}], barriers entered {} passed {}, calls started {} \
+             current {:#x}, own buffer {:#x}, peer table [{}]",
+            slots.join(", "),
+            barrier.0,
+            barrier.1,
+            calls.0,
+            calls.1,
+            self.own_base,
+            table.join(", ")
+        ))
+    }
 }
 
 impl Monitor for GpuMonitor {
     fn async_error(&self) -> Result<()> {
-        self.status.read(0).to_result()
+        let status = self.status.read(0);
+        if status.code == abi::STATUS_TIMEOUT && !self.logged.swap(true, Ordering::Relaxed) {
+            match self.signals.describe() {
+                Ok(words) => log::warning!("after a device timeout: {words}"),
+                Err(err) => log::warning!("after a device timeout: {err}"),
+            }
+        }
+        status.to_result()
     }
 
     fn abort(&self) {
