@@ -7,10 +7,9 @@
 //! over NVLink; a network leg connects the nodes, rail to rail.
 //!
 //! # Dispatch
-//! 1. Notify: each source sends its counts ([`NotifyCounts`]: tokens per
-//!    node and per rank, (token, slot) pairs per expert, its token count) to
-//!    its rail peer on every node, so every receiver knows its sizes before
-//!    any row arrives.
+//! 1. Notify: each source sends its counts (tokens per node and per rank,
+//!    (token, slot) pairs per expert, its token count) to its rail peer on
+//!    every node, so every receiver knows its sizes before any row arrives.
 //! 2. Network leg: each token crosses the network ONCE per destination node
 //!    other than the source's own, to the source's rail peer there (its
 //!    *gateway* on that node). A source sends to the remote nodes in ring
@@ -40,7 +39,7 @@
 //! [`combine`] is that order, exactly; with one rank per node or one node it
 //! equals the single-node [`super::normal::combine`] bit for bit.
 
-use super::normal::Returned;
+use super::normal::{add_rows, Returned};
 use super::Topology;
 use half::bf16;
 
@@ -111,19 +110,6 @@ impl NodeShape {
     }
 }
 
-/// The counts a source's notify step sends to its rail peers.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct NotifyCounts {
-    /// The source's token count.
-    pub num_tokens: usize,
-    /// `[nodes]`: tokens with at least one expert on each node.
-    pub tokens_per_node: Vec<usize>,
-    /// `[world]`: tokens with at least one expert on each rank.
-    pub tokens_per_rank: Vec<usize>,
-    /// `[num_experts]`: (token, slot) pairs routed to each expert.
-    pub pairs_per_expert: Vec<usize>,
-}
-
 /// The ranks token `token` goes to: those holding one of its experts,
 /// ascending. `topk_idx` must be validated.
 pub fn destination_ranks(topo: Topology, topk_idx: &[i32], token: usize) -> Vec<usize> {
@@ -149,40 +135,6 @@ pub fn destination_nodes(
         .collect();
     nodes.dedup();
     nodes
-}
-
-/// What one source's notify step sends, from its routing.
-///
-/// # Panics
-/// On a shape mismatch or an invalid expert id (see
-/// [`super::layout::validate_experts`]).
-pub fn notify_counts(
-    topo: Topology,
-    shape: NodeShape,
-    topk_idx: &[i32],
-    num_tokens: usize,
-) -> NotifyCounts {
-    check_shapes(topo, shape, topk_idx, num_tokens);
-    let mut counts = NotifyCounts {
-        num_tokens,
-        tokens_per_node: vec![0; shape.nodes()],
-        tokens_per_rank: vec![0; topo.world],
-        pairs_per_expert: vec![0; topo.num_experts],
-    };
-    for token in 0..num_tokens {
-        for &id in &topk_idx[token * topo.topk..][..topo.topk] {
-            if id >= 0 {
-                counts.pairs_per_expert[id as usize] += 1;
-            }
-        }
-        for rank in destination_ranks(topo, topk_idx, token) {
-            counts.tokens_per_rank[rank] += 1;
-        }
-        for node in destination_nodes(topo, shape, topk_idx, token) {
-            counts.tokens_per_node[node] += 1;
-        }
-    }
-    counts
 }
 
 fn check_shapes(topo: Topology, shape: NodeShape, topk_idx: &[i32], num_tokens: usize) {
@@ -218,7 +170,8 @@ pub struct DispatchPlan {
 /// The dispatch plan of `source`'s tokens, from its routing.
 ///
 /// # Panics
-/// As [`notify_counts`].
+/// On a shape mismatch or an invalid expert id (see
+/// [`super::layout::validate_experts`]).
 pub fn dispatch_plan(
     topo: Topology,
     shape: NodeShape,
@@ -253,47 +206,6 @@ pub fn dispatch_plan(
     DispatchPlan { network, forward }
 }
 
-/// The path of the rows that return to one source rank in a combine.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CombinePlan {
-    /// Every (token, expert rank that received it), in token order then
-    /// rank order: the expert rank's row goes to the source's gateway on
-    /// its node (`from == to`: the gateway's own row, no NVLink).
-    pub to_gateway: Vec<Transfer>,
-    /// One node partial per (token, node other than the source's), nodes in
-    /// the gateways' issue order (each gateway sends its own tokens in
-    /// token order): gateway to source, over the network.
-    pub network: Vec<Transfer>,
-}
-
-/// The combine plan of `source`'s tokens (the reverse of its dispatch).
-///
-/// # Panics
-/// As [`notify_counts`].
-pub fn combine_plan(
-    topo: Topology,
-    shape: NodeShape,
-    source: usize,
-    topk_idx: &[i32],
-    num_tokens: usize,
-) -> CombinePlan {
-    let dispatch = dispatch_plan(topo, shape, source, topk_idx, num_tokens);
-    let reversed = |moves: &[Transfer]| {
-        moves
-            .iter()
-            .map(|t| Transfer {
-                token: t.token,
-                from: t.to,
-                to: t.from,
-            })
-            .collect()
-    };
-    CombinePlan {
-        to_gateway: reversed(&dispatch.forward),
-        network: reversed(&dispatch.network),
-    }
-}
-
 /// Rows one rank sends over each leg in one operation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LegRows {
@@ -311,7 +223,7 @@ pub struct LegRows {
 /// differ), for comparison. Returns `(dispatch, combine)` per rank.
 ///
 /// # Panics
-/// As [`notify_counts`], for any rank's routing.
+/// As [`dispatch_plan`], for any rank's routing.
 pub fn traffic(
     topo: Topology,
     shape: NodeShape,
@@ -328,23 +240,22 @@ pub fn traffic(
         }
     };
     for (source, &(topk_idx, num_tokens)) in routing.iter().enumerate() {
-        if hierarchical {
-            let d = dispatch_plan(topo, shape, source, topk_idx, num_tokens);
-            let c = combine_plan(topo, shape, source, topk_idx, num_tokens);
-            for t in d.network.iter().chain(&d.forward) {
-                count(&mut rows[t.from].0, t.from, t.to);
-            }
-            for t in c.to_gateway.iter().chain(&c.network) {
-                count(&mut rows[t.from].1, t.from, t.to);
-            }
+        // (from, to) of every row the dispatch moves.
+        let moves: Vec<(usize, usize)> = if hierarchical {
+            let plan = dispatch_plan(topo, shape, source, topk_idx, num_tokens);
+            let legs = plan.network.iter().chain(&plan.forward);
+            legs.map(|t| (t.from, t.to)).collect()
         } else {
             check_shapes(topo, shape, topk_idx, num_tokens);
-            for token in 0..num_tokens {
-                for to in destination_ranks(topo, topk_idx, token) {
-                    count(&mut rows[source].0, source, to);
-                    count(&mut rows[to].1, to, source);
-                }
-            }
+            (0..num_tokens)
+                .flat_map(|token| destination_ranks(topo, topk_idx, token))
+                .map(|to| (source, to))
+                .collect()
+        };
+        // The combine moves each of them back, from `to` to `from`.
+        for (from, to) in moves {
+            count(&mut rows[from].0, from, to);
+            count(&mut rows[to].1, to, from);
         }
     }
     rows
@@ -376,21 +287,18 @@ pub fn combine(
     let mut acc = vec![0f32; num_tokens * hidden];
     for node in 0..shape.nodes() {
         let mut partial = vec![0f32; num_tokens * hidden];
-        let mut present = vec![false; num_tokens];
         for r in shape.ranks_of(node) {
-            for (token, row) in returned[r].rows_for(r, rank, num_tokens, hidden) {
-                present[token] = true;
-                for (a, &v) in partial[token * hidden..][..hidden].iter_mut().zip(row) {
-                    *a += v.to_f32();
-                }
-            }
+            add_rows(
+                &mut partial,
+                hidden,
+                returned[r].rows_for(r, rank, num_tokens, hidden),
+            );
         }
-        for (token, _) in present.iter().enumerate().filter(|(_, &p)| p) {
-            let range = token * hidden..(token + 1) * hidden;
-            for (a, &p) in acc[range.clone()].iter_mut().zip(&partial[range]) {
-                *a += bf16::from_f32(p).to_f32();
-            }
-        }
+        // The node partials are BF16 rows. A node with no row for a token
+        // adds bf16(+0.0), which changes no sum: `acc` starts at +0.0 and an
+        // fp32 sum is -0.0 only when both terms are.
+        let partial: Vec<bf16> = partial.into_iter().map(bf16::from_f32).collect();
+        add_rows(&mut acc, hidden, partial.chunks_exact(hidden).enumerate());
     }
     acc.into_iter().map(bf16::from_f32).collect()
 }
@@ -528,61 +436,6 @@ mod tests {
                 let mut seen = order.clone();
                 seen.dedup();
                 assert_eq!(seen, expected, "{topo:?} {shape:?} source {source}");
-            }
-        }
-    }
-
-    #[test]
-    fn notify_counts_match_the_plan_and_the_layout() {
-        let mut rng = Rng::new(32);
-        for (topo, shape) in shapes() {
-            for (source, s) in sources(&mut rng, topo).iter().enumerate() {
-                let c = notify_counts(topo, shape, &s.topk_idx, s.n);
-                let plan = dispatch_plan(topo, shape, source, &s.topk_idx, s.n);
-                let layout =
-                    crate::reference::layout::dispatch_layout(topo, &s.topk_idx, s.n).unwrap();
-                assert_eq!(c.num_tokens, s.n);
-                for (rank, &count) in c.tokens_per_rank.iter().enumerate() {
-                    assert_eq!(count, plan.forward.iter().filter(|t| t.to == rank).count());
-                    assert_eq!(count as i32, layout.tokens_per_rank[rank]);
-                }
-                let home = shape.node_of(source);
-                for (node, &count) in c.tokens_per_node.iter().enumerate() {
-                    let through_network = plan
-                        .network
-                        .iter()
-                        .filter(|t| shape.node_of(t.to) == node)
-                        .count();
-                    if node == home {
-                        assert_eq!(through_network, 0);
-                    } else {
-                        assert_eq!(count, through_network);
-                    }
-                    assert!(count <= s.n);
-                }
-                let pairs: Vec<i32> = c.pairs_per_expert.iter().map(|&p| p as i32).collect();
-                assert_eq!(pairs, layout.tokens_per_expert);
-            }
-        }
-    }
-
-    #[test]
-    fn combine_plan_reverses_the_dispatch() {
-        let mut rng = Rng::new(33);
-        for (topo, shape) in shapes() {
-            for (source, s) in sources(&mut rng, topo).iter().enumerate() {
-                let d = dispatch_plan(topo, shape, source, &s.topk_idx, s.n);
-                let c = combine_plan(topo, shape, source, &s.topk_idx, s.n);
-                assert_eq!(c.to_gateway.len(), d.forward.len());
-                assert_eq!(c.network.len(), d.network.len());
-                for t in &c.to_gateway {
-                    assert_eq!(shape.node_of(t.from), shape.node_of(t.to));
-                    assert_eq!(t.to, shape.gateway(source, shape.node_of(t.from)));
-                }
-                for t in &c.network {
-                    assert_eq!(t.to, source);
-                    assert_ne!(shape.node_of(t.from), shape.node_of(source));
-                }
             }
         }
     }

@@ -280,13 +280,24 @@ pub fn combine(topo: Topology, rank: usize, num_tokens: usize, returned: &[Retur
     let hidden = topo.hidden;
     let mut acc = vec![0f32; num_tokens * hidden];
     for (r, ret) in returned.iter().enumerate() {
-        for (token, row) in ret.rows_for(r, rank, num_tokens, hidden) {
-            for (a, &v) in acc[token * hidden..][..hidden].iter_mut().zip(row) {
-                *a += v.to_f32();
-            }
-        }
+        add_rows(&mut acc, hidden, ret.rows_for(r, rank, num_tokens, hidden));
     }
     acc.into_iter().map(bf16::from_f32).collect()
+}
+
+/// Adds each `(token, row)` to the fp32 sums of `token` (`acc[token *
+/// hidden..][..hidden] += f32(row)`), in the order given: the combines'
+/// summation step.
+pub(super) fn add_rows<'a>(
+    acc: &mut [f32],
+    hidden: usize,
+    rows: impl IntoIterator<Item = (usize, &'a [bf16])>,
+) {
+    for (token, row) in rows {
+        for (a, &v) in acc[token * hidden..][..hidden].iter_mut().zip(row) {
+            *a += v.to_f32();
+        }
+    }
 }
 
 impl<'a> Returned<'a> {

@@ -220,6 +220,19 @@ fn now_utc() -> String {
     )
 }
 
+/// Fails unless `world` ranks is positive and divides the expert count.
+fn check_world(o: &Opts, world: usize) {
+    if world == 0 {
+        fail("--ranks must be positive");
+    }
+    if !o.experts.is_multiple_of(world) {
+        fail(&format!(
+            "--experts {} is not divisible by {world} ranks",
+            o.experts
+        ));
+    }
+}
+
 /// State shared by the rank threads.
 pub struct Shared {
     pub world: usize,
@@ -246,18 +259,18 @@ fn main() {
         std::env::set_var("NCCL_NVLS_ENABLE", "0");
     }
 
+    // The command line as printed in every header, the binary as `ep-bench`.
+    let command = std::iter::once("ep-bench")
+        .chain(args[1..].iter().map(String::as_str))
+        .collect::<Vec<_>>()
+        .join(" ");
+
     if opts.traffic {
         let world = opts.ranks.unwrap_or(8);
-        if world == 0 || !opts.experts.is_multiple_of(world) {
-            fail(&format!(
-                "--experts {} is not divisible by {world} ranks",
-                opts.experts
-            ));
-        }
+        check_world(&opts, world);
         let header = format!(
-            "{}, traffic of the plans (no device), command: `ep-bench {}`",
-            now_utc(),
-            args[1..].join(" ")
+            "{}, traffic of the plans (no device), command: `{command}`",
+            now_utc()
         );
         traffic::print(&opts, world, &header);
         return;
@@ -274,9 +287,6 @@ fn main() {
             fail("no CUDA device visible");
         }
         let world = opts.ranks.unwrap_or(count as usize);
-        if world == 0 {
-            fail("--ranks must be positive");
-        }
         let devices = world.min(count as usize);
         let mut desc = format!("{devices} x {}", device::device_name(0));
         if world > devices {
@@ -285,17 +295,9 @@ fn main() {
         (world, devices, desc)
     } else {
         let world = opts.ranks.unwrap_or(2);
-        if world == 0 {
-            fail("--ranks must be positive");
-        }
         (world, 1, "host backend (no GPU)".to_string())
     };
-    if !opts.experts.is_multiple_of(world) {
-        fail(&format!(
-            "--experts {} is not divisible by {world} ranks",
-            opts.experts
-        ));
-    }
+    check_world(&opts, world);
 
     // NCCL baseline: one communicator per GPU, made here for all ranks
     // (NCCL takes one rank per GPU).
@@ -322,21 +324,9 @@ fn main() {
     } else {
         "std::time::Instant wall clock (host backend)"
     };
-    let cmd: Vec<String> = args
-        .iter()
-        .enumerate()
-        .map(|(i, a)| {
-            if i == 0 {
-                "ep-bench".to_string()
-            } else {
-                a.clone()
-            }
-        })
-        .collect();
     let date = now_utc();
     let header = format!(
-        "{date}, {device_desc}, {world} ranks, timing: {timing}, {nccl_note}, command: `{}`",
-        cmd.join(" ")
+        "{date}, {device_desc}, {world} ranks, timing: {timing}, {nccl_note}, command: `{command}`"
     );
     let report = Report {
         header: vec![
@@ -349,7 +339,7 @@ fn main() {
             ),
             ("timing", Value::Str(timing.into())),
             ("nccl", Value::Str(nccl_note.clone())),
-            ("command", Value::Str(cmd.join(" "))),
+            ("command", Value::Str(command)),
         ],
         tables: Vec::new(),
     };

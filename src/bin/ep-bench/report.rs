@@ -25,8 +25,9 @@ pub enum Value {
 }
 
 impl Value {
-    pub fn opt_num(v: Option<f64>) -> Value {
-        v.filter(|x| x.is_finite()).map_or(Value::Null, Value::Num)
+    /// A number, or null for `None` (or, as every number, when not finite).
+    pub fn opt_num(v: Option<impl Into<f64>>) -> Value {
+        v.map_or(Value::Null, |x| Value::Num(x.into()))
     }
 
     pub fn write(&self, out: &mut String, indent: usize) {
@@ -116,7 +117,7 @@ impl Report {
                     ("topk", Value::Num(t.topk as f64)),
                     ("experts", Value::Num(t.experts as f64)),
                     ("iterations", Value::Num(t.iterations as f64)),
-                    ("sms", Value::opt_num(t.sms.map(f64::from))),
+                    ("sms", Value::opt_num(t.sms)),
                     ("rows", Value::Arr(t.rows.clone())),
                 ])
             })

@@ -37,6 +37,39 @@ impl Rng {
     }
 }
 
+/// Uniform routing of `tokens` tokens: `topk` distinct experts each, drawn
+/// from `rng`; with `weights`, each expert's weight (in [0, 1)) is drawn
+/// right after it, else the weights are empty.
+pub(crate) fn uniform_routing(
+    rng: &mut Rng,
+    o: &Opts,
+    tokens: usize,
+    weights: bool,
+) -> (Vec<i32>, Vec<f32>) {
+    let mut idx = Vec::with_capacity(tokens * o.topk);
+    let mut w = Vec::new();
+    for _ in 0..tokens {
+        let start = idx.len();
+        while idx.len() - start < o.topk {
+            let e = rng.below(o.experts) as i32;
+            if !idx[start..].contains(&e) {
+                idx.push(e);
+                if weights {
+                    w.push(rng.unit());
+                }
+            }
+        }
+    }
+    (idx, w)
+}
+
+/// How long `call` takes on the host, in microseconds.
+fn host_us(call: impl FnOnce()) -> f64 {
+    let start = Instant::now();
+    call();
+    start.elapsed().as_secs_f64() * 1e6
+}
+
 fn random_bf16(rng: &mut Rng, n: usize) -> Vec<u16> {
     (0..n)
         .map(|_| half::bf16::from_f32(rng.unit() * 2.0 - 1.0).to_bits())
@@ -65,18 +98,7 @@ fn make_inputs(dev: &Dev, o: &Opts, rank: usize, tokens: usize) -> Inputs {
         .map(|_| 0.001 + rng.unit() * 0.01)
         .collect();
     let x_scales = Buf::from_slice(dev, &scales);
-    let mut idx = Vec::with_capacity(tokens * o.topk);
-    let mut w = Vec::with_capacity(tokens * o.topk);
-    for _ in 0..tokens {
-        let start = idx.len();
-        while idx.len() - start < o.topk {
-            let e = rng.below(o.experts) as i32;
-            if !idx[start..].contains(&e) {
-                idx.push(e);
-                w.push(rng.unit());
-            }
-        }
-    }
+    let (idx, w) = uniform_routing(&mut rng, o, tokens, true);
     Inputs {
         x,
         x_fp8,
@@ -111,15 +133,22 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
-/// One table row: the op's name, tokens, SMs ("-" where not used), the
-/// cross-rank statistics, received bytes per rank and the NCCL median.
+/// One table row: the op's name, this rank's times per iteration, received
+/// bytes per rank and the NCCL median.
 struct Row<'a> {
-    op: &'a str,
-    tokens: usize,
-    sms: Option<i32>,
-    stats: Stats,
+    op: String,
+    times: &'a [f64],
     bytes: Option<f64>,
     nccl_us: Option<f64>,
+}
+
+fn row(op: impl Into<String>, times: &[f64], bytes: Option<f64>, nccl_us: Option<f64>) -> Row<'_> {
+    Row {
+        op: op.into(),
+        times,
+        bytes,
+        nccl_us,
+    }
 }
 
 /// Where a low-latency dispatch/combine pair passes the routing weights.
@@ -223,47 +252,46 @@ impl Rank {
         }
     }
 
-    fn print_row(&self, row: Row) {
-        if self.r != 0 {
-            return;
-        }
-        let gbps_value = row.bytes.map(|b| b / row.stats.median / 1e3);
-        self.record_row(&row, gbps_value);
-        let sms = row.sms.map_or("-".to_string(), |s| s.to_string());
-        let gbps = gbps_value.map_or("-".to_string(), |g| {
-            if g >= 10.0 {
-                format!("{g:.0}")
-            } else {
-                format!("{g:.3}")
+    /// Prints the rows of one token count (rank 0) and records them for
+    /// `--json`; `sms` is "-" where not used. Collective: each row's
+    /// statistics gather every rank's times.
+    fn print_rows(&self, tokens: usize, sms: Option<i32>, rows: Vec<Row>) {
+        for row in rows {
+            let stats = self.stats(row.times);
+            if self.r != 0 {
+                continue;
             }
-        });
-        let nccl = match (&self.nccl, row.nccl_us) {
-            (_, Some(t)) => format!("{t:.1}"),
-            (None, _) => "n/a".to_string(),
-            _ => "-".to_string(),
-        };
-        println!(
-            "| {} | {} | {sms} | {:.1} | {:.1} | {:.1} | {gbps} | {nccl} |",
-            row.op, row.tokens, row.stats.median, row.stats.p10, row.stats.p90
-        );
-    }
-
-    /// Adds a row to the last table of the `--json` report (rank 0).
-    fn record_row(&self, row: &Row, gbps: Option<f64>) {
-        let mut report = self.sh.report.lock().unwrap();
-        let Some(table) = report.tables.last_mut() else {
-            return;
-        };
-        table.rows.push(Value::Obj(vec![
-            ("op", Value::Str(row.op.to_string())),
-            ("tokens", Value::Num(row.tokens as f64)),
-            ("sms", Value::opt_num(row.sms.map(f64::from))),
-            ("median_us", Value::Num(row.stats.median)),
-            ("p10_us", Value::Num(row.stats.p10)),
-            ("p90_us", Value::Num(row.stats.p90)),
-            ("gbps", Value::opt_num(gbps)),
-            ("nccl_us", Value::opt_num(row.nccl_us)),
-        ]));
+            let gbps = row.bytes.map(|b| b / stats.median / 1e3);
+            if let Some(table) = self.sh.report.lock().unwrap().tables.last_mut() {
+                table.rows.push(Value::Obj(vec![
+                    ("op", Value::Str(row.op.clone())),
+                    ("tokens", Value::Num(tokens as f64)),
+                    ("sms", Value::opt_num(sms)),
+                    ("median_us", Value::Num(stats.median)),
+                    ("p10_us", Value::Num(stats.p10)),
+                    ("p90_us", Value::Num(stats.p90)),
+                    ("gbps", Value::opt_num(gbps)),
+                    ("nccl_us", Value::opt_num(row.nccl_us)),
+                ]));
+            }
+            let sms = sms.map_or("-".to_string(), |s| s.to_string());
+            let gbps = gbps.map_or("-".to_string(), |g| {
+                if g >= 10.0 {
+                    format!("{g:.0}")
+                } else {
+                    format!("{g:.3}")
+                }
+            });
+            let nccl = match (&self.nccl, row.nccl_us) {
+                (_, Some(t)) => format!("{t:.1}"),
+                (None, _) => "n/a".to_string(),
+                _ => "-".to_string(),
+            };
+            println!(
+                "| {} | {tokens} | {sms} | {:.1} | {:.1} | {:.1} | {gbps} | {nccl} |",
+                row.op, stats.median, stats.p10, stats.p90
+            );
+        }
     }
 
     /// Runs `warmup + iters` iterations, each after a barrier of all ranks;
@@ -629,12 +657,12 @@ impl Rank {
                 let [us] = self.time_ops(
                     gate,
                     [&|| {
-                        let start = Instant::now();
-                        epc(
-                            unsafe { ep_combine(ctx, &c, handle, dev.ep_stream()) },
-                            what,
-                        );
-                        combine_host_us.set(start.elapsed().as_secs_f64() * 1e6);
+                        combine_host_us.set(host_us(|| {
+                            epc(
+                                unsafe { ep_combine(ctx, &c, handle, dev.ep_stream()) },
+                                what,
+                            )
+                        }))
                     }],
                 );
                 us
@@ -644,13 +672,13 @@ impl Rank {
             let dispatch_host_us = || -> f64 {
                 let mut a = source_order(EP_DTYPE_BF16);
                 a.flags = EP_DISPATCH_NO_HOST_SYNC;
-                let start = Instant::now();
                 // SAFETY: every pointer in `a` is a live buffer of its documented size.
-                epc(
-                    unsafe { ep_dispatch(ctx, &a, handle, dev.ep_stream()) },
-                    "ep_dispatch BF16 no host sync",
-                );
-                let us = start.elapsed().as_secs_f64() * 1e6;
+                let us = host_us(|| {
+                    epc(
+                        unsafe { ep_dispatch(ctx, &a, handle, dev.ep_stream()) },
+                        "ep_dispatch BF16 no host sync",
+                    )
+                });
                 dev.sync();
                 us
             };
@@ -716,40 +744,28 @@ impl Rank {
                     (scale(&recv_from, bf16_row), scale(&send_rows, bf16_row)),
                 ],
             );
-            let bytes = self.mean(expected_rows as f64);
-            let rows = [
-                ("dispatch BF16", &s[0], bf16_row, nc[0]),
-                ("dispatch FP8", &s[1], fp8_row, nc[1]),
-                ("dispatch BF16 expert-major", &s[2], bf16_row, nc[0]),
-                ("combine BF16 source-order", &s[3], bf16_row, nc[2]),
-                ("combine BF16 expert-major", &s[4], bf16_row, nc[2]),
+            let received = self.mean(expected_rows as f64);
+            let (bf16, fp8) = (Some(received * bf16_row), Some(received * fp8_row));
+            let rows = vec![
+                row("dispatch BF16", &s[0], bf16, nc[0]),
+                row("dispatch FP8", &s[1], fp8, nc[1]),
+                row("dispatch BF16 expert-major", &s[2], bf16, nc[0]),
+                row("combine BF16 source-order", &s[3], bf16, nc[2]),
+                row("combine BF16 expert-major", &s[4], bf16, nc[2]),
+                row(
+                    "dispatch BF16 no host sync: host time per call",
+                    &s[5],
+                    None,
+                    None,
+                ),
+                row(
+                    "combine BF16 source-order: host time per call",
+                    &s[6],
+                    None,
+                    None,
+                ),
             ];
-            for (op, times, row_bytes, nccl_us) in rows {
-                let stats = self.stats(times);
-                self.print_row(Row {
-                    op,
-                    tokens: t,
-                    sms: Some(sms),
-                    stats,
-                    bytes: Some(bytes * row_bytes),
-                    nccl_us,
-                });
-            }
-            let host_rows = [
-                ("dispatch BF16 no host sync: host time per call", &s[5]),
-                ("combine BF16 source-order: host time per call", &s[6]),
-            ];
-            for (op, times) in host_rows {
-                let stats = self.stats(times);
-                self.print_row(Row {
-                    op,
-                    tokens: t,
-                    sms: Some(sms),
-                    stats,
-                    bytes: None,
-                    nccl_us: None,
-                });
-            }
+            self.print_rows(t, Some(sms), rows);
         }
         drop((recv_x, expert_x, out));
         self.destroy_ctx(ctx, handle);
@@ -895,15 +911,10 @@ impl Rank {
                     poison();
                 }
                 let (dispatch_host, combine_host) = (Cell::new(0.0), Cell::new(0.0));
-                let host_timed = |call: &dyn Fn(), into: &Cell<f64>| {
-                    let start = Instant::now();
-                    call();
-                    into.set(start.elapsed().as_secs_f64() * 1e6);
-                };
                 let [d, c] = self.time_ops(
                     gate,
-                    [&|| host_timed(&|| dispatch(0, at), &dispatch_host), &|| {
-                        host_timed(&|| combine(0, at), &combine_host)
+                    [&|| dispatch_host.set(host_us(|| dispatch(0, at))), &|| {
+                        combine_host.set(host_us(|| combine(0, at)))
                     }],
                 );
                 if checked {
@@ -990,62 +1001,40 @@ impl Rank {
         let token_ranks = self.mean(tokens_to.iter().sum::<usize>() as f64);
         let db = pairs * fp8_row as f64;
         let (cb_wd, cb_wc) = (token_ranks * bf16_row as f64, pairs * bf16_row as f64);
+        let (both_wd, both_wc) = (Some(db + cb_wd), Some(db + cb_wc));
         let sum = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(x, y)| x + y);
         let (nc_wd, nc_wc) = (sum(nc[0], nc[2]), sum(nc[0], nc[1]));
 
         const GRAPH_OP: &str = "LL dispatch+combine, CUDA graph, per pair";
+        let op = |name: &str, at: WeightsAt| format!("{name} ({at})");
         let mut rows = vec![
-            ("LL dispatch FP8", wd, &pair_wd[0], Some(db), nc[0]),
-            ("LL combine BF16", wd, &pair_wd[1], Some(cb_wd), nc[2]),
-            ("LL combine BF16", wc, &pair_wc[1], Some(cb_wc), nc[1]),
-            (
-                "LL dispatch+combine",
-                wd,
-                &pair_wd[2],
-                Some(db + cb_wd),
-                nc_wd,
-            ),
-            (
-                "LL dispatch+combine",
-                wc,
-                &pair_wc[2],
-                Some(db + cb_wc),
-                nc_wc,
-            ),
-            ("LL dispatch send-only", wd, &split[0], None, None),
-            ("LL dispatch recv-only", wd, &split[1], None, None),
-            ("LL combine send-only", wd, &split[2], None, None),
-            ("LL combine recv-only", wd, &split[3], None, None),
-            (
-                "LL dispatch: host time per call",
-                wd,
+            row(op("LL dispatch FP8", wd), &pair_wd[0], Some(db), nc[0]),
+            row(op("LL combine BF16", wd), &pair_wd[1], Some(cb_wd), nc[2]),
+            row(op("LL combine BF16", wc), &pair_wc[1], Some(cb_wc), nc[1]),
+            row(op("LL dispatch+combine", wd), &pair_wd[2], both_wd, nc_wd),
+            row(op("LL dispatch+combine", wc), &pair_wc[2], both_wc, nc_wc),
+            row(op("LL dispatch send-only", wd), &split[0], None, None),
+            row(op("LL dispatch recv-only", wd), &split[1], None, None),
+            row(op("LL combine send-only", wd), &split[2], None, None),
+            row(op("LL combine recv-only", wd), &split[3], None, None),
+            row(
+                op("LL dispatch: host time per call", wd),
                 &pair_wd[3],
                 None,
                 None,
             ),
-            (
-                "LL combine: host time per call",
-                wd,
+            row(
+                op("LL combine: host time per call", wd),
                 &pair_wd[4],
                 None,
                 None,
             ),
         ];
         if let (Some(gd), Some(gc)) = (&graph_wd, &graph_wc) {
-            rows.push((GRAPH_OP, wd, &gd[0], Some(db + cb_wd), nc_wd));
-            rows.push((GRAPH_OP, wc, &gc[0], Some(db + cb_wc), nc_wc));
+            rows.push(row(op(GRAPH_OP, wd), &gd[0], both_wd, nc_wd));
+            rows.push(row(op(GRAPH_OP, wc), &gc[0], both_wc, nc_wc));
         }
-        for (op, at, times, bytes, nccl_us) in rows {
-            let stats = self.stats(times);
-            self.print_row(Row {
-                op: &format!("{op} ({at})"),
-                tokens: t,
-                sms: None,
-                stats,
-                bytes,
-                nccl_us,
-            });
-        }
+        self.print_rows(t, None, rows);
         if !o.gpu && r == 0 {
             for at in [wd, wc] {
                 println!("| {GRAPH_OP} ({at}) | {t} | - | n/a (host backend) | | | | |");

@@ -19,24 +19,8 @@ use ep::reference::hierarchical::{traffic, LegRows, NodeShape};
 use ep::reference::Topology;
 
 use crate::device::fail;
-use crate::run::Rng;
+use crate::run::{uniform_routing, Rng};
 use crate::Opts;
-
-/// Uniform routing: `topk` distinct experts per token, seeded per rank.
-fn routing(o: &Opts, rank: usize, tokens: usize) -> Vec<i32> {
-    let mut rng = Rng(0x7A5F_1C00 + rank as u64 * 7919);
-    let mut idx = Vec::with_capacity(tokens * o.topk);
-    for _ in 0..tokens {
-        let start = idx.len();
-        while idx.len() - start < o.topk {
-            let e = rng.below(o.experts) as i32;
-            if !idx[start..].contains(&e) {
-                idx.push(e);
-            }
-        }
-    }
-    idx
-}
 
 fn mib(bytes: usize) -> String {
     format!("{:.2}", bytes as f64 / (1 << 20) as f64)
@@ -59,7 +43,10 @@ pub fn print(o: &Opts, world: usize, header: &str) {
         hidden: o.hidden,
     };
     let shape = NodeShape::new(world, rpn);
-    let idx: Vec<Vec<i32>> = (0..world).map(|r| routing(o, r, tokens)).collect();
+    // Uniform routing, seeded per rank.
+    let idx: Vec<Vec<i32>> = (0..world)
+        .map(|r| uniform_routing(&mut Rng(0x7A5F_1C00 + r as u64 * 7919), o, tokens, false).0)
+        .collect();
     let plans: Vec<(&[i32], usize)> = idx.iter().map(|i| (&i[..], tokens)).collect();
     let hier = traffic(topo, shape, &plans, true);
     let flat = traffic(topo, shape, &plans, false);
