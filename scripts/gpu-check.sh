@@ -2,7 +2,8 @@
 # Runs on the GPU machine (no Rust there), from the repository root, on what
 # scripts/gpu-package.sh put into .gpu/:
 #   bash .gpu/gpu-check.sh [budget-seconds]     (default budget 540)
-# Order: GPU tests, the Python package's torch tests, C demo (all GPUs, then 2
+# Order: GPU tests, the Python package's torch tests, the suites again on
+# contexts made from NCCL communicators, C demo (all GPUs, then 2
 # ranks), ep-bench normal, ll and an ll token sweep (all GPUs), normal and ll
 # on 2 ranks (sharing the GPU on a one-GPU machine), then an SM sweep and a
 # token sweep while the budget allows. Logs, and each benchmark's results as
@@ -12,13 +13,9 @@
 # too little memory). Never changes clocks or resets GPUs.
 # Environment: EP_GPU_TESTS_ONLY=1 stops after the tests; EP_GPU_TEST_ARGS adds
 # arguments to every test binary (e.g. "--skip leaks").
-set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BUDGET="${1:-540}"
-OUT="${OUT:-./gpu-out}"
-G="$(cd "$(dirname "$0")" && pwd)"
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH="$G${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# shellcheck source=scripts/gpu-lib.sh
+. "$(dirname "$0")/gpu-lib.sh"
 # NCCL 2.28.9 (what ep's network kernels are built for) and the CUDA runtime
 # from the Python environment's NVIDIA wheels; the system's libnccl.so.2 may
 # be another version, which ep refuses.
@@ -27,44 +24,14 @@ if [ -n "$WHEELS" ] && [ -f "$WHEELS/nccl/lib/libnccl.so.2" ]; then
   export EP_NCCL_LIBRARY="$WHEELS/nccl/lib/libnccl.so.2"
   export LD_LIBRARY_PATH="$WHEELS/nccl/lib:$WHEELS/cu13/lib:$LD_LIBRARY_PATH"
 fi
-START=$(date +%s)
-SUMMARY=()
-FAILED=0
 TESTS_PASSED=0
 TESTS_FAILED=0
 TESTS_SKIPPED=0
-
-elapsed() { echo $(( $(date +%s) - START )); }
-
-# step NAME MIN_SECONDS TIMEOUT CMD...: runs CMD with a timeout, tees its log,
-# records pass/fail/time; skipped when fewer than MIN_SECONDS of the budget remain.
-step() {
-  local name="$1" need="$2" limit="$3"; shift 3
-  local left=$(( BUDGET - $(elapsed) ))
-  if [ "$left" -lt "$need" ]; then
-    SUMMARY+=("$(printf '%-34s %-8s %6s' "$name" skipped "-")")
-    echo "=== $name: skipped ($left s of the budget left)"
-    return 0
-  fi
-  [ "$limit" -gt "$left" ] && limit="$left"
-  local log="$OUT/$(echo "$name" | tr ' /' '__').log"
-  echo "=== $name (timeout ${limit}s): $*"
-  local t0=$(date +%s)
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$log"
-  local rc=${PIPESTATUS[0]}
-  local dt=$(( $(date +%s) - t0 ))
-  local res=pass
-  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then res=timeout; elif [ "$rc" -ne 0 ]; then res="fail($rc)"; fi
-  [ "$res" = pass ] || FAILED=1
-  SUMMARY+=("$(printf '%-34s %-8s %5ss' "$name" "$res" "$dt")")
+tests_counted() {
+  echo "tests: $TESTS_PASSED passed, $TESTS_FAILED failed, $TESTS_SKIPPED parts skipped"
 }
 
-{
-  echo "date: $(date -u '+%Y-%m-%d %H:%M UTC'), budget ${BUDGET}s"
-  nvidia-smi -L
-  nvidia-smi topo -m
-  nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv
-} 2>&1 | tee "$OUT/gpus.log"
+gpu_header "$OUT/gpus.log" --topology
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 R=$NGPU
 
@@ -85,12 +52,11 @@ for t in "$G"/tests/gpu_*; do
   [ -x "$t" ] || continue
   # shellcheck disable=SC2086 # EP_GPU_TEST_ARGS is a list of arguments
   step "test $(basename "$t")" 30 300 "$t" --ignored --test-threads=1 --show-output ${EP_GPU_TEST_ARGS:-}
-  count_tests "$OUT/$(echo "test $(basename "$t")" | tr ' /' '__').log"
+  count_tests "$LAST_LOG"
 done
-echo "=== tests: $TESTS_PASSED passed, $TESTS_FAILED failed, $TESTS_SKIPPED parts skipped"
+echo "=== $(tests_counted)"
 if [ -n "${EP_GPU_TESTS_ONLY:-}" ]; then
-  printf '%-34s %-8s %6s\n' step result time
-  for line in "${SUMMARY[@]}"; do echo "$line"; done
+  summary_table
   exit "$FAILED"
 fi
 
@@ -105,7 +71,7 @@ if [ -d "$G/python/tests" ]; then
     --ranks "$(( R < 2 ? R : 2 ))"
 fi
 
-# 1b. Every mode on contexts made from NCCL communicators (NCCL windows):
+# 1c. Every mode on contexts made from NCCL communicators (NCCL windows):
 # the single-node suites again with EP_TEST_NCCL=1, on every GPU.
 if [ -n "${EP_NCCL_LIBRARY:-}" ]; then
   step "nccl normal" 30 300 env EP_TEST_NCCL=1 "$G/tests/gpu_normal" --ignored --test-threads=1 \
@@ -129,7 +95,7 @@ fi
 B="$G/ep-bench"
 bench() {
   local name="$1" need="$2" limit="$3"; shift 3
-  step "$name" "$need" "$limit" "$B" "$@" --json "$OUT/$(echo "$name" | tr ' /' '__').json"
+  step "$name" "$need" "$limit" "$B" "$@" --json "$(out_file "$name" json)"
 }
 bench "bench normal ${R} ranks" 60 180 --ranks "$R" --mode normal
 bench "bench ll ${R} ranks" 40 120 --ranks "$R" --mode ll
@@ -153,9 +119,5 @@ bench "bench token sweep ${R} ranks" 90 240 --ranks "$R" --mode normal \
 # The benchmark tables, in one file ready for bench/RESULTS.md.
 cat "$OUT"/bench_*.log 2>/dev/null | grep -E '^\||^\*\*|UTC, ' > "$OUT/results.md" || true
 
-echo
-echo "=== summary ($(elapsed)s of ${BUDGET}s; logs in $OUT)"
-echo "tests: $TESTS_PASSED passed, $TESTS_FAILED failed, $TESTS_SKIPPED parts skipped"
-printf '%-34s %-8s %6s\n' step result time
-for line in "${SUMMARY[@]}"; do echo "$line"; done
+summary "logs in $OUT" "$(tests_counted)"
 exit "$FAILED"

@@ -3,8 +3,9 @@
 # the git-ignored folder .gpu/: libep.so, the GPU test binaries
 # (tests/gpu_*.rs), ep-bench, the C demo, the NCCL example, the Python
 # package with its tests (python/, loaded there through EP_LIBRARY),
-# scripts/gpu-check.sh, and the fused kernels' runner (scripts/gpu-mega.sh)
-# and benchmark (bench/mega_bench.py).
+# scripts/gpu-check.sh, the fused kernels' runner (scripts/gpu-mega.sh) and
+# benchmark (bench/mega_bench.py), and what both scripts source
+# (scripts/gpu-lib.sh).
 # Debug info is stripped from the copies to stay well under 60 MiB.
 # Then, on the GPU machine: bash .gpu/gpu-check.sh [budget-seconds]
 set -euo pipefail
@@ -73,7 +74,7 @@ for d in ep tests examples; do
 done
 find .gpu/python \( -name __pycache__ -o -name 'libep.so' \) -prune -exec rm -rf {} +
 
-cp scripts/gpu-check.sh scripts/gpu-mega.sh bench/mega_bench.py .gpu/
+cp scripts/gpu-check.sh scripts/gpu-mega.sh scripts/gpu-lib.sh bench/mega_bench.py .gpu/
 chmod +x .gpu/gpu-check.sh .gpu/gpu-mega.sh
 
 strip --strip-debug .gpu/libep.so .gpu/ep-bench .gpu/tests/* 2>/dev/null || true

@@ -91,6 +91,11 @@ def ptr_of(a: Any) -> int:
     return int(a.__array_interface__["data"][0])
 
 
+def ptr_or_null(a: Optional[Any]) -> Optional[int]:
+    """``ptr_of(a)``, or None (NULL) for no array."""
+    return None if a is None else ptr_of(a)
+
+
 def is_contiguous(a: Any) -> bool:
     if kind_of(a) == TORCH:
         return bool(a.is_contiguous())
@@ -130,16 +135,6 @@ def empty(kind: str, shape: Sequence[int], dtype: str, device: Optional[int]) ->
                            device="cpu" if device is None else f"cuda:{device}")
     np = _numpy()
     return np.empty(tuple(shape), dtype=_numpy_dtypes()[dtype])
-
-
-def full(kind: str, shape: Sequence[int], dtype: str, device: Optional[int], value: int) -> Any:
-    """A new array filled with ``value``."""
-    a = empty(kind, shape, dtype, device)
-    if kind == TORCH:
-        a.fill_(value)
-    else:
-        a.fill(value)
-    return a
 
 
 def as_int32(a: Any) -> Any:

@@ -11,10 +11,10 @@ raises ``UnsupportedError`` when called), and every ``ep_*_init`` must
 report a ``struct_size`` no smaller than the ctypes struct's.
 """
 import ctypes
+import functools
 import os
-import threading
 from pathlib import Path
-from typing import Any, Optional, Type
+from typing import Any, FrozenSet, NamedTuple, Type
 
 from . import _abi
 from .errors import Error, UnsupportedError, error_for
@@ -31,10 +31,13 @@ class LibraryError(Error, OSError):
     """libep.so cannot be found or loaded, or does not match this package."""
 
 
-_lock = threading.Lock()
-_lib: Optional[ctypes.CDLL] = None
-_path: Optional[str] = None
-_missing: set = set()
+class _Loaded(NamedTuple):
+    """The loaded, checked library."""
+
+    lib: ctypes.CDLL
+    path: str
+    #: Functions of the header the library does not export.
+    missing: FrozenSet[str]
 
 
 def bundled_path() -> Path:
@@ -102,33 +105,30 @@ def _library_struct_size(lib: ctypes.CDLL, init_name: str) -> int:
     return ctypes.c_uint32.from_buffer(scratch).value
 
 
+@functools.lru_cache(maxsize=None)
+def _loaded() -> _Loaded:
+    """Loads and checks libep.so on the first call; later calls return the
+    same library. A failure is not kept: the next call tries again. (Threads
+    racing on the first call may each load it: the same library, bound the
+    same way, so either result serves.)"""
+    path = library_path()
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        raise LibraryError(f"cannot load {path}: {e}") from e
+    missing = _bind(lib)
+    _check_abi(lib, path)
+    return _Loaded(lib, path, frozenset(missing))
+
+
 def library() -> ctypes.CDLL:
     """The loaded, checked libep.so (loaded on the first call)."""
-    global _lib, _path, _missing
-    if _lib is not None:
-        return _lib
-    with _lock:
-        if _lib is None:
-            path = library_path()
-            try:
-                lib = ctypes.CDLL(path)
-            except OSError as e:
-                raise LibraryError(f"cannot load {path}: {e}") from e
-            missing = _bind(lib)
-            _check_abi(lib, path)
-            _missing, _path, _lib = missing, path, lib
-    return _lib
-
-
-def loaded_path() -> Optional[str]:
-    """The path of the loaded library, or None before the first use."""
-    return _path
+    return _loaded().lib
 
 
 def has_function(name: str) -> bool:
     """Whether the loaded library exports ``name``."""
-    library()
-    return name in _abi.FUNCTIONS and name not in _missing
+    return name in _abi.FUNCTIONS and name not in _loaded().missing
 
 
 def last_error() -> str:
@@ -144,22 +144,29 @@ def status_name(status: int) -> str:
 def call(name: str, *args: Any) -> None:
     """Calls ``name``; a non-zero status raises its ``ep.Error`` subclass with
     the library's last-error text."""
-    lib = library()
-    if name in _missing:
-        raise UnsupportedError(f"{_path} does not export {name} (an older library?)",
+    loaded = _loaded()
+    if name in loaded.missing:
+        raise UnsupportedError(f"{loaded.path} does not export {name} (an older library?)",
                                function=name)
-    status = getattr(lib, name)(*args)
+    status = getattr(loaded.lib, name)(*args)
     if status != _abi.EP_SUCCESS:
         raise error_for(status, last_error(), function=name, status_name=status_name(status))
 
 
-def init_struct(struct: Type[ctypes.Structure], init_name: str) -> ctypes.Structure:
-    """A struct filled by its ``ep_*_init``: the library's defaults, with this
-    package's ``struct_size`` (a newer library accepts the smaller struct
-    and gives its extra fields their defaults)."""
+@functools.lru_cache(maxsize=None)
+def _defaults(struct: Type[ctypes.Structure], init_name: str) -> ctypes.Structure:
+    """The struct as its ``ep_*_init`` fills it, made once: the library's
+    defaults, with this package's ``struct_size`` (a newer library accepts
+    the smaller struct and gives its extra fields their defaults)."""
     scratch = ctypes.create_string_buffer(_INIT_SCRATCH_BYTES)
     call(init_name, scratch)
     value = struct()
     ctypes.memmove(ctypes.addressof(value), scratch, ctypes.sizeof(struct))
     value.struct_size = ctypes.sizeof(struct)
     return value
+
+
+def init_struct(struct: Type[ctypes.Structure], init_name: str) -> ctypes.Structure:
+    """A new struct holding what its ``ep_*_init`` writes (see ``_defaults``),
+    for the caller to fill in."""
+    return struct.from_buffer_copy(_defaults(struct, init_name))

@@ -9,14 +9,21 @@ from .errors import InvalidArgumentError
 _BACKENDS = {"auto": _abi.EP_BACKEND_AUTO, "gpu": _abi.EP_BACKEND_GPU,
              "host": _abi.EP_BACKEND_HOST}
 _DTYPES = {"bf16": _abi.EP_DTYPE_BF16, "fp8": _abi.EP_DTYPE_FP8_E4M3}
+#: The fields given by name: each name's code.
+_NAMED = {"backend": _BACKENDS, "token_dtype": _DTYPES}
+
+
+def _name_of(field: str, code: int) -> Union[str, int]:
+    """The name of ``field``'s ``code`` (the code itself when it has none)."""
+    for name, value in _NAMED[field].items():
+        if value == code:
+            return name
+    return code
 
 
 def backend_name(code: int) -> str:
     """``"gpu"``, ``"host"`` or ``"auto"`` for an ``EP_BACKEND_*`` code."""
-    for name, value in _BACKENDS.items():
-        if value == code:
-            return name
-    return str(code)
+    return str(_name_of("backend", code))
 
 
 @dataclass
@@ -24,12 +31,16 @@ class Config:
     """What every rank of a context passes to ``ep_ctx_create``; a field left
     None takes the library's default (``ep_config_init``: 4096 tokens, hidden
     7168, top-8 of 256 experts, BF16, backend ``auto``, 24 SMs, 100 s
-    timeout, 128 low-latency tokens).
+    timeout, 128 low-latency tokens, ranks per node decided by the hosts).
 
     ``backend``: ``"auto"`` (``EP_BACKEND`` decides, GPU when unset),
     ``"gpu"`` or ``"host"``. ``token_dtype``: ``"bf16"`` (either type may be
     dispatched) or ``"fp8"`` (smaller buffers, FP8 only).
     ``ll_max_tokens_per_rank=0`` disables the low-latency mode.
+    ``ranks_per_node``: ranks ``[n * R, (n + 1) * R)`` form node ``n``; 0
+    lets the hosts decide (every host one node), a smaller value than a
+    host's ranks splits it into virtual nodes (see ``ep_config_t`` in
+    include/ep.h).
     """
 
     max_tokens_per_rank: Optional[int] = None
@@ -41,6 +52,7 @@ class Config:
     num_sms: Optional[int] = None
     timeout_ms: Optional[int] = None
     ll_max_tokens_per_rank: Optional[int] = None
+    ranks_per_node: Optional[int] = None
 
     def to_c(self) -> _abi.ep_config_t:
         """The ``ep_config_t``: the library's defaults, then every field set here."""
@@ -49,10 +61,8 @@ class Config:
             value = getattr(self, f.name)
             if value is None:
                 continue
-            if f.name == "backend" and isinstance(value, str):
-                value = _lookup("backend", value, _BACKENDS)
-            elif f.name == "token_dtype":
-                value = _lookup("token_dtype", value, _DTYPES)
+            if f.name in _NAMED:
+                value = _lookup(f.name, value)
             try:
                 setattr(c, f.name, value)
             except TypeError as e:
@@ -67,18 +77,18 @@ class Config:
 
     @staticmethod
     def from_c(c: _abi.ep_config_t) -> "Config":
-        """A Config with every field of ``c``."""
-        dtype = {v: k for k, v in _DTYPES.items()}.get(c.token_dtype, c.token_dtype)
-        return Config(
-            max_tokens_per_rank=c.max_tokens_per_rank, hidden=c.hidden, topk=c.topk,
-            num_experts=c.num_experts, token_dtype=dtype, backend=backend_name(c.backend),
-            num_sms=c.num_sms, timeout_ms=c.timeout_ms,
-            ll_max_tokens_per_rank=c.ll_max_tokens_per_rank)
+        """A Config with every field of ``c`` (names for the named fields)."""
+        values = {f.name: getattr(c, f.name) for f in fields(Config)}
+        values["token_dtype"] = _name_of("token_dtype", c.token_dtype)
+        values["backend"] = backend_name(c.backend)
+        return Config(**values)
 
 
-def _lookup(field: str, value, table: dict) -> int:
+def _lookup(field: str, value: Union[str, int]) -> int:
+    """The code of a named field's ``value`` (a name, or already a code)."""
     if isinstance(value, int):
         return value
+    table = _NAMED[field]
     try:
         return table[str(value).lower()]
     except KeyError:

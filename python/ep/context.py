@@ -109,8 +109,6 @@ class _DispatchFacts:
     #: Rows combine reads for each layout: the count when known, else the capacity.
     recv_rows: int
     expert_rows: int
-    kind: str
-    device: Optional[int]
 
 
 @dataclass
@@ -241,13 +239,9 @@ class Context:
 
     def __init__(self, world_size: int, rank: int, unique_id: Any,
                  config: Optional[Config] = None, *, device: Optional[int] = None):
-        self._clear()
-        c = (config or Config()).to_c()
-        dev = _default_device() if device is None else int(device)
-        ptr = ctypes.c_void_p()
-        _lib.call("ep_ctx_create", ctypes.byref(ptr), int(world_size),
-                  _unique_id_struct(unique_id), int(rank), dev, ctypes.byref(c))
-        self._adopt(ptr.value, c, dev)
+        self._create(config, device, lambda ptr, c, dev: _lib.call(
+            "ep_ctx_create", ctypes.byref(ptr), int(world_size), _unique_id_struct(unique_id),
+            int(rank), dev, ctypes.byref(c)))
 
     @classmethod
     def from_nccl_comm(cls, comm: int, config: Optional[Config] = None, *,
@@ -259,14 +253,22 @@ class Context:
         ``device`` must be its CUDA device (default: torch's current one).
         Collective: every rank of the communicator calls it."""
         self = cls.__new__(cls)
+        self._create(config, device, lambda ptr, c, dev: _lib.call(
+            "ep_ctx_create_from_nccl", ctypes.c_void_p(int(comm)), ctypes.byref(c),
+            ctypes.byref(ptr)))
+        return self
+
+    def _create(self, config: Optional[Config], device: Optional[int],
+                create: Callable[[ctypes.c_void_p, Any, int], None]) -> None:
+        """Makes this rank's ``ep_ctx_t``: ``create(ptr, c, dev)`` calls the
+        library with the ``ep_config_t`` ``c`` and the device ``dev``, and
+        writes the context to ``ptr``."""
         self._clear()
         c = (config or Config()).to_c()
         dev = _default_device() if device is None else int(device)
         ptr = ctypes.c_void_p()
-        _lib.call("ep_ctx_create_from_nccl", ctypes.c_void_p(int(comm)), ctypes.byref(c),
-                  ctypes.byref(ptr))
+        create(ptr, c, dev)
         self._adopt(ptr.value, c, dev)
-        return self
 
     def _clear(self) -> None:
         """The state of a context that holds no ``ep_ctx_t`` yet."""
@@ -502,7 +504,7 @@ class Context:
                       _arrays.ptr_of(in_rank), s)
         return DispatchLayout(per_rank, per_expert, in_rank)
 
-    def _dispatch_buffers(self, fn: str, kind: str, dtype: str, source: bool, expert: bool,
+    def _dispatch_buffers(self, kind: str, dtype: str, source: bool, expert: bool,
                           alignment: int, handle: Handle) -> _DispatchBuffers:
         recv_cap, expert_cap = self.dispatch_capacity(alignment)
         h, k, local = self.hidden, self.topk, self.num_local_experts
@@ -608,7 +610,7 @@ class Context:
         with self._stream(stream) as s:
             idx = self._topk_idx(fn, topk_idx, kind, n)
             if out is None:
-                buffers = self._dispatch_buffers(fn, kind, dtype, source_order, expert_major,
+                buffers = self._dispatch_buffers(kind, dtype, source_order, expert_major,
                                                  alignment, handle)
             else:
                 self._check_dispatch_buffers(fn, buffers, kind, dtype, source_order,
@@ -619,7 +621,7 @@ class Context:
             a.num_tokens = n
             a.dtype = _abi.EP_DTYPE_FP8_E4M3 if fp8 else _abi.EP_DTYPE_BF16
             a.x = _arrays.ptr_of(x)
-            a.x_scales = _arrays.ptr_of(x_scales) if fp8 else None
+            a.x_scales = _arrays.ptr_or_null(x_scales)
             a.topk_idx = _arrays.ptr_of(idx)
             a.topk_weights = _arrays.ptr_of(topk_weights)
             a.expert_alignment = alignment
@@ -630,8 +632,7 @@ class Context:
                     continue
                 setattr(a, f"{prefix}_capacity", outputs["capacity"])
                 for key, field in _OUTPUT_FIELDS[prefix].items():
-                    array = outputs[key]
-                    setattr(a, field, None if array is None else _arrays.ptr_of(array))
+                    setattr(a, field, _arrays.ptr_or_null(outputs[key]))
             host_rows = ctypes.c_int32(-1)
             host_counts = (ctypes.c_int32 * max(self.num_local_experts, 1))()
             a.host_recv_num_tokens = ctypes.addressof(host_rows)
@@ -682,8 +683,7 @@ class Context:
         handle._last = _DispatchFacts(
             num_tokens=n, source_order=src is not None, expert_major=exp is not None,
             recv_rows=recv_rows if recv_rows is not None else (src or {}).get("capacity", 0),
-            expert_rows=expert_rows if expert_rows is not None else (exp or {}).get("capacity", 0),
-            kind=b.kind, device=self.device)
+            expert_rows=expert_rows if expert_rows is not None else (exp or {}).get("capacity", 0))
         s, e = src or {}, exp or {}
         return DispatchResult(
             handle=handle, num_tokens=n, dtype=dtype,
@@ -750,6 +750,18 @@ class Context:
     def _ll_slots(self) -> int:
         return self.world_size * int(self.config.ll_max_tokens_per_rank)
 
+    def _ll_dispatch_outputs(self, fp8: bool) -> List[Tuple[str, str, Tuple[int, ...]]]:
+        """(field, dtype, shape) of each array a low-latency dispatch writes,
+        in the order they are checked: the ``LlDispatchResult`` fields, named
+        as in ``ep_ll_dispatch_args_t`` (the scales only with ``fp8``)."""
+        local, slots, h = self.num_local_experts, self._ll_slots(), self.hidden
+        outputs = [("recv_x", "fp8" if fp8 else "bf16", (local, slots, h))]
+        if fp8:
+            outputs.append(("recv_x_scales", "f32", (local, slots, h // _SCALE_BLOCK)))
+        return outputs + [("recv_count", "i32", (local,)),
+                          ("recv_src_info", "i32", (local, slots)),
+                          ("recv_layout_range", "i32", (local, self.world_size, 2))]
+
     def _device_count(self, fn: str, num_tokens: Optional[Array], kind: str) -> Optional[int]:
         if num_tokens is None:
             return None
@@ -784,37 +796,23 @@ class Context:
             self._check(fn, "topk_weights", topk_weights, kind, ("f32",), (n, self.topk))
         if ue8m0 and not fp8:
             raise InvalidArgumentError("ue8m0 scales need fp8=True", function=fn)
-        local, slots, h = self.num_local_experts, self._ll_slots(), self.hidden
-        out_dtype = "fp8" if fp8 else "bf16"
+        outputs = self._ll_dispatch_outputs(fp8)
         with self._stream(stream) as s:
             idx = self._topk_idx(fn, topk_idx, kind, n)
             count_ptr = self._device_count(fn, num_tokens, kind)
             if out is None:
-                out = LlDispatchResult(
-                    recv_x=_arrays.empty(kind, (local, slots, h), out_dtype, self.device),
-                    recv_x_scales=(_arrays.empty(kind, (local, slots, h // _SCALE_BLOCK), "f32",
-                                                 self.device) if fp8 else None),
-                    recv_count=_arrays.empty(kind, (local,), "i32", self.device),
-                    recv_src_info=_arrays.empty(kind, (local, slots), "i32", self.device),
-                    recv_layout_range=_arrays.empty(kind, (local, self.world_size, 2), "i32",
-                                                    self.device),
-                    num_tokens=n, topk_idx=idx, topk_weights=topk_weights,
-                    device_num_tokens=num_tokens, fp8=fp8)
+                arrays = {field: _arrays.empty(kind, shape, dtype, self.device)
+                          for field, dtype, shape in outputs}
+                out = LlDispatchResult(**{"recv_x_scales": None, **arrays}, num_tokens=n,
+                                       topk_idx=idx, topk_weights=topk_weights,
+                                       device_num_tokens=num_tokens, fp8=fp8)
             else:
-                self._check(fn, "out.recv_x", out.recv_x, kind, (out_dtype,), (local, slots, h),
-                            output=True)
-                if fp8:
-                    if out.recv_x_scales is None:
+                for field, dtype, shape in outputs:
+                    given = getattr(out, field)
+                    if field == "recv_x_scales" and given is None:
                         raise InvalidArgumentError("out= has no scales (a BF16 dispatch's "
                                                    "result)", function=fn)
-                    self._check(fn, "out.recv_x_scales", out.recv_x_scales, kind, ("f32",),
-                                (local, slots, h // _SCALE_BLOCK), output=True)
-                self._check(fn, "out.recv_count", out.recv_count, kind, ("i32",), (local,),
-                            output=True)
-                self._check(fn, "out.recv_src_info", out.recv_src_info, kind, ("i32",),
-                            (local, slots), output=True)
-                self._check(fn, "out.recv_layout_range", out.recv_layout_range, kind, ("i32",),
-                            (local, self.world_size, 2), output=True)
+                    self._check(fn, f"out.{field}", given, kind, (dtype,), shape, output=True)
                 out.num_tokens, out.topk_idx, out.topk_weights = n, idx, topk_weights
                 out.device_num_tokens, out.fp8 = num_tokens, fp8
             a = _lib.init_struct(_abi.ep_ll_dispatch_args_t, "ep_ll_dispatch_args_init")
@@ -822,12 +820,9 @@ class Context:
             a.out_dtype = _abi.EP_DTYPE_FP8_E4M3 if fp8 else _abi.EP_DTYPE_BF16
             a.x = _arrays.ptr_of(x)
             a.topk_idx = _arrays.ptr_of(idx)
-            a.topk_weights = None if topk_weights is None else _arrays.ptr_of(topk_weights)
-            a.recv_x = _arrays.ptr_of(out.recv_x)
-            a.recv_x_scales = _arrays.ptr_of(out.recv_x_scales) if fp8 else None
-            a.recv_count = _arrays.ptr_of(out.recv_count)
-            a.recv_src_info = _arrays.ptr_of(out.recv_src_info)
-            a.recv_layout_range = _arrays.ptr_of(out.recv_layout_range)
+            a.topk_weights = _arrays.ptr_or_null(topk_weights)
+            for field, _, _ in outputs:
+                setattr(a, field, _arrays.ptr_of(getattr(out, field)))
             a.device_num_tokens = count_ptr
             flags = _abi.EP_LL_UE8M0_SCALES if ue8m0 else 0
 
@@ -895,14 +890,13 @@ class Context:
             out = self._out(fn, "out", out, kind, (n, h), "bf16")
             a = _lib.init_struct(_abi.ep_ll_combine_args_t, "ep_ll_combine_args_init")
             a.num_tokens = n
-            a.x = None if x is None else _arrays.ptr_of(x)
+            a.x = _arrays.ptr_or_null(x)
             a.topk_idx = _arrays.ptr_of(dispatch.topk_idx)
-            a.topk_weights = None if topk_weights is None else _arrays.ptr_of(topk_weights)
+            a.topk_weights = _arrays.ptr_or_null(topk_weights)
             a.src_info = _arrays.ptr_of(dispatch.recv_src_info)
             a.layout_range = _arrays.ptr_of(dispatch.recv_layout_range)
             a.out = _arrays.ptr_of(out)
-            a.device_num_tokens = (None if dispatch.device_num_tokens is None
-                                   else _arrays.ptr_of(dispatch.device_num_tokens))
+            a.device_num_tokens = _arrays.ptr_or_null(dispatch.device_num_tokens)
             flags = _abi.EP_LL_ZERO_COPY if zero_copy else 0
 
             def run(phase: int, stream_ptr: Optional[int]) -> None:

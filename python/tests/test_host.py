@@ -2,6 +2,8 @@
 reference (bit for bit, FP8 within e4m3 precision), 2 ranks as threads and
 as processes, numpy arrays and (where torch is installed) CPU tensors, and
 misuse raising the right exceptions."""
+import ctypes
+import dataclasses
 import multiprocessing
 import os
 import shutil
@@ -296,6 +298,20 @@ def test_python_side_checks_raise_invalid_argument_before_the_library():
             ctx.dispatch([[0]], np.zeros((4, TOPO.topk), np.int32), w)
         with pytest.raises(ValueError):  # InvalidArgumentError is a ValueError too
             ctx.ll_dispatch(x[:, :128], np.zeros((4, TOPO.topk), np.int32))
+        # out= of another low-latency dispatch: each output array is checked.
+        idx = np.tile(np.arange(TOPO.topk, dtype=np.int32), (4, 1))
+        bf16 = ctx.ll_dispatch(x, idx, fp8=False)
+        with pytest.raises(ep.InvalidArgumentError, match="out.recv_x: dtype bf16, expected fp8"):
+            ctx.ll_dispatch(x, idx, out=bf16)
+        fp8 = ctx.ll_dispatch(x, idx)
+        with pytest.raises(ep.InvalidArgumentError, match="out.recv_x: dtype u8, expected bf16"):
+            ctx.ll_dispatch(x, idx, fp8=False, out=fp8)
+        fp8.recv_count = np.zeros(fp8.recv_count.shape, np.int64)
+        with pytest.raises(ep.InvalidArgumentError, match="out.recv_count: dtype i64"):
+            ctx.ll_dispatch(x, idx, out=fp8)
+        fp8.recv_x_scales = None
+        with pytest.raises(ep.InvalidArgumentError, match="out= has no scales"):
+            ctx.ll_dispatch(x, idx, out=fp8)
 
 
 def test_library_errors_carry_status_and_last_error_text():
@@ -401,3 +417,22 @@ def test_config_defaults_come_from_the_library_and_bad_values_are_named():
     with pytest.raises(ep.InvalidArgumentError, match="backend"):
         ep.Config(backend="tpu").to_c()
     assert ep.buffer_size_hint(config(), 2) > 0
+
+
+def test_config_has_every_field_of_ep_config_t():
+    header = {"struct_size", "magic", "version"}
+    assert [f.name for f in dataclasses.fields(ep.Config)] == [
+        name for name, _ in ep._abi.ep_config_t._fields_ if name not in header]
+    assert ep.Config.defaults().ranks_per_node == 0
+    given = ep.Config(hidden=512, token_dtype="fp8", backend="host", ranks_per_node=2,
+                      timeout_ms=1234)
+    assert ep.Config.from_c(given.to_c()) == dataclasses.replace(
+        ep.Config.defaults(), hidden=512, token_dtype="fp8", backend="host", ranks_per_node=2,
+        timeout_ms=1234)
+
+
+def test_init_structs_are_fresh_copies_of_the_librarys_defaults():
+    a = ep._lib.init_struct(ep._abi.ep_config_t, "ep_config_init")
+    a.hidden = 1
+    b = ep._lib.init_struct(ep._abi.ep_config_t, "ep_config_init")
+    assert (b.hidden, b.struct_size) == (7168, ctypes.sizeof(ep._abi.ep_config_t))
