@@ -79,16 +79,12 @@ impl MegaMode {
     pub fn new(rt: &Runtime) -> Result<MegaMode> {
         let cfg = &rt.cfg;
         let device = &rt.device;
-        let major =
-            device.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-        let minor =
-            device.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let hopper = device.compute_capability()? == (9, 0);
         let shared = device
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
         let (_, rows) = worst_case_rows(cfg.topo, cfg.max_tokens, MAX_EXPERT_ALIGNMENT);
         let cluster = cluster_size()?;
         let max_m_tiles = max_m_tiles(cfg, cluster as usize);
-        let hopper = (major, minor) == (9, 0);
         let shared = shared as u32;
         let mut max_blocks = device.sm_count()?;
         if hopper {
@@ -306,13 +302,18 @@ impl MegaMode {
         }
         let grid = (blocks / self.cluster).max(1) * self.cluster;
         let threads = MEGA_THREADS as u32;
+        let cooperative = self.cluster == 1;
         // SAFETY: the caller vouches for the pointers.
         unsafe {
-            if self.cluster == 1 {
-                rt.launch_cooperative(kernel, grid, threads, self.shared_bytes, stream, params)
-            } else {
-                rt.launch(kernel, grid, threads, self.shared_bytes, stream, params)
-            }
+            rt.launch_ex(
+                cooperative,
+                kernel,
+                grid,
+                threads,
+                self.shared_bytes,
+                stream,
+                params,
+            )
         }
     }
 }

@@ -296,7 +296,7 @@ fn finish(
     let normal = NormalMode::new(&rt, SIGNAL_BYTES, hier_offset)?;
     let ll = LlMode::new(&rt, ll_offset)?;
     let mega = MegaMode::new(&rt)?;
-    let all_reachable = rt.memory.reachable().iter().all(|&r| r);
+    let all_reachable = rt.memory.host_peer_bases().iter().all(|&b| b != 0);
     // No rank returns (and enqueues a collective) before every rank has
     // made its allocations: on a GPU that ranks share, an allocation could
     // otherwise wait for a peer's kernel that waits for this rank.
@@ -318,16 +318,17 @@ fn finish(
 /// the GIN network leg.
 fn check_reach(cfg: &Config, memory: &dyn SymmetricMemory) -> Result<()> {
     let nodes = cfg.nodes();
-    let reachable = memory.reachable();
+    // A base of 0: a rank this GPU does not reach.
+    let bases = memory.host_peer_bases();
     let home = nodes.node_of(cfg.rank);
-    if let Some(far) = nodes.ranks_of(home).find(|&r| !reachable[r]) {
+    if let Some(far) = nodes.ranks_of(home).find(|&r| bases[r] == 0) {
         return Err(Error::unsupported(format!(
             "rank {far} is on the node of rank {} (ranks_per_node = {}) but not reachable over NVLink: set ranks_per_node to the NVLink domain's size or less",
             cfg.rank, nodes.ranks_per_node
         )));
     }
     let gin = memory.nccl().is_some_and(|n| n.gin);
-    if let Some(far) = reachable.iter().position(|&r| !r) {
+    if let Some(far) = bases.iter().position(|&b| b == 0) {
         if !nodes.is_hierarchical() {
             return Err(Error::unsupported(format!(
                 "rank {far} is not reachable over NVLink from rank {}: ranks in several NVLink domains need ranks_per_node set to the domain size",
@@ -505,19 +506,19 @@ impl Bound<'_> {
         stream: Stream,
         params: &P,
     ) -> Result<()> {
-        // SAFETY: the runtime keeps the module loaded; the caller vouches
-        // for the pointers.
-        unsafe { kernel.launch(&self._guard, grid, block, shared_bytes, stream as _, params) }
+        // SAFETY: as in `launch_ex`.
+        unsafe { self.launch_ex(false, kernel, grid, block, shared_bytes, stream, params) }
     }
 
-    /// Launches `kernel` cooperatively on `stream` (see
-    /// `Kernel::launch_cooperative`): for kernels whose blocks wait for
-    /// each other.
+    /// Launches `kernel` on `stream`, cooperatively when `cooperative` (for
+    /// kernels whose blocks wait for each other; see `Kernel::launch_ex`).
     ///
     /// # Safety
     /// As for `launch`.
-    pub unsafe fn launch_cooperative<P>(
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch_ex<P>(
         &self,
+        cooperative: bool,
         kernel: &Kernel<P>,
         grid: u32,
         block: u32,
@@ -525,21 +526,19 @@ impl Bound<'_> {
         stream: Stream,
         params: &P,
     ) -> Result<()> {
-        // SAFETY: as in `launch`.
+        // SAFETY: the runtime keeps the module loaded; the caller vouches
+        // for the pointers.
         unsafe {
-            kernel.launch_cooperative(&self._guard, grid, block, shared_bytes, stream as _, params)
+            kernel.launch_ex(
+                &self._guard,
+                cooperative,
+                grid,
+                block,
+                shared_bytes,
+                stream as _,
+                params,
+            )
         }
-    }
-
-    /// Blocks of `kernel` that fit on one SM at once (see
-    /// `Kernel::max_blocks_per_sm`).
-    pub fn max_blocks_per_sm<P>(
-        &self,
-        kernel: &Kernel<P>,
-        block: u32,
-        shared_bytes: u32,
-    ) -> Result<u32> {
-        kernel.max_blocks_per_sm(&self._guard, block, shared_bytes)
     }
 
     /// Enqueues a barrier of all ranks on `stream`: work enqueued after it
@@ -548,14 +547,39 @@ impl Bound<'_> {
     /// # Safety
     /// `stream` must be a stream of this context's device (or null).
     pub unsafe fn barrier(&self, stream: Stream) -> Result<()> {
+        // SAFETY: passed on from the caller.
+        unsafe {
+            self.barrier_over(
+                self.memory.peer_bases(),
+                self.cfg.rank,
+                self.cfg.world(),
+                stream,
+            )
+        }
+    }
+
+    /// Enqueues a barrier of the `world` ranks whose buffers `table` (a
+    /// device array of `world` bases) lists, this rank being entry `rank`
+    /// (kernels/barrier.cu; [`Bound::barrier`] is the one of all ranks).
+    ///
+    /// # Safety
+    /// `stream` must be a stream of this context's device (or null);
+    /// `table` a device array of the context (valid as long as it is).
+    pub unsafe fn barrier_over(
+        &self,
+        table: u64,
+        rank: usize,
+        world: usize,
+        stream: Stream,
+    ) -> Result<()> {
         let params = BarrierParams {
-            peer_signals: self.memory.peer_bases(),
+            peer_signals: table,
             epoch_counter: self.memory.own_base() + BARRIER_COUNTER_OFFSET as u64,
             abort_flag: self.abort_ptr(),
             status: self.status_ptr(),
             timeout_ns: self.timeout_ns,
-            rank: self.cfg.rank as i32,
-            world: self.cfg.world() as i32,
+            rank: rank as i32,
+            world: world as i32,
         };
         // SAFETY: the context's own buffers and words.
         unsafe {
@@ -623,9 +647,9 @@ impl Backend for GpuBackend {
         // would run one after the other, and a kernel waiting for a peer's
         // would wait for its own successor, until the timeout.
         let legacy = stream.is_null() || stream as usize == STREAM_LEGACY;
-        let sharing = &self.rt.placement.sharing;
-        if legacy && sharing.len() > 1 {
-            let ranks: Vec<String> = sharing.iter().map(|r| r.to_string()).collect();
+        let placement = &self.rt.placement;
+        if legacy && placement.shared() {
+            let ranks: Vec<String> = placement.sharing.iter().map(|r| r.to_string()).collect();
             return Err(Error::invalid(format!(
                 "ranks {} share this GPU, so each must pass its own stream: on the legacy \
                  default stream (NULL) their kernels would run one after the other and wait \

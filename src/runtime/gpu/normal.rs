@@ -24,7 +24,7 @@ const CHUNK_WARPS: usize = CHUNK_TOKENS / 32;
 
 /// Blocks of the count kernel: one per chunk of `CHUNK_TOKENS` tokens, at
 /// least one.
-fn chunks(num_tokens: usize) -> u32 {
+pub(super) fn chunks(num_tokens: usize) -> u32 {
     num_tokens.div_ceil(CHUNK_TOKENS).max(1) as u32
 }
 
@@ -161,14 +161,15 @@ impl NormalMode {
     /// The mode's area starts at `offset` of every rank's symmetric buffer;
     /// with several nodes the hierarchical mode's at `hier_offset`.
     pub fn new(rt: &Runtime, offset: usize, hier_offset: usize) -> Result<NormalMode> {
+        let area = Area::new(&rt.cfg);
         let hier = if rt.cfg.nodes().is_hierarchical() {
-            Some(Hierarchy::new(rt, offset, hier_offset)?)
+            Some(Hierarchy::new(rt, offset, area, hier_offset)?)
         } else {
             None
         };
         Ok(NormalMode {
             offset,
-            area: Area::new(&rt.cfg),
+            area,
             host_counts: MappedHost::new(&rt.device, 1 + rt.cfg.local_experts())?,
             hier,
         })
