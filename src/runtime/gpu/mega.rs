@@ -129,6 +129,8 @@ impl MegaMode {
         })
     }
 
+    /// Whether the fused kernels run on this GPU (checked before a fused
+    /// call is made).
     pub fn check_supported(&self) -> Result<()> {
         if !self.hopper {
             return Err(Error::unsupported(
@@ -148,7 +150,6 @@ impl MegaMode {
         handle: &mut HandleState,
         stream: Stream,
     ) -> Result<()> {
-        self.check_supported()?;
         let handle = handle
             .downcast_mut::<GpuHandle>()
             .ok_or_else(|| Error::internal("not a GPU handle"))?;
@@ -185,10 +186,11 @@ impl MegaMode {
         handle: &HandleState,
         stream: Stream,
     ) -> Result<()> {
-        self.check_supported()?;
+        // The context checked that the handle's dispatch made expert-major
+        // rows.
         let (handle, dispatched) = combined(handle)?;
         let capacity = dispatched.expert_capacity.ok_or_else(|| {
-            Error::invalid(
+            Error::internal(
                 "the handle's dispatch wrote no expert-major rows, which the fused combine multiplies",
             )
         })?;

@@ -40,7 +40,7 @@ use super::ops::{
     CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaCombineOp, MegaDispatchOp,
     Received,
 };
-use super::sequence::Call;
+use super::sequence::{Call, Collective};
 use crate::abi::{
     self, BarrierParams, CombineParams, DispatchParams, HierParams, LayoutParams, LlParams,
     MegaParams, NcclPeerBasesParams, BARRIER_COUNTER_OFFSET, BARRIER_THREADS,
@@ -614,17 +614,6 @@ struct GpuBackend {
     all_reachable: bool,
 }
 
-impl GpuBackend {
-    fn check_ll(&self) -> Result<()> {
-        if self.all_reachable {
-            return Ok(());
-        }
-        Err(Error::unsupported(
-            "the low-latency mode across NVLink domains needs a GIN network leg, which this release does not have (it runs on virtual nodes of one NVLink domain)",
-        ))
-    }
-}
-
 impl PointerCheck for GpuBackend {
     fn check_pointer(&self, field: &Field, ptr: *const c_void) -> Result<()> {
         if field.rows && !(ptr as usize).is_multiple_of(ROW_ALIGNMENT) {
@@ -659,6 +648,29 @@ impl Backend for GpuBackend {
             )));
         }
         checks::stream(&self.rt.device, stream)
+    }
+
+    fn check_supported(&self, op: Collective) -> Result<()> {
+        match op {
+            Collective::Dispatch | Collective::Combine => Ok(()),
+            Collective::LlDispatch | Collective::LlCombine => {
+                if self.all_reachable {
+                    return Ok(());
+                }
+                Err(Error::unsupported(
+                    "the low-latency mode across NVLink domains needs a GIN network leg, which this release does not have (it runs on virtual nodes of one NVLink domain)",
+                ))
+            }
+            Collective::MegaDispatch | Collective::MegaCombine => {
+                self.mega.check_supported()?;
+                if self.normal.hierarchical() || !self.all_reachable {
+                    return Err(Error::unsupported(
+                        "the fused kernels run within one NVLink domain (one node): they have no network leg yet",
+                    ));
+                }
+                Ok(())
+            }
+        }
     }
 
     /// The caller's arrays are device memory: their contents are checked by
@@ -702,16 +714,6 @@ impl Backend for GpuBackend {
             .combine(&self.rt.bind()?, call, op, handle, stream)
     }
 
-    fn check_fused(&self) -> Result<()> {
-        self.mega.check_supported()?;
-        if self.normal.hierarchical() || !self.all_reachable {
-            return Err(Error::unsupported(
-                "the fused kernels run within one NVLink domain (one node): they have no network leg yet",
-            ));
-        }
-        Ok(())
-    }
-
     fn mega_dispatch_gemm(
         &mut self,
         call: Call,
@@ -735,12 +737,10 @@ impl Backend for GpuBackend {
     }
 
     fn ll_dispatch(&mut self, call: Call, op: &LlDispatchOp, stream: Stream) -> Result<()> {
-        self.check_ll()?;
         self.ll.dispatch(&self.rt.bind()?, call, op, stream)
     }
 
     fn ll_combine(&mut self, call: Call, op: &LlCombineOp, stream: Stream) -> Result<()> {
-        self.check_ll()?;
         self.ll.combine(&self.rt.bind()?, call, op, stream)
     }
 

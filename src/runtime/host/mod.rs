@@ -404,10 +404,10 @@ impl Backend for HostBackend {
                 // SAFETY: the context checked the pointer for `n` tokens.
                 let topk_idx = unsafe { caller(op.topk_idx, op.num_tokens * topo.topk) };
                 validate_experts(topo, topk_idx, op.num_tokens).map_err(invalid_expert)?;
+                // The context checked that the handle holds a dispatch of
+                // as many tokens.
                 let state = host_handle(handle)?;
-                if op.reuse_layout
-                    && (state.num_tokens != op.num_tokens || state.topk_idx != topk_idx)
-                {
+                if op.reuse_layout && state.topk_idx != topk_idx {
                     return Err(Error::invalid(
                         "EP_DISPATCH_REUSE_LAYOUT with routing that differs from the handle's dispatch",
                     ));
@@ -561,10 +561,7 @@ impl Backend for HostBackend {
         let topo = self.cfg.topo;
         let hidden = topo.hidden;
         let state = host_handle(handle)?;
-        let d = state
-            .dispatched
-            .as_ref()
-            .ok_or_else(|| Error::internal("handle marked dispatched without a layout"))?;
+        let d = dispatched(handle)?;
         let input_rows = if op.expert_major {
             d.expert_rows
         } else {
@@ -921,12 +918,8 @@ unsafe fn write_dispatch_outputs(op: &DispatchOp, d: &Dispatched, topo: &Topolog
     let mut result = Ok(());
     if let Some(recv) = &op.recv {
         give(recv.num_rows, &[d.num_rows as i32]);
-        if d.num_rows > recv.capacity {
-            result = Err(Error::invalid(format!(
-                "recv_capacity = {} but {} rows arrived; no rows were written",
-                recv.capacity, d.num_rows
-            )));
-        } else {
+        result = recv.check_rows(d.num_rows);
+        if result.is_ok() {
             give(recv.x, &d.x);
             if fp8 {
                 give(recv.scales, &d.scales);
@@ -939,12 +932,8 @@ unsafe fn write_dispatch_outputs(op: &DispatchOp, d: &Dispatched, topo: &Topolog
     if let Some(expert) = &op.expert {
         give(expert.offsets, &d.expert_offsets);
         give(expert.counts, &d.expert_counts);
-        if d.expert_rows > expert.capacity {
-            result = result.and(Err(Error::invalid(format!(
-                "expert_capacity = {} but {} expert-major rows are needed; no rows were written",
-                expert.capacity, d.expert_rows
-            ))));
-        } else {
+        let fits = expert.check_rows(d.expert_rows);
+        if fits.is_ok() {
             give(expert.x, &d.expert_x);
             if fp8 {
                 give(expert.scales, &d.expert_scales);
@@ -952,6 +941,7 @@ unsafe fn write_dispatch_outputs(op: &DispatchOp, d: &Dispatched, topo: &Topolog
             give(expert.weights, &d.expert_weights);
             give(expert.src_row, &d.expert_src_row);
         }
+        result = result.and(fits);
     }
     result
 }
