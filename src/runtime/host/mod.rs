@@ -23,8 +23,8 @@
 //!
 //! The low-latency send/receive split maps onto the steps: `EP_LL_SEND_ONLY`
 //! publishes, `EP_LL_RECV_ONLY` gathers. A low-latency combine returns rows
-//! by the layout that this backend kept from its last dispatch, never by
-//! arrays the caller passes back.
+//! by the layout that each rank published at the end of its last dispatch,
+//! never by arrays the caller passes back.
 //!
 //! A failed step (a peer gone or silent, an abort) breaks the context for
 //! good: [`HostMonitor`] then reports it and the context refuses every call.
@@ -111,7 +111,6 @@ pub fn create(
         areas,
         broken: broken.clone(),
         ll_sent: None,
-        ll_received: None,
     };
     Ok((Box::new(backend), Arc::new(HostMonitor { aborted, broken })))
 }
@@ -155,7 +154,8 @@ struct Header {
     ll_tokens: u64,
     ll_has_weights: u64,
     ll_combine_has_weights: u64,
-    /// The rank holds the layout of its low-latency dispatch for a combine.
+    /// The rank published the layout of its last low-latency dispatch (its
+    /// receive phase completed) for the combines of that dispatch.
     ll_combine_ready: u64,
 }
 
@@ -253,15 +253,6 @@ struct LlSent {
     topk_idx: Vec<i32>,
 }
 
-/// What this rank received in its last low-latency dispatch: the layout its
-/// combine returns rows by.
-struct LlReceived {
-    src_info: Vec<i32>,
-    layout_range: Vec<i32>,
-    /// Per-row routing weights, when every source gave weights.
-    weights: Option<Vec<f32>>,
-}
-
 struct HostBackend {
     cfg: Config,
     boot: Bootstrap,
@@ -271,7 +262,6 @@ struct HostBackend {
     /// Shared with the monitor: the failure of a step, once one failed.
     broken: Arc<Mutex<Option<Error>>>,
     ll_sent: Option<LlSent>,
-    ll_received: Option<LlReceived>,
 }
 
 fn invalid_expert(bad: InvalidExpert) -> Error {
@@ -695,12 +685,15 @@ impl Backend for HostBackend {
                 // No tokens, nothing to weigh: such a rank counts as having
                 // given its weights (as in the context's pairing rule).
                 h.ll_has_weights = (weights.is_some() || n == 0) as u64;
+                // The last dispatch's layout is gone; this one's comes with
+                // its receive phase.
+                h.ll_combine_has_weights = 0;
+                h.ll_combine_ready = 0;
             });
             self.ll_sent = Some(LlSent {
                 num_tokens: n,
                 topk_idx: topk_idx.to_vec(),
             });
-            self.ll_received = None;
             self.step(&call, PUBLISH)?;
         }
         if op.phases.recv {
@@ -729,10 +722,21 @@ impl Backend for HostBackend {
                 give(op.recv_src_info, &d.recv_src_info);
                 give(op.recv_layout_range, &d.recv_layout_range);
             }
-            self.ll_received = Some(LlReceived {
-                src_info: d.recv_src_info,
-                layout_range: d.recv_layout_range,
-                weights: d.recv_weights,
+            // The layout this dispatch's combines return rows by. Every rank
+            // has passed the gather step, and ranks read these areas only
+            // between a combine's two steps, so nobody reads them now.
+            let a = &self.areas;
+            let (src_at, range_at, w_at) = (
+                a.ll_combine_src_info,
+                a.ll_combine_range,
+                a.ll_combine_weights,
+            );
+            self.publish(src_at, &d.recv_src_info);
+            self.publish(range_at, &d.recv_layout_range);
+            self.publish(w_at, d.recv_weights.as_deref().unwrap_or(&[]));
+            self.set_header(|h| {
+                h.ll_combine_has_weights = d.recv_weights.is_some() as u64;
+                h.ll_combine_ready = 1;
             });
         }
         count_check
@@ -757,21 +761,8 @@ impl Backend for HostBackend {
                 let y = unsafe { caller(op.x as *const bf16, slots * hidden) };
                 self.publish(y_at, y);
             }
-            // The layout kept from this rank's dispatch (none if that
-            // dispatch did not complete: every rank then learns it below).
-            let received = self.ll_received.take();
-            let (src_info, range, weights) = match &received {
-                Some(r) => (&r.src_info[..], &r.layout_range[..], r.weights.as_deref()),
-                None => (&[][..], &[][..], None),
-            };
-            self.publish(src_at, src_info);
-            self.publish(range_at, range);
-            self.publish(w_at, weights.unwrap_or(&[]));
-            self.set_header(|h| {
-                h.ll_combine_has_weights = weights.is_some() as u64;
-                h.ll_combine_ready = received.is_some() as u64;
-            });
-            self.ll_received = received;
+            // The layout went out with the dispatch's receive phase (not if
+            // that did not complete: every rank then learns it below).
             self.step(&call, PUBLISH)?;
         }
         let mut count_check = Ok(());
