@@ -212,12 +212,7 @@ fn find_nvcc(manifest_dir: &Path) -> Result<PathBuf, String> {
 /// headers (cccl included) relative to itself, so this nvcc needs no extra
 /// flags or environment.
 fn venv_nvcc(manifest_dir: &Path) -> Option<PathBuf> {
-    let lib = manifest_dir.join(".venv/lib");
-    std::fs::read_dir(lib)
-        .ok()?
-        .filter_map(|entry| entry.ok())
-        .map(|entry| entry.path().join("site-packages/nvidia/cu13/bin/nvcc"))
-        .find(|nvcc| nvcc.is_file())
+    venv_site_dir(manifest_dir, "nvidia/cu13/bin", "nvcc").map(|bin| bin.join("nvcc"))
 }
 
 /// The first `.venv/lib/python3.X/site-packages/<relative>` that holds

@@ -456,11 +456,7 @@ pub unsafe extern "C" fn ep_mega_dispatch_gemm(
         let gemm = mega_op(&a)?;
         contract::check_field(contract::MEGA, "dispatch", &gemm, &gemm.facts(false))?;
         let mut dispatch = dispatch_op(&read_versioned(a.dispatch)?)?;
-        if dispatch.reuse_layout {
-            return Err(Error::invalid(
-                "EP_DISPATCH_REUSE_LAYOUT: a fused dispatch cannot reuse a layout",
-            ));
-        }
+        // Implied: a fused dispatch never synchronises with the host.
         dispatch.no_host_sync = true;
         let op = MegaDispatchOp { dispatch, gemm };
         log::debug!("ep_mega_dispatch_gemm: {}", op.describe());

@@ -97,6 +97,7 @@ const _: () = {
     assert!(EP_HIDDEN_ALIGNMENT as usize == abi::HIDDEN_ALIGNMENT);
     assert!(EP_MAX_WORLD_SIZE as usize == abi::MAX_WORLD_SIZE);
     assert!(EP_LL_MAX_TOKENS as usize == abi::LL_MAX_TOKENS);
+    assert!(EP_MEGA_MAX_DIM as usize == crate::runtime::config::MAX_GEMM_DIM);
 };
 
 /// Backend selection (`ep_config_t.backend`).

@@ -7,7 +7,7 @@ use super::ops::{
     CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaCombineOp, MegaDispatchOp,
     Received,
 };
-use super::sequence::Call;
+use super::sequence::{Call, Collective};
 use crate::error::Result;
 use std::any::Any;
 use std::os::raw::c_void;
@@ -35,9 +35,10 @@ pub trait Backend: PointerCheck + Send {
     /// backend: a stream of its device, or NULL); the host backend ignores
     /// streams.
     fn check_stream(&self, stream: Stream) -> Result<()>;
-    /// Whether the fused calls (`ep_mega_*`) run here; checked before a
-    /// fused call takes its collective number.
-    fn check_fused(&self) -> Result<()> {
+    /// Whether calls of `op` run here (the GPU backend: the fused and the
+    /// low-latency calls need certain GPUs and NVLink domains); checked
+    /// before such a call takes its collective number.
+    fn check_supported(&self, _op: Collective) -> Result<()> {
         Ok(())
     }
 
@@ -50,9 +51,9 @@ pub trait Backend: PointerCheck + Send {
 
     fn layout(&mut self, op: &LayoutOp, stream: Stream) -> Result<()>;
     fn new_handle_state(&mut self) -> Result<HandleState>;
-    /// Returns the rows received when the host learned them (after a host
-    /// synchronisation, or from the handle's earlier dispatch when the
-    /// layout is reused), else `None`.
+    /// Returns the rows received when this call told the host (a host
+    /// synchronisation), else `None`; the context carries a reused layout's
+    /// rows over from the handle's earlier dispatch.
     fn dispatch(
         &mut self,
         call: Call,

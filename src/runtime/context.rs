@@ -5,8 +5,9 @@
 //! backend sees it: its values against the configuration, its pointers
 //! against the contract (`super::contract`: NULL, alignment, memory kind),
 //! the stream, the order of calls (split low-latency calls, dispatch before
-//! combine, a combine's layout), then the backend's own checks of the
-//! caller's arrays. A call that fails any of these changes nothing. A
+//! combine, a combine's layout), then the backend's own checks (of the
+//! caller's arrays, and whether it runs such calls at all). A call that
+//! fails any of these changes nothing. A
 //! collective call that passes them takes the next call number
 //! (`super::sequence`) and runs.
 
@@ -15,7 +16,8 @@ use super::config::{BackendKind, Config};
 use super::contract::{self, check_pointers, Facts};
 use super::handle::{DispatchRecord, Handle};
 use super::ops::{
-    CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaCombineOp, MegaDispatchOp,
+    check_ll_enabled, CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaCombineOp,
+    MegaDispatchOp,
 };
 use super::sequence::{Call, Collective};
 use super::{gpu, host};
@@ -274,6 +276,7 @@ impl Context {
         check_pointers(contract::LL_DISPATCH, op, &op.facts(), &*inner.backend)?;
         inner.check_stream(stream)?;
         inner.backend.check_inputs(Inputs::LlDispatch(op))?;
+        inner.backend.check_supported(Collective::LlDispatch)?;
 
         let call = match continued {
             Some(p) => p.call,
@@ -328,6 +331,7 @@ impl Context {
         check_pointers(contract::LL_COMBINE, op, &facts, &*inner.backend)?;
         inner.check_stream(stream)?;
         inner.backend.check_inputs(Inputs::LlCombine(op))?;
+        inner.backend.check_supported(Collective::LlCombine)?;
 
         let call = match continued {
             Some(p) => p.call,
@@ -346,11 +350,7 @@ impl Context {
 
     pub fn ll_combine_buffer(&self) -> Result<(*mut u8, usize)> {
         let mut inner = self.lock()?;
-        if self.cfg.ll_max_tokens == 0 {
-            return Err(Error::invalid(
-                "the low-latency mode is disabled (config ll_max_tokens_per_rank = 0)",
-            ));
-        }
+        check_ll_enabled(&self.cfg)?;
         inner.backend.ll_combine_buffer()
     }
 
@@ -380,7 +380,7 @@ impl Context {
         inner
             .backend
             .check_inputs(Inputs::Dispatch(d, &handle.state))?;
-        inner.backend.check_fused()?;
+        inner.backend.check_supported(Collective::MegaDispatch)?;
 
         let call = inner.next_call(Collective::MegaDispatch, 0);
         handle.dispatch = None;
@@ -424,7 +424,7 @@ impl Context {
             &*inner.backend,
         )?;
         inner.check_stream(stream)?;
-        inner.backend.check_fused()?;
+        inner.backend.check_supported(Collective::MegaCombine)?;
         let call = inner.next_call(Collective::MegaCombine, d.call);
         inner
             .backend

@@ -494,7 +494,7 @@ impl<P> Kernel<P> {
     /// Queues the kernel on `stream` with a one-dimensional grid of `grid`
     /// blocks of `block` threads, `shared_bytes` of dynamic shared memory,
     /// and `params` as its parameter (the driver copies it during the call).
-    /// `_bound` is the caller's proof that the kernel's context is current
+    /// `bound` is the caller's proof that the kernel's context is current
     /// on this thread: an API call binds its context once, then launches.
     ///
     /// Errors: `InvalidArgument` for an empty grid or block (nothing is
@@ -506,7 +506,7 @@ impl<P> Kernel<P> {
     /// `params` must stay valid until the kernel has finished.
     pub unsafe fn launch(
         &self,
-        _bound: &ContextGuard<'_>,
+        bound: &ContextGuard<'_>,
         grid: u32,
         block: u32,
         shared_bytes: u32,
@@ -514,36 +514,25 @@ impl<P> Kernel<P> {
         params: &P,
     ) -> Result<()> {
         // SAFETY: passed on from the caller.
-        unsafe { self.launch_ex(false, grid, block, shared_bytes, stream, params) }
+        unsafe { self.launch_ex(bound, false, grid, block, shared_bytes, stream, params) }
     }
 
-    /// Like [`Kernel::launch`], as a cooperative launch: the driver starts
-    /// the grid only with every block resident at once, so blocks may wait
-    /// for each other. Check [`Kernel::max_blocks_per_sm`] first.
+    /// Like [`Kernel::launch`] (`cuLaunchKernelEx`), and when `cooperative`
+    /// as a cooperative launch: the driver starts the grid only with every
+    /// block resident at once, so blocks may wait for each other. Check
+    /// [`Kernel::max_blocks_per_sm`] first.
     ///
-    /// Errors: as `launch`, and `Unsupported` when the grid cannot be
-    /// resident at once on this device (too many blocks for its SMs, or
-    /// for the share of them that MPS or a green context leaves).
+    /// Errors: as `launch`, and for a cooperative launch `Unsupported` when
+    /// the grid cannot be resident at once on this device (too many blocks
+    /// for its SMs, or for the share of them that MPS or a green context
+    /// leaves).
     ///
     /// # Safety
     /// As for `launch`.
-    pub unsafe fn launch_cooperative(
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch_ex(
         &self,
         _bound: &ContextGuard<'_>,
-        grid: u32,
-        block: u32,
-        shared_bytes: u32,
-        stream: CUstream,
-        params: &P,
-    ) -> Result<()> {
-        // SAFETY: passed on from the caller.
-        unsafe { self.launch_ex(true, grid, block, shared_bytes, stream, params) }
-    }
-
-    /// Both launches: `cuLaunchKernelEx`, with the cooperative attribute
-    /// when `cooperative`.
-    unsafe fn launch_ex(
-        &self,
         cooperative: bool,
         grid: u32,
         block: u32,
@@ -579,14 +568,16 @@ impl<P> Kernel<P> {
         // `params` and the stream; the one parameter is a `P`.
         let res =
             unsafe { sys::cuLaunchKernelEx(&config, self.handle, &mut param, ptr::null_mut()) };
-        if res == CUresult::CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE {
-            return Err(Error::unsupported(format!(
+        match res {
+            CUresult::CUDA_SUCCESS => Ok(()),
+            CUresult::CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE => Err(Error::unsupported(format!(
                 "{}: {grid} blocks of {block} threads cannot all be resident at once on this GPU \
                  (fewer SMs than expected: MPS or a green context may limit them)",
                 self.name()
-            )));
+            ))),
+            // The message is only made for a failure: launches are hot.
+            _ => check(res, &format!("cuLaunchKernelEx({})", self.name())),
         }
-        check(res, &format!("cuLaunchKernelEx({})", self.name()))
     }
 
     /// Lets launches of this kernel ask for up to `bytes` of dynamic shared
@@ -731,6 +722,22 @@ impl DeviceBuffer {
                 check(sys::cuMemsetD8_v2(buffer.ptr, 0, len), "cuMemsetD8")?;
                 check(sys::cuCtxSynchronize(), "cuCtxSynchronize")?;
             }
+        }
+        Ok(buffer)
+    }
+
+    /// Allocates a buffer holding a copy of `values`: the copy is
+    /// synchronous (done when this returns).
+    ///
+    /// Errors: `OutOfMemory` when the device has no room; `Cuda` when the
+    /// copy fails.
+    pub fn from_host<T: Plain>(device: &Device, values: &[T]) -> Result<DeviceBuffer> {
+        let buffer = DeviceBuffer::new(device, std::mem::size_of_val(values))?;
+        // SAFETY: the buffer has the values' size, and the copy has run on
+        // the null stream before `values` can change.
+        unsafe {
+            buffer.copy_from_host_async(values, ptr::null_mut())?;
+            device.stream_synchronize(ptr::null_mut())?;
         }
         Ok(buffer)
     }
@@ -942,6 +949,9 @@ pub enum TensorElement {
     Byte,
 }
 
+/// Most dimensions a tensor map may have (`cuTensorMapEncodeTiled`).
+const MAX_TENSOR_RANK: usize = 5;
+
 /// A TMA descriptor of the row-major tensor at `base` with extents `dims`
 /// (innermost first), byte strides `strides` of dimensions 1.. , copied in
 /// boxes of `boxes` elements into shared memory with the 128-byte swizzle
@@ -958,13 +968,14 @@ pub fn tensor_map(
     boxes: &[u32],
 ) -> Result<TmaDescriptor> {
     init()?;
+    assert!(dims.len() <= MAX_TENSOR_RANK);
     assert!(dims.len() == boxes.len() && strides.len() + 1 == dims.len());
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
     let data_type = match element {
         TensorElement::Bf16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         TensorElement::Byte => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
     };
-    let element_strides = vec![1u32; dims.len()];
+    let element_strides = [1u32; MAX_TENSOR_RANK];
     // SAFETY: the arrays hold `dims.len()` (strides one fewer) values;
     // the driver only encodes, it reads no device memory.
     let res = unsafe {

@@ -78,10 +78,10 @@ pub struct DevCommRequirements {
     pub gin_counter_count: c_int,
 }
 
-/// Bytes reserved for an `ncclDevComm` (NCCL 2.28.9's is 200);
-/// `kernels/include/ep_net.cuh` checks the real size against
-/// `EP_NCCL_DEV_COMM_BYTES`, which mirrors this.
-pub(crate) const DEV_COMM_BYTES: usize = 512;
+/// Bytes reserved for an `ncclDevComm` (NCCL 2.28.9's is 200); one
+/// definition with the kernels (src/abi/defs.rs), where
+/// `kernels/include/ep_net.cuh` checks the real size against it.
+pub(crate) use crate::abi::NCCL_DEV_COMM_BYTES as DEV_COMM_BYTES;
 
 /// An `ncclDevComm`, as NCCL writes it: opaque but for its first fields,
 /// which say where this rank sits (stable in the 2.28 series).

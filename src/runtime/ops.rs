@@ -68,6 +68,14 @@ pub struct SourceOrderOut {
     pub num_rows: *mut i32,
 }
 
+impl SourceOrderOut {
+    /// An error when `rows` received rows do not fit the capacity (then no
+    /// row is written).
+    pub fn check_rows(&self, rows: usize) -> Result<()> {
+        rows_fit("recv_capacity", self.capacity, rows, "rows arrived")
+    }
+}
+
 /// Expert-major outputs of a dispatch.
 #[derive(Debug, Clone, Copy)]
 pub struct ExpertMajorOut {
@@ -79,6 +87,26 @@ pub struct ExpertMajorOut {
     pub src_row: *mut i32,
     pub offsets: *mut i32,
     pub counts: *mut i32,
+}
+
+impl ExpertMajorOut {
+    /// An error when `padded_rows` expert-major rows (padding included) do
+    /// not fit the capacity (then no row is written).
+    pub fn check_rows(&self, padded_rows: usize) -> Result<()> {
+        let needed = "expert-major rows are needed";
+        rows_fit("expert_capacity", self.capacity, padded_rows, needed)
+    }
+}
+
+/// An error when `rows` rows (`what`: "rows arrived") exceed `capacity`,
+/// the value of the argument `name`.
+fn rows_fit(name: &str, capacity: usize, rows: usize, what: &str) -> Result<()> {
+    if rows > capacity {
+        return Err(Error::invalid(format!(
+            "{name} = {capacity} but {rows} {what}; no rows were written"
+        )));
+    }
+    Ok(())
 }
 
 /// `ep_dispatch`.
@@ -106,20 +134,21 @@ impl DispatchOp {
                 "BF16 dispatch on a context configured with token_dtype FP8 (its buffers are sized for FP8)",
             ));
         }
+        // Source-order rows do not depend on the alignment.
+        let (worst_source, worst_expert) =
+            normal::worst_case_rows(cfg.topo, cfg.max_tokens, self.alignment());
         if let Some(recv) = &self.recv {
-            let (worst, _) = normal::worst_case_rows(cfg.topo, cfg.max_tokens, 1);
-            if self.no_host_sync && recv.capacity < worst {
+            if self.no_host_sync && recv.capacity < worst_source {
                 return Err(Error::invalid(format!(
-                    "recv_capacity = {} is below the worst case {worst} that EP_DISPATCH_NO_HOST_SYNC needs",
+                    "recv_capacity = {} is below the worst case {worst_source} that EP_DISPATCH_NO_HOST_SYNC needs",
                     recv.capacity
                 )));
             }
         }
         if let Some(expert) = &self.expert {
-            let (_, worst) = normal::worst_case_rows(cfg.topo, cfg.max_tokens, expert.alignment);
-            if self.no_host_sync && expert.capacity < worst {
+            if self.no_host_sync && expert.capacity < worst_expert {
                 return Err(Error::invalid(format!(
-                    "expert_capacity = {} is below the worst case {worst} that EP_DISPATCH_NO_HOST_SYNC needs",
+                    "expert_capacity = {} is below the worst case {worst_expert} that EP_DISPATCH_NO_HOST_SYNC needs",
                     expert.capacity
                 )));
             }
@@ -202,7 +231,8 @@ pub struct LlDispatchOp {
     pub device_num_tokens: *const i32,
 }
 
-fn check_ll_enabled(cfg: &Config) -> Result<()> {
+/// An error unless the configuration enables the low-latency mode.
+pub fn check_ll_enabled(cfg: &Config) -> Result<()> {
     if cfg.ll_max_tokens == 0 {
         return Err(Error::invalid(
             "the low-latency mode is disabled (config ll_max_tokens_per_rank = 0)",
@@ -322,6 +352,8 @@ impl MegaOp {
 /// grouped GEMM of those rows.
 #[derive(Debug, Clone, Copy)]
 pub struct MegaDispatchOp {
+    /// Never synchronises with the host: `no_host_sync` is set (the C
+    /// boundary sets it, EP_DISPATCH_NO_HOST_SYNC being implied).
     pub dispatch: DispatchOp,
     pub gemm: MegaOp,
 }
@@ -329,9 +361,9 @@ pub struct MegaDispatchOp {
 impl MegaDispatchOp {
     pub fn validate(&self, cfg: &Config) -> Result<()> {
         let d = &self.dispatch;
-        if !d.no_host_sync || d.reuse_layout {
+        if d.reuse_layout {
             return Err(Error::invalid(
-                "a fused dispatch never synchronises with the host (EP_DISPATCH_NO_HOST_SYNC is implied) and cannot reuse a layout",
+                "EP_DISPATCH_REUSE_LAYOUT: a fused dispatch cannot reuse a layout",
             ));
         }
         // The GEMM reads the expert-major rows, and the fused kernel finds

@@ -15,7 +15,7 @@
 use std::net::TcpListener;
 use std::ops::ControlFlow;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use super::net::{
@@ -40,11 +40,9 @@ const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
 /// length (u32), then the hello.
 const OPENING_BYTES: usize = SECRET_BYTES + 4;
 
-/// A request to stop a root early, with the reason its ranks are told.
-#[derive(Default)]
-struct StopRequest {
-    reason: Mutex<Option<String>>,
-}
+/// A request to stop a root early: the reason its ranks are told, once
+/// given (the first reason stays).
+type StopRequest = OnceLock<String>;
 
 /// The roots this process runs, by session id. An entry dies with its root
 /// thread (which holds the only strong reference).
@@ -52,23 +50,16 @@ static ROOTS: Mutex<Vec<(u64, Weak<StopRequest>)>> = Mutex::new(Vec::new());
 
 /// Stops the root of group `session`, if this process runs it and it has
 /// not finished: the ranks that joined are refused with `reason`
-/// (`EP_ERR_REMOTE`). Returns whether such a root was found.
-pub(super) fn stop(session: u64, reason: String) -> bool {
+/// (`EP_ERR_REMOTE`).
+pub(super) fn stop(session: u64, reason: String) {
     let roots = ROOTS.lock().unwrap_or_else(PoisonError::into_inner);
     let found = roots
         .iter()
         .find(|(s, _)| *s == session)
         .and_then(|(_, request)| request.upgrade());
-    match found {
-        Some(request) => {
-            let mut slot = request
-                .reason
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            slot.get_or_insert(reason);
-            true
-        }
-        None => false,
+    if let Some(request) = found {
+        // A root asked to stop twice keeps the first reason.
+        let _ = request.set(reason);
     }
 }
 
@@ -123,10 +114,7 @@ impl Root {
     fn run(mut self) {
         let idle_until = Instant::now() + IDLE_LIMIT;
         loop {
-            let stop = (self.stop_request.reason.lock())
-                .unwrap_or_else(PoisonError::into_inner)
-                .clone();
-            if let Some(reason) = stop {
+            if let Some(reason) = self.stop_request.get().cloned() {
                 return self.refuse_all(ErrorKind::Remote, reason);
             }
             let now = Instant::now();
@@ -285,7 +273,7 @@ impl Root {
 
     /// The deadline passed with ranks missing: tell those who came.
     fn refuse_missing(self) {
-        let Some(group) = self.group else { return };
+        let Some(group) = &self.group else { return };
         let missing: Vec<usize> = (0..group.world)
             .filter(|&r| group.members[r].is_none())
             .collect();
@@ -296,8 +284,7 @@ impl Root {
             group.joined,
             group.world
         );
-        let members = group.members.into_iter().flatten().map(|(_, fd)| fd);
-        tell_all(&refused(ErrorKind::Timeout, message), members);
+        self.refuse_all(ErrorKind::Timeout, message);
     }
 }
 

@@ -32,12 +32,11 @@
 //! `[N, T]` | relay blocks `[N - 1]` | node sums `[N, T, H]` BF16 | combine
 //! staging `[N - 1, T, H]` BF16.
 
-use super::normal::Area as NormalArea;
+use super::normal::{chunks, Area as NormalArea};
 use super::{Bound, Runtime};
 use crate::abi::{
-    BarrierParams, CombineParams, DispatchParams, HierParams, BARRIER_COUNTER_OFFSET,
-    BARRIER_THREADS, CHUNK_TOKENS, HIER_COUNTER_INTS, HIER_HEADER_BYTES, HIER_SIGNAL_KINDS,
-    MAX_WORLD_SIZE, MOVE_THREADS,
+    CombineParams, DispatchParams, HierParams, CHUNK_TOKENS, HIER_COUNTER_INTS, HIER_HEADER_BYTES,
+    HIER_SIGNAL_KINDS, MAX_WORLD_SIZE, MOVE_THREADS,
 };
 use crate::error::{Error, Result};
 use crate::reference::hierarchical::NodeShape;
@@ -68,11 +67,11 @@ struct HierArea {
 }
 
 impl HierArea {
-    fn new(cfg: &Config, start: usize) -> HierArea {
+    /// The area from `start` on, for the normal mode's area `normal`.
+    fn new(cfg: &Config, start: usize, normal: &NormalArea) -> HierArea {
         let nodes = cfg.nodes().nodes();
         let t = cfg.max_tokens;
         let row = cfg.topo.hidden * 2;
-        let normal = NormalArea::new(cfg);
         let columns = cfg.world() + cfg.topo.num_experts;
         let relay_bytes = (normal.totals + columns * 4 - normal.staged_x).div_ceil(256) * 256;
         let mut next = start.div_ceil(256) * 256;
@@ -101,7 +100,7 @@ pub fn buffer_bytes(cfg: &Config) -> usize {
     if !cfg.nodes().is_hierarchical() {
         return 0;
     }
-    HierArea::new(cfg, 0).end
+    HierArea::new(cfg, 0, &NormalArea::new(cfg)).end
 }
 
 /// GIN signals a device communicator needs for `nodes` nodes.
@@ -122,10 +121,16 @@ struct Tables {
 
 impl Tables {
     /// From every rank's buffer as mapped here (`bases`, 0 where not
-    /// mapped), the normal area's offset and the hierarchical area.
-    fn new(cfg: &Config, bases: &[u64], normal_offset: usize, area: &HierArea) -> Result<Tables> {
+    /// mapped), the normal area (its offset and its arrays) and the
+    /// hierarchical area.
+    fn new(
+        cfg: &Config,
+        bases: &[u64],
+        normal_offset: usize,
+        normal: &NormalArea,
+        area: &HierArea,
+    ) -> Result<Tables> {
         let nodes = cfg.nodes();
-        let normal = NormalArea::new(cfg);
         let home = nodes.node_of(cfg.rank);
         let base_of = |rank: usize| -> Result<u64> {
             match bases[rank] {
@@ -170,8 +175,9 @@ pub struct HierHandle {
 
 pub struct Hierarchy {
     nodes: NodeShape,
-    /// Where the normal mode's area starts in every buffer.
+    /// Where the normal mode's area starts in every buffer, and its arrays.
     normal_offset: usize,
+    normal: NormalArea,
     area: HierArea,
     /// `[R]` the buffers of this node's ranks (the node barrier's table).
     node_table: DeviceBuffer,
@@ -185,26 +191,25 @@ pub struct Hierarchy {
 }
 
 impl Hierarchy {
-    /// The mode's area starts at `offset`; the normal mode's at
+    /// The mode's area starts at `offset`; the normal mode's, `normal`, at
     /// `normal_offset`.
-    pub fn new(rt: &Runtime, normal_offset: usize, offset: usize) -> Result<Hierarchy> {
+    pub fn new(
+        rt: &Runtime,
+        normal_offset: usize,
+        normal: NormalArea,
+        offset: usize,
+    ) -> Result<Hierarchy> {
         let cfg = &rt.cfg;
         let nodes = cfg.nodes();
-        let area = HierArea::new(cfg, offset);
-        let tables = Tables::new(cfg, rt.memory.host_peer_bases(), normal_offset, &area)?;
-        let upload = |values: &[u64]| -> Result<DeviceBuffer> {
-            let buffer = DeviceBuffer::new(&rt.device, values.len() * 8)?;
-            // SAFETY: synchronous copy into a buffer of the same size.
-            unsafe {
-                buffer.copy_from_host_async(values, std::ptr::null_mut())?;
-                rt.device.stream_synchronize(std::ptr::null_mut())?;
-            }
-            Ok(buffer)
-        };
+        let area = HierArea::new(cfg, offset, &normal);
+        let bases = rt.memory.host_peer_bases();
+        let tables = Tables::new(cfg, bases, normal_offset, &normal, &area)?;
+        let upload = |values: &[u64]| DeviceBuffer::from_host(&rt.device, values);
         let nccl = rt.memory.nccl();
         Ok(Hierarchy {
             nodes,
             normal_offset,
+            normal,
             area,
             node_table: upload(&tables.node)?,
             pull_table: upload(&tables.pull)?,
@@ -227,7 +232,7 @@ impl Hierarchy {
     /// fill in the caller's tokens.
     fn params(&self, rt: &Runtime, handle: &HierHandle, in_rank: u64) -> HierParams {
         let cfg = &rt.cfg;
-        let n = NormalArea::new(cfg);
+        let n = &self.normal;
         let a = &self.area;
         HierParams {
             peer_bases: rt.memory.peer_bases(),
@@ -277,22 +282,11 @@ impl Hierarchy {
     /// # Safety
     /// `stream` is a stream of the context's device (or null).
     unsafe fn node_barrier(&self, rt: &Bound, stream: Stream) -> Result<()> {
-        let params = BarrierParams {
-            peer_signals: self.node_table.ptr(),
-            epoch_counter: rt.memory.own_base() + BARRIER_COUNTER_OFFSET as u64,
-            abort_flag: rt.abort_ptr(),
-            status: rt.status_ptr(),
-            timeout_ns: rt.timeout_ns,
-            rank: self.nodes.local_index(rt.cfg.rank) as i32,
-            world: self.nodes.ranks_per_node as i32,
-        };
-        rt.launch(
-            &rt.kernels.barrier,
-            1,
-            BARRIER_THREADS as u32,
-            0,
+        rt.barrier_over(
+            self.node_table.ptr(),
+            self.nodes.local_index(rt.cfg.rank),
+            self.nodes.ranks_per_node,
             stream,
-            &params,
         )
     }
 
@@ -342,7 +336,7 @@ impl Hierarchy {
             peer_bases: self.pull_table.ptr(),
             ..*flat
         };
-        let chunks = (flat.num_tokens as usize).div_ceil(CHUNK_TOKENS).max(1) as u32;
+        let chunks = chunks(flat.num_tokens as usize);
         let columns = cfg.world() + cfg.topo.num_experts;
         let sms = rt.normal_grid();
         let k = &rt.kernels;
@@ -454,10 +448,10 @@ mod tests {
                 let nodes = cfg.nodes();
                 let normal = NormalArea::new(&cfg);
                 let normal_offset = 65536;
-                let area = HierArea::new(&cfg, 1 << 30);
+                let area = HierArea::new(&cfg, 1 << 30, &normal);
                 // Rank r's buffer at r << 40 (all reachable: virtual nodes).
                 let bases: Vec<u64> = (0..world as u64).map(|r| (r + 1) << 40).collect();
-                let t = Tables::new(&cfg, &bases, normal_offset, &area).unwrap();
+                let t = Tables::new(&cfg, &bases, normal_offset, &normal, &area).unwrap();
                 let home = nodes.node_of(rank);
                 assert_eq!(t.pull[rank], bases[rank], "own records");
                 assert_eq!(t.send[rank], bases[rank], "own return rows");
@@ -504,7 +498,7 @@ mod tests {
     #[test]
     fn the_area_holds_every_array_apart() {
         let cfg = config(8, 3, 2);
-        let a = HierArea::new(&cfg, 12345);
+        let a = HierArea::new(&cfg, 12345, &NormalArea::new(&cfg));
         let n = cfg.nodes().nodes();
         let spans = [
             (a.signals, HIER_SIGNAL_KINDS * n * 8),
@@ -521,7 +515,10 @@ mod tests {
             end = start + bytes;
         }
         assert!(a.end >= end);
-        assert_eq!(buffer_bytes(&cfg), HierArea::new(&cfg, 0).end);
+        assert_eq!(
+            buffer_bytes(&cfg),
+            HierArea::new(&cfg, 0, &NormalArea::new(&cfg)).end
+        );
         assert_eq!(buffer_bytes(&config(4, 0, 4)), 0, "one node adds nothing");
     }
 }

@@ -137,9 +137,9 @@ impl LlMode {
     /// "Co-residency"). Errors: `Unsupported` when a block of
     /// `LL_THREADS` threads does not fit on an SM.
     pub fn new(rt: &Runtime, offset: usize) -> Result<LlMode> {
-        let bound = rt.bind()?;
+        let bound = rt.device.bind()?;
         for kernel in [&rt.kernels.ll_dispatch, &rt.kernels.ll_combine] {
-            if bound.max_blocks_per_sm(kernel, LL_THREADS as u32, 0)? == 0 {
+            if kernel.max_blocks_per_sm(&bound, LL_THREADS as u32, 0)? == 0 {
                 return Err(Error::unsupported(format!(
                     "{}: a block of {LL_THREADS} threads does not fit on an SM of this GPU",
                     kernel.name()
@@ -197,7 +197,17 @@ impl LlMode {
         // SAFETY: the caller's arrays stay valid until the stream has run
         // the kernel (API rule), the context's buffers until it is
         // destroyed.
-        unsafe { rt.launch_cooperative(kernel, self.grid, LL_THREADS as u32, 0, stream, params) }
+        unsafe {
+            rt.launch_ex(
+                true,
+                kernel,
+                self.grid,
+                LL_THREADS as u32,
+                0,
+                stream,
+                params,
+            )
+        }
     }
 
     pub fn dispatch(

@@ -79,16 +79,12 @@ impl MegaMode {
     pub fn new(rt: &Runtime) -> Result<MegaMode> {
         let cfg = &rt.cfg;
         let device = &rt.device;
-        let major =
-            device.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-        let minor =
-            device.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let hopper = device.compute_capability()? == (9, 0);
         let shared = device
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
         let (_, rows) = worst_case_rows(cfg.topo, cfg.max_tokens, MAX_EXPERT_ALIGNMENT);
         let cluster = cluster_size()?;
         let max_m_tiles = max_m_tiles(cfg, cluster as usize);
-        let hopper = (major, minor) == (9, 0);
         let shared = shared as u32;
         let mut max_blocks = device.sm_count()?;
         if hopper {
@@ -133,6 +129,8 @@ impl MegaMode {
         })
     }
 
+    /// Whether the fused kernels run on this GPU (checked before a fused
+    /// call is made).
     pub fn check_supported(&self) -> Result<()> {
         if !self.hopper {
             return Err(Error::unsupported(
@@ -152,7 +150,6 @@ impl MegaMode {
         handle: &mut HandleState,
         stream: Stream,
     ) -> Result<()> {
-        self.check_supported()?;
         let handle = handle
             .downcast_mut::<GpuHandle>()
             .ok_or_else(|| Error::internal("not a GPU handle"))?;
@@ -189,10 +186,11 @@ impl MegaMode {
         handle: &HandleState,
         stream: Stream,
     ) -> Result<()> {
-        self.check_supported()?;
+        // The context checked that the handle's dispatch made expert-major
+        // rows.
         let (handle, dispatched) = combined(handle)?;
         let capacity = dispatched.expert_capacity.ok_or_else(|| {
-            Error::invalid(
+            Error::internal(
                 "the handle's dispatch wrote no expert-major rows, which the fused combine multiplies",
             )
         })?;
@@ -306,13 +304,18 @@ impl MegaMode {
         }
         let grid = (blocks / self.cluster).max(1) * self.cluster;
         let threads = MEGA_THREADS as u32;
+        let cooperative = self.cluster == 1;
         // SAFETY: the caller vouches for the pointers.
         unsafe {
-            if self.cluster == 1 {
-                rt.launch_cooperative(kernel, grid, threads, self.shared_bytes, stream, params)
-            } else {
-                rt.launch(kernel, grid, threads, self.shared_bytes, stream, params)
-            }
+            rt.launch_ex(
+                cooperative,
+                kernel,
+                grid,
+                threads,
+                self.shared_bytes,
+                stream,
+                params,
+            )
         }
     }
 }

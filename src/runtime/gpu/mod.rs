@@ -41,7 +41,7 @@ use super::ops::{
     CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaCombineOp, MegaDispatchOp,
     Received,
 };
-use super::sequence::Call;
+use super::sequence::{Call, Collective};
 use crate::abi::{
     self, BarrierParams, CombineParams, DispatchParams, HierParams, LayoutParams, LlParams,
     MegaParams, NcclPeerBasesParams, BARRIER_COUNTER_OFFSET, BARRIER_THREADS,
@@ -310,7 +310,7 @@ fn finish(
     let normal = NormalMode::new(&rt, SIGNAL_BYTES, hier_offset)?;
     let ll = LlMode::new(&rt, ll_offset)?;
     let mega = MegaMode::new(&rt)?;
-    let all_reachable = rt.memory.reachable().iter().all(|&r| r);
+    let all_reachable = rt.memory.host_peer_bases().iter().all(|&b| b != 0);
     // No rank returns (and enqueues a collective) before every rank has
     // made its allocations: on a GPU that ranks share, an allocation could
     // otherwise wait for a peer's kernel that waits for this rank.
@@ -332,16 +332,17 @@ fn finish(
 /// the GIN network leg.
 fn check_reach(cfg: &Config, memory: &dyn SymmetricMemory) -> Result<()> {
     let nodes = cfg.nodes();
-    let reachable = memory.reachable();
+    // A base of 0: a rank this GPU does not reach.
+    let bases = memory.host_peer_bases();
     let home = nodes.node_of(cfg.rank);
-    if let Some(far) = nodes.ranks_of(home).find(|&r| !reachable[r]) {
+    if let Some(far) = nodes.ranks_of(home).find(|&r| bases[r] == 0) {
         return Err(Error::unsupported(format!(
             "rank {far} is on the node of rank {} (ranks_per_node = {}) but not reachable over NVLink: set ranks_per_node to the NVLink domain's size or less",
             cfg.rank, nodes.ranks_per_node
         )));
     }
     let gin = memory.nccl().is_some_and(|n| n.gin);
-    if let Some(far) = reachable.iter().position(|&r| !r) {
+    if let Some(far) = bases.iter().position(|&b| b == 0) {
         if !nodes.is_hierarchical() {
             return Err(Error::unsupported(format!(
                 "rank {far} is not reachable over NVLink from rank {}: ranks in several NVLink domains need ranks_per_node set to the domain size",
@@ -581,19 +582,19 @@ impl Bound<'_> {
         stream: Stream,
         params: &P,
     ) -> Result<()> {
-        // SAFETY: the runtime keeps the module loaded; the caller vouches
-        // for the pointers.
-        unsafe { kernel.launch(&self._guard, grid, block, shared_bytes, stream as _, params) }
+        // SAFETY: as in `launch_ex`.
+        unsafe { self.launch_ex(false, kernel, grid, block, shared_bytes, stream, params) }
     }
 
-    /// Launches `kernel` cooperatively on `stream` (see
-    /// `Kernel::launch_cooperative`): for kernels whose blocks wait for
-    /// each other.
+    /// Launches `kernel` on `stream`, cooperatively when `cooperative` (for
+    /// kernels whose blocks wait for each other; see `Kernel::launch_ex`).
     ///
     /// # Safety
     /// As for `launch`.
-    pub unsafe fn launch_cooperative<P>(
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch_ex<P>(
         &self,
+        cooperative: bool,
         kernel: &Kernel<P>,
         grid: u32,
         block: u32,
@@ -601,21 +602,19 @@ impl Bound<'_> {
         stream: Stream,
         params: &P,
     ) -> Result<()> {
-        // SAFETY: as in `launch`.
+        // SAFETY: the runtime keeps the module loaded; the caller vouches
+        // for the pointers.
         unsafe {
-            kernel.launch_cooperative(&self._guard, grid, block, shared_bytes, stream as _, params)
+            kernel.launch_ex(
+                &self._guard,
+                cooperative,
+                grid,
+                block,
+                shared_bytes,
+                stream as _,
+                params,
+            )
         }
-    }
-
-    /// Blocks of `kernel` that fit on one SM at once (see
-    /// `Kernel::max_blocks_per_sm`).
-    pub fn max_blocks_per_sm<P>(
-        &self,
-        kernel: &Kernel<P>,
-        block: u32,
-        shared_bytes: u32,
-    ) -> Result<u32> {
-        kernel.max_blocks_per_sm(&self._guard, block, shared_bytes)
     }
 
     /// Enqueues a barrier of all ranks on `stream`: work enqueued after it
@@ -624,14 +623,39 @@ impl Bound<'_> {
     /// # Safety
     /// `stream` must be a stream of this context's device (or null).
     pub unsafe fn barrier(&self, stream: Stream) -> Result<()> {
+        // SAFETY: passed on from the caller.
+        unsafe {
+            self.barrier_over(
+                self.memory.peer_bases(),
+                self.cfg.rank,
+                self.cfg.world(),
+                stream,
+            )
+        }
+    }
+
+    /// Enqueues a barrier of the `world` ranks whose buffers `table` (a
+    /// device array of `world` bases) lists, this rank being entry `rank`
+    /// (kernels/barrier.cu; [`Bound::barrier`] is the one of all ranks).
+    ///
+    /// # Safety
+    /// `stream` must be a stream of this context's device (or null);
+    /// `table` a device array of the context (valid as long as it is).
+    pub unsafe fn barrier_over(
+        &self,
+        table: u64,
+        rank: usize,
+        world: usize,
+        stream: Stream,
+    ) -> Result<()> {
         let params = BarrierParams {
-            peer_signals: self.memory.peer_bases(),
+            peer_signals: table,
             epoch_counter: self.memory.own_base() + BARRIER_COUNTER_OFFSET as u64,
             abort_flag: self.abort_ptr(),
             status: self.status_ptr(),
             timeout_ns: self.timeout_ns,
-            rank: self.cfg.rank as i32,
-            world: self.cfg.world() as i32,
+            rank: rank as i32,
+            world: world as i32,
         };
         // SAFETY: the context's own buffers and words.
         unsafe {
@@ -666,17 +690,6 @@ struct GpuBackend {
     all_reachable: bool,
 }
 
-impl GpuBackend {
-    fn check_ll(&self) -> Result<()> {
-        if self.all_reachable {
-            return Ok(());
-        }
-        Err(Error::unsupported(
-            "the low-latency mode across NVLink domains needs a GIN network leg, which this release does not have (it runs on virtual nodes of one NVLink domain)",
-        ))
-    }
-}
-
 impl PointerCheck for GpuBackend {
     fn check_pointer(&self, field: &Field, ptr: *const c_void) -> Result<()> {
         if field.rows && !(ptr as usize).is_multiple_of(ROW_ALIGNMENT) {
@@ -699,9 +712,9 @@ impl Backend for GpuBackend {
         // would run one after the other, and a kernel waiting for a peer's
         // would wait for its own successor, until the timeout.
         let legacy = stream.is_null() || stream as usize == STREAM_LEGACY;
-        let sharing = &self.rt.placement.sharing;
-        if legacy && sharing.len() > 1 {
-            let ranks: Vec<String> = sharing.iter().map(|r| r.to_string()).collect();
+        let placement = &self.rt.placement;
+        if legacy && placement.shared() {
+            let ranks: Vec<String> = placement.sharing.iter().map(|r| r.to_string()).collect();
             return Err(Error::invalid(format!(
                 "ranks {} share this GPU, so each must pass its own stream: on the legacy \
                  default stream (NULL) their kernels would run one after the other and wait \
@@ -711,6 +724,29 @@ impl Backend for GpuBackend {
             )));
         }
         checks::stream(&self.rt.device, stream)
+    }
+
+    fn check_supported(&self, op: Collective) -> Result<()> {
+        match op {
+            Collective::Dispatch | Collective::Combine => Ok(()),
+            Collective::LlDispatch | Collective::LlCombine => {
+                if self.all_reachable {
+                    return Ok(());
+                }
+                Err(Error::unsupported(
+                    "the low-latency mode across NVLink domains needs a GIN network leg, which this release does not have (it runs on virtual nodes of one NVLink domain)",
+                ))
+            }
+            Collective::MegaDispatch | Collective::MegaCombine => {
+                self.mega.check_supported()?;
+                if self.normal.hierarchical() || !self.all_reachable {
+                    return Err(Error::unsupported(
+                        "the fused kernels run within one NVLink domain (one node): they have no network leg yet",
+                    ));
+                }
+                Ok(())
+            }
+        }
     }
 
     /// The caller's arrays are device memory: their contents are checked by
@@ -754,16 +790,6 @@ impl Backend for GpuBackend {
             .combine(&self.rt.bind()?, call, op, handle, stream)
     }
 
-    fn check_fused(&self) -> Result<()> {
-        self.mega.check_supported()?;
-        if self.normal.hierarchical() || !self.all_reachable {
-            return Err(Error::unsupported(
-                "the fused kernels run within one NVLink domain (one node): they have no network leg yet",
-            ));
-        }
-        Ok(())
-    }
-
     fn mega_dispatch_gemm(
         &mut self,
         call: Call,
@@ -787,12 +813,10 @@ impl Backend for GpuBackend {
     }
 
     fn ll_dispatch(&mut self, call: Call, op: &LlDispatchOp, stream: Stream) -> Result<()> {
-        self.check_ll()?;
         self.ll.dispatch(&self.rt.bind()?, call, op, stream)
     }
 
     fn ll_combine(&mut self, call: Call, op: &LlCombineOp, stream: Stream) -> Result<()> {
-        self.check_ll()?;
         self.ll.combine(&self.rt.bind()?, call, op, stream)
     }
 

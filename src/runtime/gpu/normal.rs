@@ -24,7 +24,7 @@ const CHUNK_WARPS: usize = CHUNK_TOKENS / 32;
 
 /// Blocks of the count kernel: one per chunk of `CHUNK_TOKENS` tokens, at
 /// least one.
-fn chunks(num_tokens: usize) -> u32 {
+pub(super) fn chunks(num_tokens: usize) -> u32 {
     num_tokens.div_ceil(CHUNK_TOKENS).max(1) as u32
 }
 
@@ -161,14 +161,15 @@ impl NormalMode {
     /// The mode's area starts at `offset` of every rank's symmetric buffer;
     /// with several nodes the hierarchical mode's at `hier_offset`.
     pub fn new(rt: &Runtime, offset: usize, hier_offset: usize) -> Result<NormalMode> {
+        let area = Area::new(&rt.cfg);
         let hier = if rt.cfg.nodes().is_hierarchical() {
-            Some(Hierarchy::new(rt, offset, hier_offset)?)
+            Some(Hierarchy::new(rt, offset, area, hier_offset)?)
         } else {
             None
         };
         Ok(NormalMode {
             offset,
-            area: Area::new(&rt.cfg),
+            area,
             host_counts: MappedHost::new(&rt.device, 1 + rt.cfg.local_experts())?,
             hier,
         })
@@ -229,15 +230,16 @@ impl NormalMode {
             .downcast_mut::<GpuHandle>()
             .ok_or_else(|| Error::internal("not a GPU handle"))?;
         // A reused layout needs no host synchronisation: the host counts
-        // are those of the handle's earlier dispatch of the same routing.
-        let cached = match (&handle.dispatched, op.reuse_layout) {
-            (Some(d), true) if d.num_tokens == op.num_tokens => d.host_counts.clone(),
-            (_, true) => {
-                return Err(Error::invalid(
-                    "EP_DISPATCH_REUSE_LAYOUT with a handle whose last dispatch had another token count or failed",
-                ))
-            }
-            _ => None,
+        // are those of the handle's earlier dispatch of the same routing
+        // (the context checked that the handle holds one, of as many
+        // tokens).
+        let cached = if op.reuse_layout {
+            handle
+                .dispatched
+                .as_ref()
+                .and_then(|d| d.host_counts.clone())
+        } else {
+            None
         };
         let host_sync = !op.no_host_sync && cached.is_none();
         handle.dispatched = None;
@@ -283,10 +285,14 @@ impl NormalMode {
                 }
             }
         }
-        let received = host_counts.as_ref().map(|counts| Received {
-            source_rows: counts[0] as usize,
-            expert_rows: padded_rows(&counts[1..], op.alignment()),
-        });
+        // The context carries a reused layout's rows over itself.
+        let received = host_counts
+            .as_ref()
+            .filter(|_| host_sync)
+            .map(|counts| Received {
+                source_rows: counts[0] as usize,
+                expert_rows: padded_rows(&counts[1..], op.alignment()),
+            });
         handle.dispatched = Some(Dispatched {
             num_tokens: op.num_tokens,
             host_counts,
@@ -529,30 +535,18 @@ pub(super) fn combined(handle: &HandleState) -> Result<(&GpuHandle, &Dispatched)
     let dispatched = handle
         .dispatched
         .as_ref()
-        .ok_or_else(|| Error::invalid("the handle holds no successful dispatch"))?;
+        .ok_or_else(|| Error::internal("the handle holds no successful dispatch"))?;
     Ok((handle, dispatched))
 }
 
 /// After a host-synchronised dispatch: an error when the rows that arrived
 /// did not fit the caller's capacities (the kernels then wrote no rows).
 fn check_capacity(op: &DispatchOp, counts: &[i32]) -> Result<()> {
-    let rows = counts[0] as usize;
     if let Some(recv) = &op.recv {
-        if rows > recv.capacity {
-            return Err(Error::invalid(format!(
-                "recv_capacity = {} but {rows} rows arrived; no rows were written",
-                recv.capacity
-            )));
-        }
+        recv.check_rows(counts[0] as usize)?;
     }
     if let Some(expert) = &op.expert {
-        let padded = padded_rows(&counts[1..], expert.alignment);
-        if padded > expert.capacity {
-            return Err(Error::invalid(format!(
-                "expert_capacity = {} but {padded} expert-major rows are needed; no rows were written",
-                expert.capacity
-            )));
-        }
+        expert.check_rows(padded_rows(&counts[1..], expert.alignment))?;
     }
     Ok(())
 }

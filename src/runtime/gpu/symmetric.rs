@@ -64,14 +64,11 @@ pub trait SymmetricMemory: Send {
     /// Device address of this rank's buffer.
     fn own_base(&self) -> u64;
     /// Device array `[world]` of every rank's buffer as mapped here; 0 for
-    /// a rank this GPU cannot reach by loads and stores.
+    /// a rank this GPU cannot reach by loads and stores (and only for one).
     fn peer_bases(&self) -> u64;
-    /// Host copy of which entries of `peer_bases` are mapped.
-    fn reachable(&self) -> &[bool];
-    /// Host copy of `peer_bases`.
+    /// Host copy of `peer_bases`: non-zero entries are the ranks this GPU
+    /// reaches.
     fn host_peer_bases(&self) -> &[u64];
-    /// Bytes of each rank's buffer.
-    fn size(&self) -> usize;
     /// The NCCL handles of the buffer, for the network kernels; `None` for
     /// native memory.
     fn nccl(&self) -> Option<NcclDevice>;
@@ -134,9 +131,7 @@ pub struct NativeMemory {
     /// `[world]` device pointers to every rank's buffer, for kernels.
     peer_bases: DeviceBuffer,
     host_bases: Vec<u64>,
-    reachable: Vec<bool>,
     rank: usize,
-    size: usize,
 }
 
 // SAFETY: the handles and addresses are plain values; the driver API is
@@ -297,26 +292,16 @@ impl NativeMemory {
             )?;
             mappings.push(Arc::new(map(device, handle, size)?));
         }
+        // Every rank is mapped: no base is 0.
         let bases: Vec<u64> = mappings.iter().map(|m| m.base).collect();
         let memory = NativeMemory {
             mappings,
-            peer_bases: DeviceBuffer::new(device, boot.world() * 8)?,
-            host_bases: bases.clone(),
-            reachable: vec![true; boot.world()],
+            peer_bases: DeviceBuffer::from_host(device, &bases)?,
+            host_bases: bases,
             rank: boot.rank(),
-            size,
         };
-        // SAFETY: synchronous copy to a buffer of `world` u64s; zero-fill of
-        // our own mapping.
+        // SAFETY: zero-fill of our own mapping.
         unsafe {
-            check(
-                sys::cuMemcpyHtoD_v2(
-                    memory.peer_bases.ptr(),
-                    bases.as_ptr() as *const _,
-                    bases.len() * 8,
-                ),
-                "cuMemcpyHtoD",
-            )?;
             check(sys::cuMemsetD8_v2(memory.own_base(), 0, size), "cuMemsetD8")?;
             check(sys::cuCtxSynchronize(), "cuCtxSynchronize")?;
         }
@@ -335,16 +320,8 @@ impl SymmetricMemory for NativeMemory {
         self.peer_bases.ptr()
     }
 
-    fn reachable(&self) -> &[bool] {
-        &self.reachable
-    }
-
     fn host_peer_bases(&self) -> &[u64] {
         &self.host_bases
-    }
-
-    fn size(&self) -> usize {
-        self.size
     }
 
     fn nccl(&self) -> Option<NcclDevice> {
@@ -372,10 +349,8 @@ pub struct NcclMemory {
     gin: bool,
     peer_bases: DeviceBuffer,
     host_bases: Vec<u64>,
-    reachable: Vec<bool>,
     /// This rank's buffer as its kernels address it (its own LSA pointer).
     own_base: u64,
-    size: usize,
 }
 
 // SAFETY: the handles and addresses are plain values; NCCL's and the
@@ -413,9 +388,7 @@ impl NcclMemory {
             gin: false,
             peer_bases: DeviceBuffer::new(device, world * 8)?,
             host_bases: vec![0; world],
-            reachable: vec![false; world],
             own_base: 0,
-            size,
         };
         // SAFETY: zero-fills our own allocation, synchronously.
         unsafe {
@@ -459,16 +432,13 @@ impl NcclMemory {
     /// others, with a kernel (LSA pointers are device-side functions).
     fn find_peers(&mut self, kernels: &Kernels, rank: usize) -> Result<()> {
         let (lsa_rank, lsa_size) = (self.dev_comm.lsa_rank(), self.dev_comm.lsa_size());
-        let world = self.reachable.len();
+        let world = self.host_bases.len();
         if lsa_rank >= lsa_size || lsa_rank > rank || rank - lsa_rank + lsa_size > world {
             return Err(Error::internal(format!(
                 "NCCL reports LSA rank {lsa_rank} of {lsa_size} for rank {rank} of {world}"
             )));
         }
         let first = rank - lsa_rank;
-        for (r, reachable) in self.reachable.iter_mut().enumerate() {
-            *reachable = (first..first + lsa_size).contains(&r);
-        }
         let params = NcclPeerBasesParams {
             window: self.window as u64,
             peer_bases: self.peer_bases.ptr(),
@@ -496,10 +466,16 @@ impl NcclMemory {
             )?;
         }
         self.own_base = bases[rank];
-        self.host_bases = bases;
         if self.own_base == 0 {
             return Err(Error::internal("NCCL gave no LSA pointer for this rank"));
         }
+        // A 0 entry must mean "not reachable" (`SymmetricMemory`).
+        if let Some(r) = (first..first + lsa_size).find(|&r| bases[r] == 0) {
+            return Err(Error::internal(format!(
+                "NCCL gave no LSA pointer for rank {r} of this rank's LSA team"
+            )));
+        }
+        self.host_bases = bases;
         Ok(())
     }
 }
@@ -513,16 +489,8 @@ impl SymmetricMemory for NcclMemory {
         self.peer_bases.ptr()
     }
 
-    fn reachable(&self) -> &[bool] {
-        &self.reachable
-    }
-
     fn host_peer_bases(&self) -> &[u64] {
         &self.host_bases
-    }
-
-    fn size(&self) -> usize {
-        self.size
     }
 
     fn nccl(&self) -> Option<NcclDevice> {

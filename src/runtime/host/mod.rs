@@ -23,8 +23,8 @@
 //!
 //! The low-latency send/receive split maps onto the steps: `EP_LL_SEND_ONLY`
 //! publishes, `EP_LL_RECV_ONLY` gathers. A low-latency combine returns rows
-//! by the layout that this backend kept from its last dispatch, never by
-//! arrays the caller passes back.
+//! by the layout that each rank published at the end of its last dispatch,
+//! never by arrays the caller passes back.
 //!
 //! A failed step (a peer gone or silent, an abort) breaks the context for
 //! good: [`HostMonitor`] then reports it and the context refuses every call.
@@ -111,7 +111,6 @@ pub fn create(
         areas,
         broken: broken.clone(),
         ll_sent: None,
-        ll_received: None,
     };
     Ok((Box::new(backend), Arc::new(HostMonitor { aborted, broken })))
 }
@@ -155,7 +154,8 @@ struct Header {
     ll_tokens: u64,
     ll_has_weights: u64,
     ll_combine_has_weights: u64,
-    /// The rank holds the layout of its low-latency dispatch for a combine.
+    /// The rank published the layout of its last low-latency dispatch (its
+    /// receive phase completed) for the combines of that dispatch.
     ll_combine_ready: u64,
 }
 
@@ -253,15 +253,6 @@ struct LlSent {
     topk_idx: Vec<i32>,
 }
 
-/// What this rank received in its last low-latency dispatch: the layout its
-/// combine returns rows by.
-struct LlReceived {
-    src_info: Vec<i32>,
-    layout_range: Vec<i32>,
-    /// Per-row routing weights, when every source gave weights.
-    weights: Option<Vec<f32>>,
-}
-
 struct HostBackend {
     cfg: Config,
     boot: Bootstrap,
@@ -271,7 +262,6 @@ struct HostBackend {
     /// Shared with the monitor: the failure of a step, once one failed.
     broken: Arc<Mutex<Option<Error>>>,
     ll_sent: Option<LlSent>,
-    ll_received: Option<LlReceived>,
 }
 
 fn invalid_expert(bad: InvalidExpert) -> Error {
@@ -404,10 +394,10 @@ impl Backend for HostBackend {
                 // SAFETY: the context checked the pointer for `n` tokens.
                 let topk_idx = unsafe { caller(op.topk_idx, op.num_tokens * topo.topk) };
                 validate_experts(topo, topk_idx, op.num_tokens).map_err(invalid_expert)?;
+                // The context checked that the handle holds a dispatch of
+                // as many tokens.
                 let state = host_handle(handle)?;
-                if op.reuse_layout
-                    && (state.num_tokens != op.num_tokens || state.topk_idx != topk_idx)
-                {
+                if op.reuse_layout && state.topk_idx != topk_idx {
                     return Err(Error::invalid(
                         "EP_DISPATCH_REUSE_LAYOUT with routing that differs from the handle's dispatch",
                     ));
@@ -561,10 +551,7 @@ impl Backend for HostBackend {
         let topo = self.cfg.topo;
         let hidden = topo.hidden;
         let state = host_handle(handle)?;
-        let d = state
-            .dispatched
-            .as_ref()
-            .ok_or_else(|| Error::internal("handle marked dispatched without a layout"))?;
+        let d = dispatched(handle)?;
         let input_rows = if op.expert_major {
             d.expert_rows
         } else {
@@ -698,12 +685,15 @@ impl Backend for HostBackend {
                 // No tokens, nothing to weigh: such a rank counts as having
                 // given its weights (as in the context's pairing rule).
                 h.ll_has_weights = (weights.is_some() || n == 0) as u64;
+                // The last dispatch's layout is gone; this one's comes with
+                // its receive phase.
+                h.ll_combine_has_weights = 0;
+                h.ll_combine_ready = 0;
             });
             self.ll_sent = Some(LlSent {
                 num_tokens: n,
                 topk_idx: topk_idx.to_vec(),
             });
-            self.ll_received = None;
             self.step(&call, PUBLISH)?;
         }
         if op.phases.recv {
@@ -732,10 +722,21 @@ impl Backend for HostBackend {
                 give(op.recv_src_info, &d.recv_src_info);
                 give(op.recv_layout_range, &d.recv_layout_range);
             }
-            self.ll_received = Some(LlReceived {
-                src_info: d.recv_src_info,
-                layout_range: d.recv_layout_range,
-                weights: d.recv_weights,
+            // The layout this dispatch's combines return rows by. Every rank
+            // has passed the gather step, and ranks read these areas only
+            // between a combine's two steps, so nobody reads them now.
+            let a = &self.areas;
+            let (src_at, range_at, w_at) = (
+                a.ll_combine_src_info,
+                a.ll_combine_range,
+                a.ll_combine_weights,
+            );
+            self.publish(src_at, &d.recv_src_info);
+            self.publish(range_at, &d.recv_layout_range);
+            self.publish(w_at, d.recv_weights.as_deref().unwrap_or(&[]));
+            self.set_header(|h| {
+                h.ll_combine_has_weights = d.recv_weights.is_some() as u64;
+                h.ll_combine_ready = 1;
             });
         }
         count_check
@@ -760,21 +761,8 @@ impl Backend for HostBackend {
                 let y = unsafe { caller(op.x as *const bf16, slots * hidden) };
                 self.publish(y_at, y);
             }
-            // The layout kept from this rank's dispatch (none if that
-            // dispatch did not complete: every rank then learns it below).
-            let received = self.ll_received.take();
-            let (src_info, range, weights) = match &received {
-                Some(r) => (&r.src_info[..], &r.layout_range[..], r.weights.as_deref()),
-                None => (&[][..], &[][..], None),
-            };
-            self.publish(src_at, src_info);
-            self.publish(range_at, range);
-            self.publish(w_at, weights.unwrap_or(&[]));
-            self.set_header(|h| {
-                h.ll_combine_has_weights = weights.is_some() as u64;
-                h.ll_combine_ready = received.is_some() as u64;
-            });
-            self.ll_received = received;
+            // The layout went out with the dispatch's receive phase (not if
+            // that did not complete: every rank then learns it below).
             self.step(&call, PUBLISH)?;
         }
         let mut count_check = Ok(());
@@ -921,12 +909,8 @@ unsafe fn write_dispatch_outputs(op: &DispatchOp, d: &Dispatched, topo: &Topolog
     let mut result = Ok(());
     if let Some(recv) = &op.recv {
         give(recv.num_rows, &[d.num_rows as i32]);
-        if d.num_rows > recv.capacity {
-            result = Err(Error::invalid(format!(
-                "recv_capacity = {} but {} rows arrived; no rows were written",
-                recv.capacity, d.num_rows
-            )));
-        } else {
+        result = recv.check_rows(d.num_rows);
+        if result.is_ok() {
             give(recv.x, &d.x);
             if fp8 {
                 give(recv.scales, &d.scales);
@@ -939,12 +923,8 @@ unsafe fn write_dispatch_outputs(op: &DispatchOp, d: &Dispatched, topo: &Topolog
     if let Some(expert) = &op.expert {
         give(expert.offsets, &d.expert_offsets);
         give(expert.counts, &d.expert_counts);
-        if d.expert_rows > expert.capacity {
-            result = result.and(Err(Error::invalid(format!(
-                "expert_capacity = {} but {} expert-major rows are needed; no rows were written",
-                expert.capacity, d.expert_rows
-            ))));
-        } else {
+        let fits = expert.check_rows(d.expert_rows);
+        if fits.is_ok() {
             give(expert.x, &d.expert_x);
             if fp8 {
                 give(expert.scales, &d.expert_scales);
@@ -952,6 +932,7 @@ unsafe fn write_dispatch_outputs(op: &DispatchOp, d: &Dispatched, topo: &Topolog
             give(expert.weights, &d.expert_weights);
             give(expert.src_row, &d.expert_src_row);
         }
+        result = result.and(fits);
     }
     result
 }
