@@ -4,6 +4,9 @@
 //! are what stands between a changed struct and a kernel reading the wrong
 //! bytes. (The same layouts hold in device code: the types are fixed-size.)
 
+mod common;
+
+use common::tools::{c_compiler, fresh_dir, nvidia_wheels};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -13,23 +16,18 @@ fn cuda_include() -> PathBuf {
     if let Some(home) = std::env::var_os("CUDA_HOME") {
         return Path::new(&home).join("include");
     }
-    let lib = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/lib");
-    std::fs::read_dir(&lib)
-        .expect("no .venv: run scripts/install-cuda-tools.sh")
-        .filter_map(|entry| entry.ok())
-        .map(|entry| entry.path().join("site-packages/nvidia/cu13/include"))
-        .find(|dir| dir.join("cuda_bf16.h").is_file())
-        .expect("no cuda_bf16.h under .venv: run scripts/install-cuda-tools.sh")
+    nvidia_wheels("cu13/include/cuda_bf16.h").join("cu13/include")
 }
 
 /// Whether a translation unit that includes `header` as ep_abi.h compiles;
 /// also returns the compiler's messages.
 fn compiles(header: &str, name: &str) -> (bool, String) {
     let dir = std::env::temp_dir().join(format!("ep-abi-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir(dir);
     std::fs::write(dir.join("ep_abi.h"), header).unwrap();
     std::fs::write(dir.join("main.cpp"), "#include \"ep_abi.h\"\n").unwrap();
-    let out = Command::new(std::env::var("CXX").unwrap_or_else(|_| "c++".into()))
+    // The system C++ compiler, as cc finds it: $CXX, else c++.
+    let out = Command::new(c_compiler(true))
         .args(["-std=c++17", "-fsyntax-only", "-I"])
         .arg(&dir)
         .arg("-I")

@@ -2,22 +2,19 @@
 //! modes, the token sweeps and its own result checks run in CI, where there
 //! is no GPU (its numbers mean nothing there).
 
+mod common;
+
+use common::tools::run;
 use std::process::Command;
 
 fn run_bench(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_ep-bench"))
-        .args(["--backend", "host", "--ranks", "2", "--hidden", "512"])
-        .args(["--iters", "2", "--warmup", "1"])
-        .args(args)
-        .output()
-        .expect("ep-bench runs");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "ep-bench {args:?} failed: {}\n{stdout}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
+    run(
+        Command::new(env!("CARGO_BIN_EXE_ep-bench"))
+            .args(["--backend", "host", "--ranks", "2", "--hidden", "512"])
+            .args(["--iters", "2", "--warmup", "1"])
+            .args(args),
+        &format!("ep-bench {args:?}"),
+    )
 }
 
 /// The table rows of `op` (the first column), one per token count.
@@ -71,29 +68,16 @@ fn bad_arguments_are_refused() {
 /// fewer bytes over the network, and with one node none.
 #[test]
 fn traffic_mode_counts_network_and_nvlink_bytes() {
-    let run = |rpn: &str| {
-        let out = Command::new(env!("CARGO_BIN_EXE_ep-bench"))
-            .args(["--mode", "traffic", "--ranks", "4", "--ranks-per-node", rpn])
-            .args([
-                "--tokens",
-                "64",
-                "--hidden",
-                "512",
-                "--topk",
-                "4",
-                "--experts",
-                "16",
-            ])
-            .output()
-            .expect("ep-bench runs");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+    let traffic = |rpn: &str| {
+        run(
+            Command::new(env!("CARGO_BIN_EXE_ep-bench"))
+                .args(["--mode", "traffic", "--ranks", "4", "--ranks-per-node", rpn])
+                .args(["--tokens", "64", "--hidden", "512", "--topk", "4"])
+                .args(["--experts", "16"]),
+            &format!("ep-bench --mode traffic --ranks-per-node {rpn}"),
+        )
     };
-    let out = run("2");
+    let out = traffic("2");
     assert!(out.contains("4 ranks in 2 node(s) of 2"), "{out}");
     for rank in 0..4 {
         assert_eq!(rows(&out, &rank.to_string()).len(), 1, "{out}");
@@ -112,7 +96,7 @@ fn traffic_mode_counts_network_and_nvlink_bytes() {
         .and_then(|v| v.parse::<f64>().ok())
         .expect("the ratio line");
     assert!(ratio > 0.0 && ratio < 1.0, "{out}");
-    let one_node = run("4");
+    let one_node = traffic("4");
     assert!(
         one_node.contains("Network bytes: none (one node)."),
         "{one_node}"
@@ -135,28 +119,21 @@ fn json_holds_every_table_row() {
         .filter(|l| !l.contains("n/a (host backend)"))
         .count();
     // Python reads it (bench/plot.py): load it there and count.
-    let check = Command::new("python3")
-        .args([
-            "-c",
-            "import json, sys; d = json.load(open(sys.argv[1])); \
-             assert d['schema'] == 'ep-bench/1' and d['ranks'] == 2 and d['backend'] == 'host'; \
-             assert [t['mode'] for t in d['tables']] == ['normal', 'll']; \
-             rows = [r for t in d['tables'] for r in t['rows']]; \
-             assert all(r['median_us'] > 0 and r['tokens'] in (3, 9) for r in rows); \
-             print(len(rows))",
-        ])
-        .arg(&path)
-        .output()
-        .expect("python3 runs");
-    let _ = std::fs::remove_file(&path);
-    assert!(
-        check.status.success(),
-        "{}",
-        String::from_utf8_lossy(&check.stderr)
+    let check = run(
+        Command::new("python3")
+            .args([
+                "-c",
+                "import json, sys; d = json.load(open(sys.argv[1])); \
+                 assert d['schema'] == 'ep-bench/1' and d['ranks'] == 2 and d['backend'] == 'host'; \
+                 assert [t['mode'] for t in d['tables']] == ['normal', 'll']; \
+                 rows = [r for t in d['tables'] for r in t['rows']]; \
+                 assert all(r['median_us'] > 0 and r['tokens'] in (3, 9) for r in rows); \
+                 print(len(rows))",
+            ])
+            .arg(&path),
+        "python3 reading the JSON",
     );
-    let rows: usize = String::from_utf8_lossy(&check.stdout)
-        .trim()
-        .parse()
-        .unwrap();
+    let _ = std::fs::remove_file(&path);
+    let rows: usize = check.trim().parse().unwrap();
     assert_eq!(rows, table_rows, "one JSON row per table row:\n{out}");
 }

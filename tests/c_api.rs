@@ -10,31 +10,16 @@ use std::ptr::{null, null_mut};
 use std::time::{Duration, Instant};
 
 /// Asserts `status == want` and that the last error names `function` and
-/// contains every one of `needles`.
+/// contains every one of `needles` ([`walk::expect_error`]).
 #[track_caller]
 fn expect(status: ep_status_t, want: ep_status_t, function: &str, needles: &[&str]) {
-    let msg = last_error();
-    assert_eq!(
-        status, want,
-        "{function}: got status {status}, message {msg:?}"
-    );
-    assert!(
-        msg.starts_with(&format!("{function}: ")),
-        "message does not name {function}: {msg:?}"
-    );
-    for needle in needles {
-        assert!(msg.contains(needle), "message lacks {needle:?}: {msg:?}");
-    }
+    walk::expect_error(status, want, function, needles, function);
 }
 
+/// Asserts that `function` refused its NULL `arg` ([`walk::expect_null`]).
 #[track_caller]
 fn expect_null(status: ep_status_t, function: &str, arg: &str) {
-    expect(
-        status,
-        EP_ERR_NULL_POINTER,
-        function,
-        &[&format!("`{arg}` is NULL")],
-    );
+    walk::expect_null(status, function, arg, function);
 }
 
 /// hidden 128, topk 2, 4 experts, 8 tokens, LL 4 tokens.

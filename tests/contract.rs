@@ -18,21 +18,10 @@ use std::time::{Duration, Instant};
 
 static HOST: HostMem = HostMem;
 
-/// 2 ranks, 4 experts each, topk 4, hidden 256; 24 tokens (normal), 8 (LL).
+/// The walks' group of 2 ranks ([`contract_shape`]).
 fn shape() -> Shape {
-    Shape {
-        world: 2,
-        hidden: 256,
-        topk: 4,
-        experts: 8,
-        max_tokens: 24,
-        ll_max: 8,
-    }
+    contract_shape(2)
 }
-
-/// Uneven token counts (every rank has some).
-const SOME: [usize; 2] = [13, 7];
-const LL_SOME: [usize; 2] = [5, 8];
 
 #[test]
 fn null_walk_of_the_normal_mode() {
@@ -450,12 +439,6 @@ fn mismatched_collectives_end_in_remote_errors_on_every_rank() {
         assert_eq!(combine.run(ctx, 0), EP_SUCCESS, "{}", last_error());
         combine.check().unwrap();
     });
-}
-
-/// Open descriptors and threads of this process.
-fn fds_and_threads() -> (usize, usize) {
-    let count = |dir| std::fs::read_dir(dir).unwrap().count();
-    (count("/proc/self/fd"), count("/proc/self/task"))
 }
 
 /// Ten ep_ctx_create calls that fail their checks leave no rendezvous

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::tools::{c_compiler, root, show};
+use common::tools::{available, c_compiler, nvidia_wheels, root, run};
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -48,24 +48,15 @@ fn build(source: &str, name: &str, cpp: bool) -> PathBuf {
         .arg("-lep")
         .arg(format!("-Wl,-rpath,{}", lib.display()))
         .args(["-ldl", "-lm", "-pthread"]);
-    let output = cmd.output().expect("run the compiler");
-    assert!(
-        output.status.success(),
-        "compiling {source} failed:\n{}",
-        show(&output)
-    );
+    run(&mut cmd, &format!("compiling {source}"));
     exe
 }
 
 /// Runs `cmd` on the host backend and asserts it succeeds; returns stdout.
 fn run_ok(mut cmd: Command, what: &str) -> String {
-    let output = cmd
-        .env("EP_BACKEND", "host")
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {what}: {e}"));
-    println!("{what}:\n{}", String::from_utf8_lossy(&output.stdout));
-    assert!(output.status.success(), "{what} failed:\n{}", show(&output));
-    String::from_utf8_lossy(&output.stdout).into_owned()
+    let out = run(cmd.env("EP_BACKEND", "host"), what);
+    println!("{what}:\n{out}");
+    out
 }
 
 #[test]
@@ -96,8 +87,7 @@ fn cpp_demo_threads() {
 
 #[test]
 fn python_demo() {
-    let python = Command::new("python3").arg("--version").output();
-    if !python.map(|o| o.status.success()).unwrap_or(false) {
+    if !available("python3") {
         eprintln!("python3 not found: skipping demo.py");
         return;
     }
@@ -119,28 +109,16 @@ fn c_api_test() {
     );
 }
 
-/// The NVIDIA wheels' directory under `.venv/` (`.../site-packages/nvidia`),
-/// where scripts/install-cuda-tools.sh puts the pinned NCCL and the CUDA
-/// runtime.
-fn nvidia_wheels() -> PathBuf {
-    std::fs::read_dir(root().join(".venv/lib"))
-        .expect(".venv/lib: run scripts/install-cuda-tools.sh")
-        .filter_map(|e| e.ok())
-        .map(|e| e.path().join("site-packages/nvidia"))
-        .find(|dir| dir.join("nccl/include/nccl.h").is_file())
-        .expect("no NCCL wheel in .venv: run scripts/install-cuda-tools.sh")
-}
-
 /// examples-c/nccl_context.c compiles against the pinned NCCL wheel's
 /// nccl.h and links its libnccl.so.2 and the CUDA runtime wheel's library.
 /// It needs a GPU to run (scripts/gpu-check.sh runs it).
 #[test]
 fn nccl_example_builds() {
-    let wheels = nvidia_wheels();
+    let wheels = nvidia_wheels("nccl/include/nccl.h");
     let lib = lib_dir();
     let exe = out_dir().join("nccl_context");
-    let output = Command::new(c_compiler(false))
-        .args(["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror"])
+    let mut cmd = Command::new(c_compiler(false));
+    cmd.args(["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror"])
         .arg("-I")
         .arg(root().join("include"))
         .arg("-I")
@@ -155,13 +133,7 @@ fn nccl_example_builds() {
         .arg(format!("-L{}", wheels.join("nccl/lib").display()))
         .arg("-l:libnccl.so.2")
         .arg(format!("-L{}", wheels.join("cu13/lib").display()))
-        .arg("-l:libcudart.so.13")
-        .output()
-        .expect("run the compiler");
-    assert!(
-        output.status.success(),
-        "compiling examples-c/nccl_context.c failed:\n{}",
-        show(&output)
-    );
+        .arg("-l:libcudart.so.13");
+    run(&mut cmd, "compiling examples-c/nccl_context.c");
     assert!(exe.is_file());
 }

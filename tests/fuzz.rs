@@ -232,31 +232,16 @@ impl<'c> Fuzz<'c> {
         LlCombineOp::new(&HOST, &self.shape, &tokens, self.rank, seed, dispatch, case)
     }
 
-    /// Prepares and makes a correct call on every rank.
+    /// Prepares and makes a correct call on every rank ([`correct_call`]).
     fn valid(&mut self, op: &mut dyn Op) {
-        op.pointers().restore();
-        op.prepare(self.ctx);
-        op.pointers().poison();
-        self.run_valid(op);
+        let what = format!("{}: {}", self.what, op.label());
+        correct_call(op, self.ctx, &what);
     }
 
-    /// Makes a prepared correct call: every half succeeds and the result
-    /// is the reference's.
+    /// Makes a prepared correct call ([`run_correct`]).
     fn run_valid(&self, op: &mut dyn Op) {
-        for phase in 0..op.phases().len() {
-            let status = op.run(self.ctx, phase);
-            assert_eq!(
-                status,
-                op.success(),
-                "{}: {}: {}",
-                self.what,
-                op.label(),
-                last_error()
-            );
-        }
-        if let Err(e) = op.check() {
-            panic!("{}: {}: {e}", self.what, op.label());
-        }
+        let what = format!("{}: {}", self.what, op.label());
+        run_correct(op, self.ctx, &what);
     }
 
     /// Makes one call that fails its checks (a bad value, or a required

@@ -212,12 +212,13 @@ struct Holdings {
 
 impl Holdings {
     fn now() -> Holdings {
-        let count = |dir: &str| std::fs::read_dir(dir).map_or(0, |d| d.count());
         trim_pool(0);
+        let free_bytes = memory_info(0).0;
+        let (fds, threads) = common::fds_and_threads();
         Holdings {
-            free_bytes: memory_info(0).0,
-            fds: count("/proc/self/fd"),
-            threads: count("/proc/self/task"),
+            free_bytes,
+            fds,
+            threads,
         }
     }
 

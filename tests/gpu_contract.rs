@@ -10,34 +10,18 @@ mod common;
 
 use common::calls::{Call, PointerFields, Shape, Tokens};
 use common::gpu::*;
-use common::walk::{self, DispatchOp, LayoutOp, Op};
+use common::walk::{self, contract_shape, DispatchOp, LayoutOp, Op, LL_SOME, SOME};
 use common::{last_error, Ctx};
 use cudarc::driver::sys;
 use ep::capi::*;
 use std::ffi::c_void;
 use std::ptr::null_mut;
 
-/// As tests/contract.rs's shape, on `world` ranks.
-fn shape(world: usize) -> Shape {
-    Shape {
-        world,
-        hidden: 256,
-        topk: 4,
-        experts: 8,
-        max_tokens: 24,
-        ll_max: 8,
-    }
-}
-
 fn config(s: &Shape) -> ep_config_t {
     let mut cfg = s.config();
     cfg.backend = EP_BACKEND_GPU;
     cfg
 }
-
-/// Token counts of the ranks (every rank has some).
-const SOME: [usize; 2] = [13, 7];
-const LL_SOME: [usize; 2] = [5, 8];
 
 /// Device buffers; combines are within BF16 rounding of the reference.
 static DEVICE: DeviceMem = DeviceMem {
@@ -47,7 +31,7 @@ static DEVICE: DeviceMem = DeviceMem {
 /// Runs `walk` on every rank of 1 and of 2 ranks.
 fn on_worlds(walk: impl Fn(&Shape, &Ctx, usize) + Sync) {
     for world in [1, 2] {
-        let s = shape(world);
+        let s = contract_shape(world);
         run_gpu_world(world, &config(&s), |rank, ctx| walk(&s, ctx, rank));
     }
 }
@@ -168,7 +152,7 @@ fn foreign_memory(bytes: usize) -> (Vec<Foreign>, impl Drop) {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn memory_the_kernels_cannot_use_is_refused() {
-    let s = shape(1);
+    let s = contract_shape(1);
     run_gpu_world(1, &config(&s), |rank, ctx| {
         let tokens = Tokens::new(&s, 61, &SOME[..1], false);
         let mut dispatch = DispatchOp::new(&DEVICE, ctx, &s, &tokens, rank, walk::both(1));
@@ -220,12 +204,7 @@ fn check_foreign(op: &mut dyn Op, ctx: &Ctx, field: &str, f: &Foreign) {
     }
     sync();
     assert_eq!(async_status(ctx), EP_SUCCESS, "{what}: {}", last_error());
-    op.pointers().restore();
-    op.prepare(ctx);
-    op.pointers().poison();
-    assert_eq!(op.run(ctx, 0), op.success(), "{what}, then correct");
-    op.check()
-        .unwrap_or_else(|e| panic!("{what}, then correct: {e}"));
+    walk::correct_call(op, ctx, &format!("{what}, then correct"));
 }
 
 /// A stream of another device, or of another CUDA context than the
@@ -233,7 +212,7 @@ fn check_foreign(op: &mut dyn Op, ctx: &Ctx, field: &str, f: &Foreign) {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn a_stream_the_context_cannot_use_is_refused() {
-    let s = shape(1);
+    let s = contract_shape(1);
     run_gpu_world(1, &config(&s), |rank, ctx| {
         let tokens = Tokens::new(&s, 62, &SOME[..1], false);
         let mut layout = LayoutOp::new(&DEVICE, &s, &tokens, rank);

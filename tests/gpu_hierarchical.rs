@@ -18,10 +18,10 @@
 mod common;
 
 use common::gpu::*;
+use common::last_error;
 use common::normal::*;
-use common::{last_error, Rng};
 use ep::capi::*;
-use ep::reference::{Dtype, Topology};
+use ep::reference::Topology;
 use std::time::{Duration, Instant};
 
 /// The world sizes to test, from `EP_TEST_WORLDS`.
@@ -78,34 +78,15 @@ fn virtual_nodes_match_the_reference() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn a_node_that_never_sends_makes_the_network_wait_time_out() {
-    let topo = Topology {
-        world: 2,
-        num_experts: 8,
-        topk: 2,
-        hidden: 128,
-    };
     let timeout = Duration::from_millis(1500);
-    let mut cfg = gpu_config(128, 2, 8, 64, 0, timeout.as_millis() as u32);
+    let mut cfg = small_config(timeout.as_millis() as u32);
     cfg.ranks_per_node = 1;
     let gate = std::sync::Barrier::new(2);
-    run_gpu_world(2, &cfg, |rank, ctx| {
+    run_gpu_world(SMALL.world, &cfg, |rank, ctx| {
         if rank == 0 {
             let handle = ctx.handle();
-            let mut rng = Rng::new(6);
-            let input = Input::random(&mut rng, &topo, Dtype::Bf16, 8, false);
-            let dev = DeviceInput::new(&input);
-            let out = Outputs::new(ctx, &topo, 1);
-            let args = out.args(&dev, 8, Dtype::Bf16, 1);
-            let start = Instant::now();
-            // SAFETY: device buffers of the sizes the arguments give.
-            let status = unsafe { ep_dispatch(ctx.0, &args, handle.0, stream()) };
-            let took = start.elapsed();
-            assert_eq!(status, EP_ERR_TIMEOUT, "{}", last_error());
-            let message = last_error();
-            assert!(message.contains("rank 1"), "{message}");
-            assert!(message.contains("hierarchical dispatch"), "{message}");
-            assert!(took < timeout * 3, "took {took:?}");
-            assert_eq!(async_status(ctx), EP_ERR_TIMEOUT);
+            let d = SmallDispatch::random(ctx, 6, 8);
+            d.expect_timeout(ctx, &handle, timeout, &["rank 1", "hierarchical dispatch"]);
         }
         gate.wait();
     });
@@ -115,24 +96,14 @@ fn a_node_that_never_sends_makes_the_network_wait_time_out() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn abort_ends_a_network_wait() {
-    let topo = Topology {
-        world: 2,
-        num_experts: 8,
-        topk: 2,
-        hidden: 128,
-    };
-    let mut cfg = gpu_config(128, 2, 8, 64, 0, 60_000);
+    let mut cfg = small_config(60_000);
     cfg.ranks_per_node = 1;
     let gate = std::sync::Barrier::new(2);
-    run_gpu_world(2, &cfg, |rank, ctx| {
+    run_gpu_world(SMALL.world, &cfg, |rank, ctx| {
         if rank == 0 {
             let handle = ctx.handle();
-            let mut rng = Rng::new(7);
-            let input = Input::random(&mut rng, &topo, Dtype::Bf16, 8, false);
-            let dev = DeviceInput::new(&input);
-            let out = Outputs::new(ctx, &topo, 1);
-            let mut args = out.args(&dev, 8, Dtype::Bf16, 1);
-            args.flags = EP_DISPATCH_NO_HOST_SYNC;
+            let mut d = SmallDispatch::random(ctx, 7, 8);
+            d.args.flags = EP_DISPATCH_NO_HOST_SYNC;
             let start = Instant::now();
             let raw = ctx.0 as usize;
             std::thread::scope(|s| {
@@ -141,9 +112,7 @@ fn abort_ends_a_network_wait() {
                     // SAFETY: the context outlives this scope.
                     unsafe { ep_ctx_abort(raw as *mut ep_ctx_t) };
                 });
-                // SAFETY: device buffers of the sizes the arguments give.
-                let status = unsafe { ep_dispatch(ctx.0, &args, handle.0, stream()) };
-                assert_eq!(status, EP_SUCCESS, "{}", last_error());
+                assert_eq!(d.run(ctx, &handle), EP_SUCCESS, "{}", last_error());
                 sync();
             });
             assert!(start.elapsed() < Duration::from_secs(20));

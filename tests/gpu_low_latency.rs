@@ -11,8 +11,8 @@ mod common;
 
 use common::gpu::*;
 use common::{
-    bits, bytes_to_bf16, last_error, ll_combine_args, ll_dispatch_args, random_bf16, routing,
-    weights, Ctx, Rng, POISON,
+    bits, bytes_to_bf16, dtype_code, dtype_of, is_poisoned, last_error, ll_combine_args,
+    ll_dispatch_args, random_bf16, routing, weights, Ctx, Rng,
 };
 use cudarc::driver::sys;
 use ep::capi::*;
@@ -75,11 +75,7 @@ impl Case {
     }
 
     fn dtype(&self) -> Dtype {
-        if self.fp8 {
-            Dtype::Fp8E4m3
-        } else {
-            Dtype::Bf16
-        }
+        dtype_of(self.fp8)
     }
 
     fn rows(&self) -> usize {
@@ -212,11 +208,7 @@ impl Bufs {
         let mut a = ll_dispatch_args();
         a.flags = flags | if case.ue8m0 { EP_LL_UE8M0_SCALES } else { 0 };
         (a.num_tokens, a.device_num_tokens) = self.token_count(case, n);
-        a.out_dtype = if case.fp8 {
-            EP_DTYPE_FP8_E4M3
-        } else {
-            EP_DTYPE_BF16
-        };
+        a.out_dtype = dtype_code(case.dtype());
         a.x = self.x.as_const();
         a.topk_idx = self.idx.as_const();
         a.topk_weights = if case.weights_at_dispatch {
@@ -376,7 +368,7 @@ fn check_but(case: &Case, rank: usize, all: &[Input], bufs: &Bufs, left_out: &st
     let want_out = ll_combine(topo, m, rank, me.n, &me.idx, weights, &experts);
     let out: Vec<u8> = bufs.out.download(m * h * 2);
     assert!(
-        out[me.n * h * 2..].iter().all(|&b| b == POISON),
+        is_poisoned(&out[me.n * h * 2..]),
         "{what}: combine wrote past the token count"
     );
     let out = bytes_to_bf16(&out[..me.n * h * 2]);
@@ -727,7 +719,7 @@ fn token_count_out_of_range(world: usize) {
                     last_error()
                 );
                 let out: Vec<u8> = bufs.out.download(case.max_tokens * case.hidden * 2);
-                assert!(out.iter().all(|&b| b == POISON), "rank 0 wrote output rows");
+                assert!(is_poisoned(&out), "rank 0 wrote output rows");
             } else {
                 assert!(
                     status == EP_SUCCESS || status == EP_ERR_TIMEOUT,

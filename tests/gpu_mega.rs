@@ -23,7 +23,8 @@ mod common;
 use common::calls::combine_reference;
 use common::gpu::*;
 use common::mega::*;
-use common::{bits, last_error, Ctx, Handle, Rng, POISON};
+use common::normal::{dispatch_all, DeviceInput, Input};
+use common::{bits, dtype_code, is_poisoned, last_error, Ctx, Handle, Rng};
 use ep::capi::*;
 use ep::reference::mega::RowResult;
 use ep::reference::normal::{worst_case_rows, Dispatched};
@@ -37,10 +38,7 @@ const CHECKED_ROWS: usize = 48;
 
 /// A rank's device buffers of one case.
 struct Buffers {
-    x: DevBuf,
-    x_scales: DevBuf,
-    topk_idx: DevBuf,
-    topk_weights: DevBuf,
+    input: DeviceInput,
     expert_x: DevBuf,
     expert_scales: DevBuf,
     expert_weights: DevBuf,
@@ -60,7 +58,7 @@ struct Buffers {
 
 /// What a rank's host side holds of one case: its inputs and weights.
 struct RankData {
-    tokens: Tokens,
+    tokens: Input,
     w1: Weights,
     w2: Weights,
     x2: Vec<u8>,
@@ -81,11 +79,7 @@ struct Results {
 }
 
 fn capacity(case: &MegaCase) -> usize {
-    worst_case_rows(case.topo(), max_tokens(case), case.alignment).1
-}
-
-fn max_tokens(case: &MegaCase) -> usize {
-    (*case.tokens.iter().max().unwrap()).max(1)
+    worst_case_rows(case.topo(), case.max_tokens(), case.alignment).1
 }
 
 fn rank_data(case: &MegaCase, rank: usize) -> RankData {
@@ -103,12 +97,8 @@ impl Buffers {
     fn new(case: &MegaCase, data: &RankData) -> Buffers {
         let cap = capacity(case);
         let (dtype, hidden, l) = (case.dtype, case.hidden, case.local_experts());
-        let t = &data.tokens;
         Buffers {
-            x: DevBuf::from(&t.x),
-            x_scales: DevBuf::from(&t.scales),
-            topk_idx: DevBuf::from(&t.topk_idx),
-            topk_weights: DevBuf::from(&t.topk_weights),
+            input: DeviceInput::new(&data.tokens),
             expert_x: DevBuf::poisoned(cap * dtype.row_bytes(hidden)),
             expert_scales: DevBuf::of::<f32>(cap * hidden / 128),
             expert_weights: DevBuf::of::<f32>(cap),
@@ -123,16 +113,8 @@ impl Buffers {
             w2: DevBuf::from(&data.w2.data),
             w2_scales: DevBuf::from(&data.w2.scales),
             y2: DevBuf::of::<bf16>(cap * hidden),
-            out: DevBuf::of::<bf16>(max_tokens(case) * hidden),
+            out: DevBuf::of::<bf16>(case.max_tokens() * hidden),
         }
-    }
-
-    /// Re-uploads a rank's tokens (same count) into the input buffers.
-    fn upload_tokens(&self, t: &Tokens) {
-        self.x.upload(&t.x);
-        self.x_scales.upload(&t.scales);
-        self.topk_idx.upload(&t.topk_idx);
-        self.topk_weights.upload(&t.topk_weights);
     }
 
     fn poison_outputs(&self) {
@@ -154,11 +136,11 @@ impl Buffers {
     fn dispatch_args(&self, case: &MegaCase, num_tokens: usize) -> ep_dispatch_args_t {
         let mut a = common::dispatch_args();
         a.num_tokens = num_tokens as i32;
-        a.dtype = case.dtype_code();
-        a.x = self.x.as_const();
-        a.x_scales = self.x_scales.as_const();
-        a.topk_idx = self.topk_idx.as_const();
-        a.topk_weights = self.topk_weights.as_const();
+        a.dtype = dtype_code(case.dtype);
+        a.x = self.input.x.as_const();
+        a.x_scales = self.input.scales.as_const();
+        a.topk_idx = self.input.topk_idx.as_const();
+        a.topk_weights = self.input.topk_weights.as_const();
         a.expert_alignment = case.alignment as i32;
         a.expert_capacity = capacity(case) as i32;
         a.expert_x = self.expert_x.as_mut();
@@ -188,7 +170,7 @@ impl Buffers {
     ) -> (ep_mega_args_t, ep_mega_args_t) {
         let mut m1 = common::mega_args();
         m1.dispatch = dispatch;
-        m1.weight_dtype = case.dtype_code();
+        m1.weight_dtype = dtype_code(case.dtype);
         m1.n = case.n as i32;
         m1.k = case.hidden as i32;
         m1.weights = self.w1.as_const();
@@ -196,7 +178,7 @@ impl Buffers {
         m1.y = self.y1.as_mut();
         let mut m2 = common::mega_args();
         m2.combine = combine;
-        m2.weight_dtype = case.dtype_code();
+        m2.weight_dtype = dtype_code(case.dtype);
         m2.n = case.hidden as i32;
         m2.k = case.k2 as i32;
         m2.weights = self.w2.as_const();
@@ -334,10 +316,6 @@ fn check_rank(
         "{what}: weights"
     );
     assert_eq!(r.expert_src_row, d.expert_src_row, "{what}: src rows");
-    let poisoned = |v: &[bf16]| {
-        v.iter()
-            .all(|x| x.to_bits() == u16::from_le_bytes([POISON; 2]))
-    };
     for j in 0..d.expert_rows {
         if d.expert_src_row[j] < 0 {
             assert!(
@@ -345,7 +323,7 @@ fn check_rank(
                 "{what}: padding row {j} of the first GEMM is not zero"
             );
             assert!(
-                poisoned(&r.y2[j * hidden..][..hidden]),
+                is_poisoned(&r.y2[j * hidden..][..hidden]),
                 "{what}: padding row {j} of the second GEMM was written"
             );
         }
@@ -379,7 +357,7 @@ fn check_rank(
 fn check_combines(case: &MegaCase, refs: &[Dispatched], results: &[Results], what: &str) {
     let rows: Vec<Vec<bf16>> = results.iter().map(|r| r.y2.clone()).collect();
     for (rank, r) in results.iter().enumerate() {
-        let want = combine_reference(&case.shape(), rank, case.tokens[rank], refs, &rows, true);
+        let want = combine_reference(case.topo(), rank, case.tokens[rank], refs, &rows, true);
         let same = r
             .out
             .iter()
@@ -414,15 +392,13 @@ fn run_case(case: &MegaCase) {
         case.alignment
     );
     let all = all_tokens(case);
-    let refs: Vec<Dispatched> = (0..case.world)
-        .map(|r| reference_dispatch(case, &all, r))
-        .collect();
+    let refs = dispatch_all(case.topo(), case.dtype, &all, case.alignment);
     drop(all);
     let cfg = gpu_config(
         case.hidden as i32,
         case.topk as i32,
         case.experts as i32,
-        max_tokens(case) as i32,
+        case.max_tokens() as i32,
         0,
         20_000,
     );
@@ -581,7 +557,7 @@ fn both_calls_replay_in_a_cuda_graph_with_fresh_routing() {
                 let mut fresh = c.clone();
                 fresh.seed = c.seed + 1000 + replay;
                 let tokens = tokens(&fresh, 0);
-                b.upload_tokens(&tokens);
+                b.input.upload(&tokens);
                 b.poison_outputs();
                 graph.replay();
                 assert_eq!(
@@ -590,7 +566,8 @@ fn both_calls_replay_in_a_cuda_graph_with_fresh_routing() {
                     "replay {replay}: {}",
                     last_error()
                 );
-                let want = reference_dispatch(&fresh, &[tokens], 0);
+                let want =
+                    dispatch_all(fresh.topo(), fresh.dtype, &[tokens], fresh.alignment).remove(0);
                 let r = b.download(&c, &want, 128);
                 let what = format!("{dtype:?} cluster {cluster} replay {replay}");
                 check_rank(&c, &want, &data, &r, &mut rng, &what);

@@ -173,33 +173,17 @@ fn communicator(world: usize, rank: usize, id: UniqueId) -> Comm {
     nccl::communicator(world, rank, id)
 }
 
-/// A context on `comm`.
-fn context_on(comm: Comm, cfg: &ep_config_t) -> Ctx {
-    let mut ctx = null_mut();
-    // SAFETY: a live communicator, a valid config and out-parameter.
-    let status = unsafe { ep_ctx_create_from_nccl(comm.cast(), cfg, &mut ctx) };
-    assert_eq!(status, EP_SUCCESS, "{}", last_error());
-    Ctx(ctx)
-}
-
-fn new_nccl_id() -> UniqueId {
-    let mut id = UniqueId([0; 128]);
-    // SAFETY: writes one id.
-    assert_eq!(unsafe { (nccl::lib().get_unique_id)(&mut id) }, 0);
-    id
-}
-
 #[test]
 #[ignore = "needs CUDA GPUs and NCCL 2.28.9"]
 fn contexts_on_a_communicator_run_both_modes_and_leave_it_alone() {
     let world = device_count().min(4);
-    let id = new_nccl_id();
+    let id = nccl::new_id();
     std::thread::scope(|s| {
         for rank in 0..world {
             s.spawn(move || {
                 let comm = communicator(world, rank, id);
                 for round in 0..2 {
-                    let ctx = context_on(comm, &config());
+                    let ctx = nccl::context_on(comm, &config(), rank);
                     let (mut r, mut w, mut backend) = (-1, -1, -1);
                     // SAFETY: a live context and valid out-parameters.
                     ok(
@@ -264,7 +248,7 @@ fn an_nccl_of_another_version_is_refused() {
             return;
         }
         use_device(0);
-        let comm = communicator(1, 0, new_nccl_id());
+        let comm = communicator(1, 0, nccl::new_id());
         let mut ctx = null_mut();
         // SAFETY: a live communicator, a valid config and out-parameter.
         let status = unsafe { ep_ctx_create_from_nccl(comm.cast(), &config(), &mut ctx) };

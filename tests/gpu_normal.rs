@@ -9,15 +9,16 @@
 
 mod common;
 
+use common::calls::combine_reference;
 use common::gpu::*;
 use common::normal::*;
 use common::{bytes_to_bf16, last_error, Rng};
 use ep::capi::*;
-use ep::reference::normal::{combine, dispatch, Dispatched, RankTokens, Returned};
+use ep::reference::normal::Dispatched;
 use ep::reference::{Dtype, Topology};
 use half::bf16;
 use std::ptr::null_mut;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// World sizes: 1, 2, 4 and 8 ranks, sharing the GPUs when there are fewer
 /// (see `test_worlds`); a shape runs at a world size when it fits (`fits`).
@@ -87,15 +88,7 @@ fn combine_of_received_rows(
     n: usize,
 ) -> Vec<bf16> {
     let rows: Vec<Vec<bf16>> = all.iter().map(|d| bytes_to_bf16(&d.x)).collect();
-    let returned: Vec<Returned> = all
-        .iter()
-        .zip(&rows)
-        .map(|(d, rows)| Returned {
-            rows,
-            src_info: &d.src_info,
-        })
-        .collect();
-    combine(topo, rank, n, &returned)
+    combine_reference(topo, rank, n, all, &rows, false)
 }
 
 /// The no-sync dispatch and a combine, captured once in a CUDA graph and
@@ -147,17 +140,11 @@ fn replay_in_a_cuda_graph(world: usize) {
         });
         gate();
         for (i, inputs) in rounds.iter().enumerate() {
-            let mine = &inputs[rank];
-            input.x.upload(&mine.x);
-            input.topk_idx.upload(&mine.topk_idx);
-            input.topk_weights.upload(&mine.topk_weights);
+            input.upload(&inputs[rank]);
             out.poison();
             y.poison();
             graph.replay();
-            let views: Vec<RankTokens> = inputs.iter().map(Input::view).collect();
-            let all: Vec<Dispatched> = (0..world)
-                .map(|r| dispatch(topo, Dtype::Bf16, &views, r, 16))
-                .collect();
+            let all = dispatch_all(topo, Dtype::Bf16, inputs, 16);
             let what = format!("world {world} replay {i} rank {rank}");
             out.check(&topo, Dtype::Bf16, &all[rank], &what);
             let want = combine_of_received_rows(topo, &all, rank, n);
@@ -173,28 +160,18 @@ fn replay_in_a_cuda_graph(world: usize) {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn bad_expert_ids_are_reported_not_used() {
-    let world = 2;
-    let topo = Topology {
-        world,
-        num_experts: 8,
-        topk: 2,
-        hidden: 128,
-    };
-    let cfg = gpu_config(128, 2, 8, 64, 0, 20_000);
+    let cfg = small_config(20_000);
     for bad in [[0, 99], [3, 3], [1, -7]] {
-        run_gpu_world(world, &cfg, |rank, ctx| {
+        run_gpu_world(SMALL.world, &cfg, |rank, ctx| {
             let handle = ctx.handle();
             let mut rng = Rng::new(5);
-            let mut input = Input::random(&mut rng, &topo, Dtype::Bf16, 4, false);
+            let mut input = Input::random(&mut rng, &SMALL, Dtype::Bf16, 4, false);
             if rank == 0 {
                 input.topk_idx[2..4].copy_from_slice(&bad);
             }
-            let dev = DeviceInput::new(&input);
-            let out = Outputs::new(ctx, &topo, 1);
-            let args = out.args(&dev, 4, Dtype::Bf16, 1);
+            let d = SmallDispatch::new(ctx, &input);
             gate();
-            // SAFETY: device buffers of the sizes the arguments give.
-            let status = unsafe { ep_dispatch(ctx.0, &args, handle.0, stream()) };
+            let status = d.run(ctx, &handle);
             if rank == 0 {
                 assert_eq!(status, EP_ERR_INVALID_ARGUMENT, "ids {bad:?}");
                 assert!(
@@ -213,35 +190,13 @@ fn bad_expert_ids_are_reported_not_used() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn a_rank_that_never_dispatches_makes_the_others_time_out() {
-    let world = 2;
-    let topo = Topology {
-        world,
-        num_experts: 8,
-        topk: 2,
-        hidden: 128,
-    };
     let timeout = Duration::from_millis(1500);
-    let cfg = gpu_config(128, 2, 8, 64, 0, timeout.as_millis() as u32);
-    run_gpu_world(world, &cfg, |rank, ctx| {
+    let cfg = small_config(timeout.as_millis() as u32);
+    run_gpu_world(SMALL.world, &cfg, |rank, ctx| {
         if rank == 0 {
             let handle = ctx.handle();
-            let mut rng = Rng::new(6);
-            let input = Input::random(&mut rng, &topo, Dtype::Bf16, 8, false);
-            let dev = DeviceInput::new(&input);
-            let out = Outputs::new(ctx, &topo, 1);
-            let args = out.args(&dev, 8, Dtype::Bf16, 1);
-            let start = Instant::now();
-            // SAFETY: device buffers of the sizes the arguments give.
-            let status = unsafe { ep_dispatch(ctx.0, &args, handle.0, stream()) };
-            let took = start.elapsed();
-            assert_eq!(status, EP_ERR_TIMEOUT, "{}", common::last_error());
-            assert!(
-                common::last_error().contains("rank 1"),
-                "{}",
-                common::last_error()
-            );
-            assert!(took < timeout * 3, "took {took:?}");
-            assert_eq!(async_status(ctx), EP_ERR_TIMEOUT);
+            let d = SmallDispatch::random(ctx, 6, 8);
+            d.expect_timeout(ctx, &handle, timeout, &["rank 1"]);
         }
         // Rank 1 keeps its buffers mapped until rank 0 is done.
         gate();
@@ -277,10 +232,7 @@ fn optional_outputs_may_be_null() {
         let inputs: Vec<Input> = (0..world)
             .map(|_| Input::random(&mut rng, &topo, Dtype::Bf16, n, true))
             .collect();
-        let views: Vec<RankTokens> = inputs.iter().map(Input::view).collect();
-        let all: Vec<Dispatched> = (0..world)
-            .map(|r| dispatch(topo, Dtype::Bf16, &views, r, 4))
-            .collect();
+        let all = dispatch_all(topo, Dtype::Bf16, &inputs, 4);
         run_gpu_world(world, &cfg, |rank, ctx| {
             let handle = ctx.handle();
             let input = DeviceInput::new(&inputs[rank]);

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::tools::{c_compiler, root};
+use common::tools::{c_compiler, root, run};
 use std::path::Path;
 use std::process::Command;
 
@@ -44,23 +44,14 @@ fn compile(compiler: &Path, args: &[&str], ext: &str) {
          int main(void) { ep_config_t c; ep_config_init(&c); return (int)c.hidden == 0; }\n",
     )
     .unwrap();
-    let output = Command::new(compiler)
-        .args(args)
-        .arg("-Wall")
-        .arg("-Wextra")
-        .arg("-Werror")
-        .arg("-pedantic")
-        .arg("-fsyntax-only")
-        .arg("-I")
-        .arg(root().join("include"))
-        .arg(&src)
-        .output()
-        .expect("run the C compiler");
-    assert!(
-        output.status.success(),
-        "{} {args:?} rejected include/ep.h:\n{}",
-        compiler.display(),
-        String::from_utf8_lossy(&output.stderr)
+    run(
+        Command::new(compiler)
+            .args(args)
+            .args(["-Wall", "-Wextra", "-Werror", "-pedantic", "-fsyntax-only"])
+            .arg("-I")
+            .arg(root().join("include"))
+            .arg(&src),
+        &format!("{} {args:?} on include/ep.h", compiler.display()),
     );
 }
 
@@ -99,14 +90,10 @@ fn header_exports_only_ep_names() {
 /// (scripts/gen-header.sh regenerates both).
 #[test]
 fn python_abi_is_up_to_date() {
-    let output = Command::new("python3")
-        .arg(root().join("scripts/gen-python-abi.py"))
-        .arg("--check")
-        .output()
-        .expect("run python3 scripts/gen-python-abi.py");
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
+    run(
+        Command::new("python3")
+            .arg(root().join("scripts/gen-python-abi.py"))
+            .arg("--check"),
+        "python3 scripts/gen-python-abi.py --check",
     );
 }

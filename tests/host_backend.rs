@@ -6,15 +6,15 @@
 
 mod common;
 
+use common::calls::LlTokens;
+use common::normal::{dispatch_all, Input};
 use common::*;
 use ep::capi::*;
-use ep::reference::fp8::quantize_row;
+use ep::reference::fp8::quantize_rows;
 use ep::reference::hierarchical::{self, NodeShape};
 use ep::reference::layout::dispatch_layout;
-use ep::reference::low_latency::{
-    ll_combine, ll_dispatch, LlDispatched, LlExpertOutputs, LlRankTokens,
-};
-use ep::reference::normal::{self, Dispatched, RankTokens, Returned};
+use ep::reference::low_latency::{ll_combine, ll_dispatch, LlDispatched, LlExpertOutputs};
+use ep::reference::normal::{self, Returned};
 use ep::reference::{Dtype, Topology};
 use half::bf16;
 use std::ptr::{null, null_mut};
@@ -66,15 +66,7 @@ struct Run {
     seed: u64,
 }
 
-/// One rank's normal-mode inputs.
-struct Input {
-    n: usize,
-    x: Vec<u8>,
-    scales: Vec<f32>,
-    topk_idx: Vec<i32>,
-    weights: Vec<f32>,
-}
-
+/// One rank's normal-mode inputs of `run`.
 fn input(shape: &Shape, run: &Run, rank: usize) -> Input {
     let mut rng = Rng::new(run.seed.wrapping_mul(1_000_003).wrapping_add(rank as u64));
     let n = run.tokens[rank];
@@ -83,27 +75,16 @@ fn input(shape: &Shape, run: &Run, rank: usize) -> Input {
     let weights = weights(&mut rng, n * shape.topk);
     let values = random_bf16(&mut rng, n * shape.hidden);
     let (x, scales) = if run.fp8 {
-        let cols = shape.hidden / 128;
-        let mut x = vec![0u8; n * shape.hidden];
-        let mut scales = vec![0f32; n * cols];
-        for t in 0..n {
-            quantize_row(
-                &values[t * shape.hidden..][..shape.hidden],
-                false,
-                &mut x[t * shape.hidden..][..shape.hidden],
-                &mut scales[t * cols..][..cols],
-            );
-        }
-        (x, scales)
+        quantize_rows(&values, shape.hidden)
     } else {
         (bf16_to_bytes(&values), Vec::new())
     };
     Input {
-        n,
+        num_tokens: n,
         x,
         scales,
         topk_idx,
-        weights,
+        topk_weights: weights,
     }
 }
 
@@ -128,23 +109,11 @@ fn check_normal(shape: &Shape, run: &Run, rank: usize, ctx: &Ctx) {
     let topo = shape.topo();
     let (hidden, topk, world) = (shape.hidden, shape.topk, shape.world);
     let local = topo.local_experts();
-    let dtype = if run.fp8 { Dtype::Fp8E4m3 } else { Dtype::Bf16 };
+    let dtype = dtype_of(run.fp8);
     let row_bytes = dtype.row_bytes(hidden);
     let cols = dtype.scales_per_row(hidden);
     let inputs: Vec<Input> = (0..world).map(|r| input(shape, run, r)).collect();
-    let sources: Vec<RankTokens> = inputs
-        .iter()
-        .map(|i| RankTokens {
-            num_tokens: i.n,
-            x: &i.x,
-            scales: &i.scales,
-            topk_idx: &i.topk_idx,
-            topk_weights: &i.weights,
-        })
-        .collect();
-    let refs: Vec<Dispatched> = (0..world)
-        .map(|r| normal::dispatch(topo, dtype, &sources, r, run.alignment))
-        .collect();
+    let refs = dispatch_all(topo, dtype, &inputs, run.alignment);
     let d = &refs[rank];
     let me = &inputs[rank];
     let what = format!("rank {rank} {shape:?} {run:?}");
@@ -185,16 +154,12 @@ fn check_normal(shape: &Shape, run: &Run, rank: usize, ctx: &Ctx) {
     } else {
         0
     };
-    a.num_tokens = me.n as i32;
-    a.dtype = if run.fp8 {
-        EP_DTYPE_FP8_E4M3
-    } else {
-        EP_DTYPE_BF16
-    };
+    a.num_tokens = me.num_tokens as i32;
+    a.dtype = dtype_code(dtype);
     a.x = me.x.as_ptr() as *const _;
     a.x_scales = if run.fp8 { me.scales.as_ptr() } else { null() };
     a.topk_idx = me.topk_idx.as_ptr();
-    a.topk_weights = me.weights.as_ptr();
+    a.topk_weights = me.topk_weights.as_ptr();
     a.recv_capacity = rc as i32;
     a.expert_alignment = run.alignment as i32;
     a.recv_x = recv_x.as_mut_ptr() as *mut _;
@@ -300,8 +265,8 @@ fn check_normal(shape: &Shape, run: &Run, rank: usize, ctx: &Ctx) {
             src_info: &refs[r].src_info,
         })
         .collect();
-    let want = combine_reference(ctx, topo, rank, me.n, &returned);
-    let mut out = poisoned::<bf16>(me.n * hidden);
+    let want = combine_reference(ctx, topo, rank, me.num_tokens, &returned);
+    let mut out = poisoned::<bf16>(me.num_tokens * hidden);
     let mut c = combine_args();
     c.input_layout = EP_COMBINE_SOURCE_ORDER;
     c.x = y_src[rank].as_ptr() as *const _;
@@ -333,8 +298,8 @@ fn check_normal(shape: &Shape, run: &Run, rank: usize, ctx: &Ctx) {
             src_info: &refs[r].src_info,
         })
         .collect();
-    let want = combine_reference(ctx, topo, rank, me.n, &returned);
-    let mut out = poisoned::<bf16>(me.n * hidden);
+    let want = combine_reference(ctx, topo, rank, me.num_tokens, &returned);
+    let mut out = poisoned::<bf16>(me.num_tokens * hidden);
     c.input_layout = EP_COMBINE_EXPERT_MAJOR;
     c.x = y_em[rank].as_ptr() as *const _;
     c.out = out.as_mut_ptr() as *mut _;
@@ -637,10 +602,10 @@ fn dispatch_simple(
     let mut recv_src = poisoned::<i32>(capacity * 2);
     let mut a = dispatch_args();
     a.flags = flags;
-    a.num_tokens = inp.n as i32;
+    a.num_tokens = inp.num_tokens as i32;
     a.x = inp.x.as_ptr() as *const _;
     a.topk_idx = inp.topk_idx.as_ptr();
-    a.topk_weights = inp.weights.as_ptr();
+    a.topk_weights = inp.topk_weights.as_ptr();
     a.recv_capacity = capacity as i32;
     a.recv_x = recv_x.as_mut_ptr() as *mut _;
     a.recv_topk_idx = recv_idx.as_mut_ptr();
@@ -669,51 +634,27 @@ fn reuse_layout_same_routing_works_and_different_routing_is_rejected() {
             seed: 99,
         };
         let inputs: Vec<Input> = (0..2).map(|r| input(&shape, &run, r)).collect();
-        let sources: Vec<RankTokens> = inputs
-            .iter()
-            .map(|i| RankTokens {
-                num_tokens: i.n,
-                x: &i.x,
-                scales: &i.scales,
-                topk_idx: &i.topk_idx,
-                topk_weights: &i.weights,
-            })
-            .collect();
-        let want = normal::dispatch(shape.topo(), Dtype::Bf16, &sources, rank, 1);
+        let want = dispatch_all(shape.topo(), Dtype::Bf16, &inputs, 1).swap_remove(rank);
         let handle = ctx.handle();
         let cap = 2 * MAX_TOKENS as usize;
         let me = &inputs[rank];
         let (status, _) = dispatch_simple(ctx, &handle, me, 0, cap, 128, 4);
         assert_eq!(status, EP_SUCCESS, "{}", last_error());
         // Same routing, new token values: reused layout, fresh rows.
-        let mut again = Input {
-            n: me.n,
-            x: me.x.iter().map(|b| b.wrapping_add(1)).collect(),
-            scales: Vec::new(),
-            topk_idx: me.topk_idx.clone(),
-            weights: me.weights.clone(),
-        };
+        let mut shifted: Vec<Input> = inputs
+            .iter()
+            .map(|i| Input {
+                x: i.x.iter().map(|b| b.wrapping_add(1)).collect(),
+                ..i.clone()
+            })
+            .collect();
+        let want_rows = dispatch_all(shape.topo(), Dtype::Bf16, &shifted, 1)
+            .swap_remove(rank)
+            .x;
+        let mut again = shifted.swap_remove(rank);
         let (status, rows) =
             dispatch_simple(ctx, &handle, &again, EP_DISPATCH_REUSE_LAYOUT, cap, 128, 4);
         assert_eq!(status, EP_SUCCESS, "{}", last_error());
-        let want_rows: Vec<u8> = {
-            let shifted: Vec<Vec<u8>> = inputs
-                .iter()
-                .map(|i| i.x.iter().map(|b| b.wrapping_add(1)).collect())
-                .collect();
-            let sources: Vec<RankTokens> = inputs
-                .iter()
-                .zip(&shifted)
-                .map(|(i, x)| RankTokens {
-                    num_tokens: i.n,
-                    x,
-                    scales: &i.scales,
-                    topk_idx: &i.topk_idx,
-                    topk_weights: &i.weights,
-                })
-                .collect();
-            normal::dispatch(shape.topo(), Dtype::Bf16, &sources, rank, 1).x
-        };
         assert_eq!(want_rows.len(), want.x.len());
         assert!(
             rows[..want_rows.len()] == want_rows[..],
@@ -748,19 +689,18 @@ struct LlMode {
     count_in_memory: bool,
 }
 
-fn ll_inputs(
-    shape: &Shape,
-    seed: u64,
-    tokens: &[usize],
-    rank: usize,
-) -> (Vec<bf16>, Vec<i32>, Vec<f32>) {
-    let mut rng = Rng::new(seed.wrapping_mul(31).wrapping_add(rank as u64));
-    let n = tokens[rank];
-    let hot = seed.is_multiple_of(2).then_some(shape.experts - 1);
-    let idx = routing(&mut rng, shape.experts, shape.topk, n, 0.15, hot);
-    let w = weights(&mut rng, n * shape.topk);
-    let x = random_bf16(&mut rng, n * shape.hidden);
-    (x, idx, w)
+/// Every rank's low-latency inputs ([`LlTokens`]): `tokens[r]` tokens on
+/// rank r.
+fn ll_inputs(shape: &Shape, seed: u64, tokens: &[usize]) -> LlTokens {
+    let shape = calls::Shape {
+        world: shape.world,
+        hidden: shape.hidden,
+        topk: shape.topk,
+        experts: shape.experts,
+        max_tokens: MAX_TOKENS as usize,
+        ll_max: LL_MAX,
+    };
+    LlTokens::new(&shape, seed, tokens)
 }
 
 fn check_ll(shape: &Shape, mode: LlMode, tokens: &[usize], seed: u64, rank: usize, ctx: &Ctx) {
@@ -768,32 +708,21 @@ fn check_ll(shape: &Shape, mode: LlMode, tokens: &[usize], seed: u64, rank: usiz
     let (world, hidden, m) = (shape.world, shape.hidden, LL_MAX);
     let local = topo.local_experts();
     let slots = local * world * m;
-    let dtype = if mode.out_dtype == EP_DTYPE_FP8_E4M3 {
-        Dtype::Fp8E4m3
-    } else {
-        Dtype::Bf16
-    };
+    let dtype = dtype_of(mode.out_dtype == EP_DTYPE_FP8_E4M3);
     let (row_bytes, cols) = (dtype.row_bytes(hidden), dtype.scales_per_row(hidden));
     let what = format!("rank {rank} {shape:?} {mode:?} tokens {tokens:?}");
-    let all: Vec<_> = (0..world)
-        .map(|r| ll_inputs(shape, seed, tokens, r))
-        .collect();
-    let sources: Vec<LlRankTokens> = all
-        .iter()
-        .enumerate()
-        .map(|(r, (x, idx, w))| LlRankTokens {
-            num_tokens: tokens[r],
-            x,
-            topk_idx: idx,
-            topk_weights: mode.dispatch_weights.then_some(&w[..]),
-        })
-        .collect();
+    let all = ll_inputs(shape, seed, tokens);
+    let sources = all.sources(mode.dispatch_weights);
     let refs: Vec<LlDispatched> = (0..world)
         .map(|r| ll_dispatch(topo, m, &sources, r, dtype, mode.ue8m0))
         .collect();
     let d = &refs[rank];
     let n = tokens[rank];
-    let (mut x, mut idx, mut w) = all[rank].clone();
+    let (mut x, mut idx, mut w) = (
+        all.x[rank].clone(),
+        all.idx[rank].clone(),
+        all.w[rank].clone(),
+    );
     // With the count in memory, the arrays have room for the bound; the rows
     // past the count hold ids no call may read (they are not valid experts).
     let (bound, tokens_in_memory) = (if mode.count_in_memory { m } else { n }, n as i32);
@@ -923,9 +852,7 @@ fn check_ll(shape: &Shape, mode: LlMode, tokens: &[usize], seed: u64, rank: usiz
         "{what}: ll_combine output"
     );
     assert!(
-        bf16_to_bytes(&out[n * hidden..])
-            .iter()
-            .all(|&b| b == POISON),
+        is_poisoned(&out[n * hidden..]),
         "{what}: ll_combine wrote past the token count"
     );
 }
@@ -1045,7 +972,8 @@ fn low_latency_count_in_memory_out_of_range_is_an_error_and_sends_nothing() {
     let cfg = shape.config(EP_DTYPE_BF16, m);
     run_world(2, &cfg, |rank, ctx| {
         let n = 4;
-        let (x, idx, w) = ll_inputs(&shape, 5, &[n, n], rank);
+        let all = ll_inputs(&shape, 5, &[n, n]);
+        let (x, idx, w) = (&all.x[rank], &all.idx[rank], &all.w[rank]);
         // Rank 0 passes counts above its bound (dispatch) and below zero
         // (combine); rank 1 passes its count.
         let (dispatch_count, combine_count) = if rank == 0 { (5, -1) } else { (4, 4) };

@@ -10,6 +10,7 @@ mod common;
 
 use common::calls::combine_reference;
 use common::mega::*;
+use common::normal::dispatch_all;
 use common::*;
 use ep::capi::*;
 use ep::reference::mega::{grouped_gemm, GemmRows};
@@ -35,19 +36,16 @@ fn reference_y2(case: &MegaCase, d: &Dispatched, rank: usize, capacity: usize) -
 }
 
 fn run_case(case: &MegaCase) {
-    let max_tokens = (*case.tokens.iter().max().unwrap()).max(1);
     let mut cfg = host_config(
         case.hidden as i32,
         case.topk as i32,
         case.experts as i32,
-        max_tokens as i32,
+        case.max_tokens() as i32,
         0,
     );
-    cfg.token_dtype = case.dtype_code();
+    cfg.token_dtype = dtype_code(case.dtype);
     let all = all_tokens(case);
-    let refs: Vec<Dispatched> = (0..case.world)
-        .map(|r| reference_dispatch(case, &all, r))
-        .collect();
+    let refs = dispatch_all(case.topo(), case.dtype, &all, case.alignment);
     let what = format!("{case:?}");
     run_world(case.world, &cfg, |rank, ctx| {
         let (local, hidden, n) = (case.local_experts(), case.hidden, case.n);
@@ -74,7 +72,7 @@ fn run_case(case: &MegaCase) {
         let w1 = weights1(case, rank);
         let mut a = dispatch_args();
         a.num_tokens = me.num_tokens as i32;
-        a.dtype = case.dtype_code();
+        a.dtype = dtype_code(case.dtype);
         a.x = me.x.as_ptr() as *const _;
         a.x_scales = if dtype == Dtype::Fp8E4m3 {
             me.scales.as_ptr()
@@ -93,7 +91,7 @@ fn run_case(case: &MegaCase) {
         a.expert_counts = ex_cnt.as_mut_ptr();
         let mut m = mega_args();
         m.dispatch = &a;
-        m.weight_dtype = case.dtype_code();
+        m.weight_dtype = dtype_code(case.dtype);
         m.n = n as i32;
         m.k = hidden as i32;
         m.weights = w1.data.as_ptr() as *const _;
@@ -158,7 +156,7 @@ fn run_case(case: &MegaCase) {
         };
         let mut m = mega_args();
         m.combine = &c;
-        m.weight_dtype = case.dtype_code();
+        m.weight_dtype = dtype_code(case.dtype);
         m.n = hidden as i32;
         m.k = case.k2 as i32;
         m.weights = w2.data.as_ptr() as *const _;
@@ -182,7 +180,7 @@ fn run_case(case: &MegaCase) {
                 assert!(is_poisoned(row), "{what}: padding row {j} of y was written");
             }
         }
-        let want = combine_reference(&case.shape(), rank, me.num_tokens, &refs, &want_y2, true);
+        let want = combine_reference(case.topo(), rank, me.num_tokens, &refs, &want_y2, true);
         assert!(
             bf16_to_bytes(&out) == bf16_to_bytes(&want),
             "{what}: combined tokens"

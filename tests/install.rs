@@ -7,15 +7,12 @@
 
 mod common;
 
-use common::tools::{available, c_compiler, root, run};
+use common::tools::{available, c_compiler, fresh_dir, root, run};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn scratch() -> PathBuf {
-    let dir = root().join("target/install-test");
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    fresh_dir(root().join("target/install-test"))
 }
 
 fn install(prefix: &Path, destdir: Option<&Path>) {

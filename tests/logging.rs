@@ -5,16 +5,16 @@
 //! backend in child processes (the log reads the environment once per
 //! process); the failed call runs in this process.
 
+mod common;
+
+use common::last_error;
+use common::tools::fresh_dir;
 use ep::capi::*;
-use std::ffi::CStr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ep-logging-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    fresh_dir(std::env::temp_dir().join(format!("ep-logging-{}-{name}", std::process::id())))
 }
 
 fn host_name() -> String {
@@ -145,10 +145,7 @@ fn a_failed_call_is_logged_with_its_last_error_at_the_default_level() {
         };
         let mut ctx = std::ptr::null_mut();
         let status = ep_ctx_create(&mut ctx, 2, id, 0, 0, &cfg);
-        let message = CStr::from_ptr(ep_get_last_error())
-            .to_string_lossy()
-            .into_owned();
-        (status, message)
+        (status, last_error())
     };
     assert_eq!(status, EP_ERR_INVALID_ARGUMENT);
     let file = dir.join(format!("ep.{}.log", std::process::id()));

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::tools::{root, run};
+use common::tools::{fresh_dir, root, run};
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -111,10 +111,7 @@ fn is_png(dir: &Path, name: &str) -> bool {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = root().join("target/plot-test").join(name);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    fresh_dir(root().join("target/plot-test").join(name))
 }
 
 const PLOTS: [&str; 5] = [

@@ -6,7 +6,7 @@
 //! Inputs come from seeds, so every rank rebuilds every rank's inputs and
 //! computes the reference of its own outputs.
 
-use super::{bits, random_bf16, routing, weights, Ctx, Rng, POISON};
+use super::{bits, dtype_code, dtype_of, random_bf16, routing, weights, Ctx, Rng, POISON};
 use ep::capi::*;
 use ep::reference::fp8::quantize_rows;
 use ep::reference::layout::dispatch_layout;
@@ -469,15 +469,13 @@ impl Shape {
 
     /// A host-backend config of this shape.
     pub fn config(&self) -> ep_config_t {
-        let mut cfg = super::host_config(
+        super::host_config(
             self.hidden as i32,
             self.topk as i32,
             self.experts as i32,
             self.max_tokens as i32,
             self.ll_max as i32,
-        );
-        cfg.timeout_ms = 20_000;
-        cfg
+        )
     }
 }
 
@@ -528,11 +526,7 @@ impl Tokens {
     }
 
     pub fn dtype(&self) -> Dtype {
-        if self.fp8 {
-            Dtype::Fp8E4m3
-        } else {
-            Dtype::Bf16
-        }
+        dtype_of(self.fp8)
     }
 
     /// The reference dispatch as `rank` receives it.
@@ -564,7 +558,6 @@ pub struct DispatchCall<'m> {
     pub call: Call<'m, ep_dispatch_args_t>,
     pub want: Dispatched,
     pub case: DispatchCase,
-    pub shape: Shape,
 }
 
 impl<'m> DispatchCall<'m> {
@@ -580,11 +573,7 @@ impl<'m> DispatchCall<'m> {
         let (row, cols) = (dtype.row_bytes(h), dtype.scales_per_row(h));
         let mut a = super::dispatch_args();
         a.num_tokens = tokens.n[rank] as i32;
-        a.dtype = if tokens.fp8 {
-            EP_DTYPE_FP8_E4M3
-        } else {
-            EP_DTYPE_BF16
-        };
+        a.dtype = dtype_code(dtype);
         a.flags = if case.no_host_sync {
             EP_DISPATCH_NO_HOST_SYNC
         } else {
@@ -628,7 +617,6 @@ impl<'m> DispatchCall<'m> {
             call,
             want: tokens.dispatched(shape, rank, case.alignment),
             case,
-            shape: *shape,
         }
     }
 
@@ -709,15 +697,14 @@ pub fn combine_rows(shape: &Shape, seed: u64, rows: usize, rank: usize) -> Vec<b
 /// The reference of `ep_combine` on `rank`, every rank having dispatched
 /// `dispatched[r]` and given `rows[r]` in the layout of `expert_major`.
 pub fn combine_reference(
-    shape: &Shape,
+    topo: Topology,
     rank: usize,
     num_tokens: usize,
     dispatched: &[Dispatched],
     rows: &[Vec<bf16>],
     expert_major: bool,
 ) -> Vec<bf16> {
-    let topo = shape.topo();
-    let partials: Vec<Vec<bf16>> = (0..shape.world)
+    let partials: Vec<Vec<bf16>> = (0..topo.world)
         .map(|r| {
             if expert_major {
                 normal::expert_partials(topo, &dispatched[r], &rows[r])
@@ -726,7 +713,7 @@ pub fn combine_reference(
             }
         })
         .collect();
-    let returned: Vec<Returned> = (0..shape.world)
+    let returned: Vec<Returned> = (0..topo.world)
         .map(|r| Returned {
             rows: &partials[r],
             src_info: &dispatched[r].src_info,
@@ -789,7 +776,14 @@ impl<'m> CombineCall<'m> {
         call.output("out", num_tokens * shape.hidden * 2);
         CombineCall {
             call,
-            want: combine_reference(shape, rank, num_tokens, dispatched, &rows, expert_major),
+            want: combine_reference(
+                shape.topo(),
+                rank,
+                num_tokens,
+                dispatched,
+                &rows,
+                expert_major,
+            ),
         }
     }
 
@@ -891,27 +885,27 @@ impl LlTokens {
         t
     }
 
-    /// The reference dispatch as `rank` receives it.
-    pub fn dispatched(&self, shape: &Shape, rank: usize, case: &LlDispatchCase) -> LlDispatched {
-        let sources: Vec<LlRankTokens> = (0..shape.world)
+    /// Every rank's tokens as the reference takes them, with the weights
+    /// when `weights`.
+    pub fn sources(&self, weights: bool) -> Vec<LlRankTokens<'_>> {
+        (0..self.n.len())
             .map(|r| LlRankTokens {
                 num_tokens: self.n[r],
                 x: &self.x[r],
                 topk_idx: &self.idx[r],
-                topk_weights: case.weights.then_some(&self.w[r][..]),
+                topk_weights: weights.then_some(&self.w[r][..]),
             })
-            .collect();
-        let dtype = if case.fp8 {
-            Dtype::Fp8E4m3
-        } else {
-            Dtype::Bf16
-        };
+            .collect()
+    }
+
+    /// The reference dispatch as `rank` receives it.
+    pub fn dispatched(&self, shape: &Shape, rank: usize, case: &LlDispatchCase) -> LlDispatched {
         ll_dispatch(
             shape.topo(),
             shape.ll_max,
-            &sources,
+            &self.sources(case.weights),
             rank,
-            dtype,
+            dtype_of(case.fp8),
             case.ue8m0,
         )
     }
@@ -969,11 +963,8 @@ impl<'m> LlDispatchCall<'m> {
         );
         let mut a = super::ll_dispatch_args();
         a.num_tokens = tokens.n[rank] as i32;
-        a.out_dtype = if case.fp8 {
-            EP_DTYPE_FP8_E4M3
-        } else {
-            EP_DTYPE_BF16
-        };
+        let dtype = dtype_of(case.fp8);
+        a.out_dtype = dtype_code(dtype);
         let mut call = Call::new(mem, a);
         call.input("x", &tokens.x[rank]);
         call.input("topk_idx", &tokens.idx[rank]);
@@ -983,11 +974,6 @@ impl<'m> LlDispatchCall<'m> {
         if case.device_count {
             call.input("device_num_tokens", &[tokens.n[rank] as i32]);
         }
-        let dtype = if case.fp8 {
-            Dtype::Fp8E4m3
-        } else {
-            Dtype::Bf16
-        };
         call.output("recv_x", slots * dtype.row_bytes(h));
         if case.fp8 {
             call.output("recv_x_scales", slots * h / 128 * 4);
@@ -1028,11 +1014,7 @@ impl<'m> LlDispatchCall<'m> {
     pub fn check(&mut self) -> Result<(), String> {
         let (s, d) = (&self.shape, &self.want);
         let block = s.world * s.ll_max;
-        let dtype = if self.case.fp8 {
-            Dtype::Fp8E4m3
-        } else {
-            Dtype::Bf16
-        };
+        let dtype = dtype_of(self.case.fp8);
         let valid = |unit: usize| -> Vec<(usize, usize)> {
             (0..s.local())
                 .map(|le| (le * block * unit, d.recv_count[le] as usize * unit))

@@ -525,6 +525,14 @@ pub mod nccl {
         }
     }
 
+    /// A new `ncclUniqueId`.
+    pub fn new_id() -> UniqueId {
+        let mut id = UniqueId([0; 128]);
+        // SAFETY: writes one id.
+        check(unsafe { (lib().get_unique_id)(&mut id) }, "ncclGetUniqueId");
+        id
+    }
+
     /// The `ncclUniqueId` of the group whose ep id is `group` (made by the
     /// first rank that asks).
     fn group_id(group: &[u8; 128]) -> UniqueId {
@@ -533,9 +541,7 @@ pub mod nccl {
         if let Some((_, id)) = ids.iter().find(|(g, _)| g == group) {
             return *id;
         }
-        let mut id = UniqueId([0; 128]);
-        // SAFETY: writes one id.
-        check(unsafe { (lib().get_unique_id)(&mut id) }, "ncclGetUniqueId");
+        let id = new_id();
         ids.push((*group, id));
         id
     }
@@ -557,16 +563,26 @@ pub mod nccl {
         COMMS.get_or_init(|| Mutex::new(HashMap::new()))
     }
 
-    /// Rank `rank`'s context on a fresh communicator of its group, on the
-    /// current device; the communicator is destroyed after the context.
-    pub fn context(world: usize, cfg: &ep_config_t, rank: usize, group: &ep_unique_id_t) -> Ctx {
-        let comm = communicator(world, rank, group_id(&group.internal));
+    /// Rank `rank`'s context on `comm` (`ep_ctx_create_from_nccl`: the
+    /// communicator stays the caller's).
+    pub fn context_on(comm: Comm, cfg: &ep_config_t, rank: usize) -> Ctx {
         let mut ctx = std::ptr::null_mut();
         // SAFETY: a live communicator, a valid config and out-parameter.
         let status = unsafe { ep_ctx_create_from_nccl(comm.cast(), cfg, &mut ctx) };
         assert_eq!(status, EP_SUCCESS, "rank {rank}: {}", last_error());
-        comms().lock().unwrap().insert(ctx as usize, comm as usize);
         Ctx(ctx)
+    }
+
+    /// Rank `rank`'s context on a fresh communicator of its group, on the
+    /// current device; the communicator is destroyed after the context.
+    pub fn context(world: usize, cfg: &ep_config_t, rank: usize, group: &ep_unique_id_t) -> Ctx {
+        let comm = communicator(world, rank, group_id(&group.internal));
+        let ctx = context_on(comm, cfg, rank);
+        comms()
+            .lock()
+            .unwrap()
+            .insert(ctx.0 as usize, comm as usize);
+        ctx
     }
 
     /// Called after `ep_ctx_destroy(ctx)`: destroys the context's

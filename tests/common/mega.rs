@@ -4,11 +4,11 @@
 //! reference dispatch, and the comparison of GEMM rows within the tolerance
 //! of `ep::reference::mega`.
 
+use super::normal::Input;
 use super::{bf16_to_bytes, random_bf16, routing, weights as routing_weights, Rng};
-use ep::capi::*;
 use ep::reference::fp8::quantize_rows;
 use ep::reference::mega::{tolerance, DecodedExpert, ExpertWeights, RowResult};
-use ep::reference::normal::{self, Dispatched, RankTokens};
+use ep::reference::normal::Dispatched;
 use ep::reference::{Dtype, Topology};
 use half::bf16;
 
@@ -55,23 +55,10 @@ impl MegaCase {
         self.experts / self.world
     }
 
-    /// The group's shape as the other tests' helpers take it.
-    pub fn shape(&self) -> super::calls::Shape {
-        super::calls::Shape {
-            world: self.world,
-            hidden: self.hidden,
-            topk: self.topk,
-            experts: self.experts,
-            max_tokens: self.tokens.iter().copied().max().unwrap_or(0),
-            ll_max: 0,
-        }
-    }
-
-    pub fn dtype_code(&self) -> i32 {
-        match self.dtype {
-            Dtype::Bf16 => EP_DTYPE_BF16,
-            Dtype::Fp8E4m3 => EP_DTYPE_FP8_E4M3,
-        }
+    /// The most tokens of a rank, at least 1: the config's
+    /// `max_tokens_per_rank`.
+    pub fn max_tokens(&self) -> usize {
+        (*self.tokens.iter().max().unwrap()).max(1)
     }
 
     fn rng(&self, what: u64, rank: usize) -> Rng {
@@ -81,27 +68,6 @@ impl MegaCase {
                 .wrapping_add(what.wrapping_mul(7919))
                 .wrapping_add(rank as u64),
         )
-    }
-}
-
-/// One rank's tokens.
-pub struct Tokens {
-    pub num_tokens: usize,
-    pub x: Vec<u8>,
-    pub scales: Vec<f32>,
-    pub topk_idx: Vec<i32>,
-    pub topk_weights: Vec<f32>,
-}
-
-impl Tokens {
-    pub fn view(&self) -> RankTokens<'_> {
-        RankTokens {
-            num_tokens: self.num_tokens,
-            x: &self.x,
-            scales: &self.scales,
-            topk_idx: &self.topk_idx,
-            topk_weights: &self.topk_weights,
-        }
     }
 }
 
@@ -116,7 +82,7 @@ pub fn random_rows(rng: &mut Rng, dtype: Dtype, rows: usize, cols: usize) -> (Ve
 }
 
 /// Rank `rank`'s tokens of `case`.
-pub fn tokens(case: &MegaCase, rank: usize) -> Tokens {
+pub fn tokens(case: &MegaCase, rank: usize) -> Input {
     let mut rng = case.rng(1, rank);
     let n = case.tokens[rank];
     let topk_idx = match case.routing {
@@ -130,7 +96,7 @@ pub fn tokens(case: &MegaCase, rank: usize) -> Tokens {
     };
     let topk_weights = routing_weights(&mut rng, n * case.topk);
     let (x, scales) = random_rows(&mut rng, case.dtype, n, case.hidden);
-    Tokens {
+    Input {
         num_tokens: n,
         x,
         scales,
@@ -140,15 +106,8 @@ pub fn tokens(case: &MegaCase, rank: usize) -> Tokens {
 }
 
 /// Every rank's tokens.
-pub fn all_tokens(case: &MegaCase) -> Vec<Tokens> {
+pub fn all_tokens(case: &MegaCase) -> Vec<Input> {
     (0..case.world).map(|r| tokens(case, r)).collect()
-}
-
-/// The reference dispatch of `rank` (its expert-major rows are the first
-/// GEMM's input).
-pub fn reference_dispatch(case: &MegaCase, all: &[Tokens], rank: usize) -> Dispatched {
-    let views: Vec<RankTokens> = all.iter().map(Tokens::view).collect();
-    normal::dispatch(case.topo(), case.dtype, &views, rank, case.alignment)
 }
 
 /// One rank's expert weights `[local_experts, n, k]` and FP8 block scales.

@@ -13,6 +13,7 @@ pub mod tools;
 pub mod walk;
 
 use ep::capi::*;
+use ep::reference::Dtype;
 use half::bf16;
 use std::ffi::CStr;
 use std::ptr::null_mut;
@@ -134,6 +135,29 @@ pub fn is_poisoned<T: Copy>(values: &[T]) -> bool {
         std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values))
     };
     bytes.iter().all(|&b| b == POISON)
+}
+
+/// The token dtype of an `fp8` flag.
+pub fn dtype_of(fp8: bool) -> Dtype {
+    if fp8 {
+        Dtype::Fp8E4m3
+    } else {
+        Dtype::Bf16
+    }
+}
+
+/// The `EP_DTYPE_*` value of `dtype`.
+pub fn dtype_code(dtype: Dtype) -> i32 {
+    match dtype {
+        Dtype::Bf16 => EP_DTYPE_BF16,
+        Dtype::Fp8E4m3 => EP_DTYPE_FP8_E4M3,
+    }
+}
+
+/// This process's open file descriptors and threads.
+pub fn fds_and_threads() -> (usize, usize) {
+    let count = |dir| std::fs::read_dir(dir).unwrap().count();
+    (count("/proc/self/fd"), count("/proc/self/task"))
 }
 
 /// Bits of an f32 slice, for bit-exact comparisons that treat NaN sanely.

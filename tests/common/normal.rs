@@ -5,16 +5,21 @@
 //! (with `ranks_per_node`, on several nodes).
 
 use super::gpu::*;
-use super::{bf16_to_bytes, bits, random_bf16, routing, weights, Ctx, Rng};
+use super::{
+    bf16_to_bytes, bits, dtype_code, last_error, random_bf16, routing, weights, Ctx, Handle, Rng,
+};
 use ep::capi::*;
 use ep::reference::hierarchical::{self, NodeShape};
 use ep::reference::normal::{
     combine, dispatch, expert_partials, worst_case_rows, Dispatched, RankTokens, Returned,
 };
 use ep::reference::{Dtype, Topology};
+use ep::runtime::describe;
 use half::bf16;
+use std::time::{Duration, Instant};
 
 /// One rank's dispatch input, owned.
+#[derive(Clone)]
 pub struct Input {
     pub num_tokens: usize,
     pub x: Vec<u8>,
@@ -55,6 +60,20 @@ impl Input {
     }
 }
 
+/// The reference dispatch of every rank of `topo`, `inputs` being every
+/// rank's input.
+pub fn dispatch_all(
+    topo: Topology,
+    dtype: Dtype,
+    inputs: &[Input],
+    alignment: usize,
+) -> Vec<Dispatched> {
+    let views: Vec<RankTokens> = inputs.iter().map(Input::view).collect();
+    (0..topo.world)
+        .map(|r| dispatch(topo, dtype, &views, r, alignment))
+        .collect()
+}
+
 /// Device copies of one rank's input.
 pub struct DeviceInput {
     pub x: DevBuf,
@@ -71,6 +90,14 @@ impl DeviceInput {
             topk_idx: DevBuf::from(&input.topk_idx),
             topk_weights: DevBuf::from(&input.topk_weights),
         }
+    }
+
+    /// Overwrites the copies with `input` (at most as large as the first).
+    pub fn upload(&self, input: &Input) {
+        self.x.upload(&input.x);
+        self.scales.upload(&input.scales);
+        self.topk_idx.upload(&input.topk_idx);
+        self.topk_weights.upload(&input.topk_weights);
     }
 }
 
@@ -149,10 +176,7 @@ impl Outputs {
     ) -> ep_dispatch_args_t {
         let mut a = super::dispatch_args();
         a.num_tokens = n as i32;
-        a.dtype = match dtype {
-            Dtype::Bf16 => EP_DTYPE_BF16,
-            Dtype::Fp8E4m3 => EP_DTYPE_FP8_E4M3,
-        };
+        a.dtype = dtype_code(dtype);
         a.x = input.x.as_const();
         a.x_scales = input.scales.as_const();
         a.topk_idx = input.topk_idx.as_const();
@@ -295,13 +319,6 @@ pub fn assert_close(got: &[bf16], want: &[bf16], what: &str) -> bool {
     exact
 }
 
-pub fn dtype_name(dtype: Dtype) -> &'static str {
-    match dtype {
-        Dtype::Bf16 => "BF16",
-        Dtype::Fp8E4m3 => "FP8",
-    }
-}
-
 /// One round of `check_shape`: every rank's inputs, and what the reference
 /// says about them, worked out once by the first rank that needs it (the
 /// ranks of a process share it).
@@ -327,11 +344,8 @@ impl Round {
     /// the hierarchical summation order.
     pub fn expected(&self, topo: Topology, nodes: Option<NodeShape>, seed: u64) -> &Expected {
         self.expected.get_or_init(|| {
-            let views: Vec<RankTokens> = self.inputs.iter().map(Input::view).collect();
             let world = topo.world;
-            let all: Vec<Dispatched> = (0..world)
-                .map(|r| dispatch(topo, self.dtype, &views, r, self.alignment as usize))
-                .collect();
+            let all = dispatch_all(topo, self.dtype, &self.inputs, self.alignment as usize);
             let combine_x: Vec<(Vec<bf16>, Vec<bf16>)> = all
                 .iter()
                 .enumerate()
@@ -456,7 +470,7 @@ pub fn check_shape_on_nodes(
             let n = round.inputs[rank].num_tokens;
             let what = format!(
                 "{shape} rank {rank} round {i} ({}, {n} tokens, alignment {alignment})",
-                dtype_name(dtype),
+                describe::dtype(dtype),
             );
             let expected = round.expected(topo, nodes, seed ^ (i as u64 * 64));
             let want = &expected.all[rank];
@@ -568,4 +582,77 @@ pub fn host_memory() -> usize {
         .find_map(|l| l.strip_prefix("MemTotal:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
         .map_or(0, |kib| kib << 10)
+}
+
+/// The shape of the tests of one lone dispatch: 2 ranks, 8 experts, top-2,
+/// hidden 128.
+pub const SMALL: Topology = Topology {
+    world: 2,
+    num_experts: 8,
+    topk: 2,
+    hidden: 128,
+};
+
+/// A GPU config of [`SMALL`], up to 64 tokens per rank, with `timeout_ms`.
+pub fn small_config(timeout_ms: u32) -> ep_config_t {
+    let t = SMALL;
+    gpu_config(
+        t.hidden as i32,
+        t.topk as i32,
+        t.num_experts as i32,
+        64,
+        0,
+        timeout_ms,
+    )
+}
+
+/// One BF16 dispatch of [`SMALL`] (alignment 1): its input on the device,
+/// its poisoned outputs, and its arguments.
+pub struct SmallDispatch {
+    pub input: DeviceInput,
+    pub out: Outputs,
+    pub args: ep_dispatch_args_t,
+}
+
+impl SmallDispatch {
+    /// The dispatch of `input`.
+    pub fn new(ctx: &Ctx, input: &Input) -> SmallDispatch {
+        let dev = DeviceInput::new(input);
+        let out = Outputs::new(ctx, &SMALL, 1);
+        let args = out.args(&dev, input.num_tokens, Dtype::Bf16, 1);
+        SmallDispatch {
+            input: dev,
+            out,
+            args,
+        }
+    }
+
+    /// The dispatch of `n` random tokens (uniform routing) from `seed`.
+    pub fn random(ctx: &Ctx, seed: u64, n: usize) -> SmallDispatch {
+        let mut rng = Rng::new(seed);
+        let input = Input::random(&mut rng, &SMALL, Dtype::Bf16, n, false);
+        SmallDispatch::new(ctx, &input)
+    }
+
+    /// `ep_dispatch` of these arguments on the rank's stream.
+    pub fn run(&self, ctx: &Ctx, handle: &Handle) -> ep_status_t {
+        // SAFETY: device buffers of the sizes the arguments give.
+        unsafe { ep_dispatch(ctx.0, &self.args, handle.0, stream()) }
+    }
+
+    /// Makes the dispatch while a peer never joins: it fails with
+    /// `EP_ERR_TIMEOUT` naming every needle, before three `timeout`s, and
+    /// the context's asynchronous status is the timeout.
+    pub fn expect_timeout(&self, ctx: &Ctx, handle: &Handle, timeout: Duration, needles: &[&str]) {
+        let start = Instant::now();
+        let status = self.run(ctx, handle);
+        let took = start.elapsed();
+        assert_eq!(status, EP_ERR_TIMEOUT, "{}", last_error());
+        let message = last_error();
+        for needle in needles {
+            assert!(message.contains(needle), "{message}");
+        }
+        assert!(took < timeout * 3, "took {took:?}");
+        assert_eq!(async_status(ctx), EP_ERR_TIMEOUT);
+    }
 }

@@ -9,6 +9,28 @@ pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// `dir`, emptied: removed with everything in it, then made again.
+pub fn fresh_dir(dir: PathBuf) -> PathBuf {
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The NVIDIA wheels' directory under `.venv/` (`.../site-packages/nvidia`)
+/// that holds `file`: scripts/install-cuda-tools.sh puts the CUDA toolkit's
+/// headers, the pinned NCCL and the CUDA runtime there.
+pub fn nvidia_wheels(file: &str) -> PathBuf {
+    let lib = root().join(".venv/lib");
+    std::fs::read_dir(&lib)
+        .unwrap_or_else(|e| panic!("{}: {e}: run scripts/install-cuda-tools.sh", lib.display()))
+        .filter_map(|entry| entry.ok())
+        .map(|entry| entry.path().join("site-packages/nvidia"))
+        .find(|dir| dir.join(file).is_file())
+        .unwrap_or_else(|| {
+            panic!("no {file} in the NVIDIA wheels under .venv: run scripts/install-cuda-tools.sh")
+        })
+}
+
 /// The system C or C++ compiler, as cc finds it (honours `CC` and `CXX`).
 pub fn c_compiler(cpp: bool) -> PathBuf {
     let target = format!("{}-unknown-linux-gnu", std::env::consts::ARCH);

@@ -68,23 +68,25 @@ pub trait Op {
     }
 }
 
-/// Runs every half of a correct call and checks it.
-fn correct_call(op: &mut dyn Op, ctx: &Ctx, rank: usize, after: &str) {
+/// Prepares a correct call with its arguments as built and its outputs
+/// poisoned, then makes it ([`run_correct`]).
+pub fn correct_call(op: &mut dyn Op, ctx: &Ctx, what: &str) {
     op.pointers().restore();
     op.prepare(ctx);
     op.pointers().poison();
+    run_correct(op, ctx, what);
+}
+
+/// Makes a prepared correct call: every half ends in `op.success()` and the
+/// outputs are the reference's. `what` (which names the call) starts every
+/// failure message.
+pub fn run_correct(op: &mut dyn Op, ctx: &Ctx, what: &str) {
     for phase in 0..op.phases().len() {
         let status = op.run(ctx, phase);
-        assert_eq!(
-            status,
-            op.success(),
-            "rank {rank}: {} after {after}: {}",
-            op.label(),
-            last_error()
-        );
+        assert_eq!(status, op.success(), "{what}: {}", last_error());
     }
     if let Err(e) = op.check() {
-        panic!("rank {rank}: {} after {after}: {e}", op.label());
+        panic!("{what}: {e}");
     }
 }
 
@@ -170,7 +172,8 @@ pub fn walk_nulls(op: &mut dyn Op, ctx: &Ctx, rank: usize) {
             }
             None => op.check().unwrap_or_else(|e| panic!("{what}: {e}")),
         }
-        correct_call(op, ctx, rank, &format!("`{}` NULL", field.name));
+        let again = format!("rank {rank}: {} after `{}` NULL", op.label(), field.name);
+        correct_call(op, ctx, &again);
     }
     gate();
 }
@@ -222,7 +225,8 @@ pub fn walk_bad<T: Op>(op: &mut T, bads: &[Bad<'_, T>], ctx: &Ctx, rank: usize, 
         let needles: Vec<&str> = bad.needles.iter().map(|s| s.as_str()).collect();
         expect_error(status, bad.status, op.function(), &needles, &what);
         assert!(op.pointers().untouched(), "{what}: an output was written");
-        correct_call(op, ctx, rank, bad.what);
+        let again = format!("rank {rank}: {} after {}", op.label(), bad.what);
+        correct_call(op, ctx, &again);
     }
     gate();
 }
@@ -366,12 +370,7 @@ impl<'m> CombineOp<'m> {
         seed: u64,
         expert_major: bool,
     ) -> Self {
-        let case = DispatchCase {
-            source_order: true,
-            expert_major: true,
-            alignment: 4,
-            no_host_sync: false,
-        };
+        let case = both(4);
         let dispatch = DispatchCall::new(mem, shape, tokens, rank, case);
         let all: Vec<_> = (0..shape.world)
             .map(|r| tokens.dispatched(shape, r, case.alignment))
@@ -650,10 +649,8 @@ impl<'m> MegaOp<'m> {
     ) -> Self {
         assert!(!tokens.fp8, "the walk's fused dispatch is BF16");
         let case = DispatchCase {
-            source_order: true,
-            expert_major: true,
-            alignment: 1,
             no_host_sync: true,
+            ..both(1)
         };
         let dispatch = DispatchCall::new(mem, shape, tokens, rank, case);
         let capacity = dispatch.call.args.expert_capacity as usize;
@@ -1206,6 +1203,24 @@ pub fn bad_mega_dispatch<'m>() -> Vec<Bad<'m, MegaOp<'m>>> {
     ]);
     bads
 }
+
+/// The group of the contract walks on `world` ranks: 4 experts per rank of
+/// 2 ranks, topk 4, hidden 256; 24 tokens (normal), 8 (low-latency).
+pub fn contract_shape(world: usize) -> Shape {
+    Shape {
+        world,
+        hidden: 256,
+        topk: 4,
+        experts: 8,
+        max_tokens: 24,
+        ll_max: 8,
+    }
+}
+
+/// Uneven token counts of the ranks of [`contract_shape`] (every rank has
+/// some); a world of 1 takes the first.
+pub const SOME: [usize; 2] = [13, 7];
+pub const LL_SOME: [usize; 2] = [5, 8];
 
 /// `DispatchCase` with both outputs, the host synchronised.
 pub fn both(alignment: usize) -> DispatchCase {
