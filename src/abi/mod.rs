@@ -34,7 +34,7 @@ mod tests {
 
     #[test]
     fn layouts_are_the_c_layouts() {
-        assert_eq!(std::mem::size_of::<DeviceStatus>(), 20);
+        assert_eq!(std::mem::size_of::<DeviceStatus>(), 24);
         assert_eq!(std::mem::size_of::<LlCounters>(), 24);
         assert_eq!(std::mem::offset_of!(LlParams, area), 14 * 8);
     }
