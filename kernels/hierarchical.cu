@@ -126,7 +126,7 @@ __device__ __forceinline__ int64_t notify_at(const HierParams& p, int m) {
 
 // Offset of a normal-area array.
 __device__ __forceinline__ int64_t area_at(const HierParams& p, int64_t off) {
-    return p.area + off;
+    return p.normal.area + off;
 }
 
 template <typename T>
@@ -212,10 +212,10 @@ extern "C" __global__ void ep_hier_stage_kernel(const HierParams p) {
     const int chunks = (p.num_tokens + EP_CHUNK_TOKENS - 1) / EP_CHUNK_TOKENS;
     const int nodes = nodes_of(p);
     const int home = node_of(p, p.rank);
-    const int* chunk_counts = own<int>(p, area_at(p, p.off_chunk_counts));
+    const int* chunk_counts = own<int>(p, area_at(p, p.normal.off_chunk_counts));
 
     if (blockIdx.x == 0) {
-        int* totals = own<int>(p, area_at(p, p.off_totals));
+        int* totals = own<int>(p, area_at(p, p.normal.off_totals));
         ep_sum_chunk_counts(chunk_counts, columns, chunks, totals);
         if (threadIdx.x == 0) {
             own<int>(p, notify_at(p, home))[0] = p.num_tokens;
@@ -226,9 +226,9 @@ extern "C" __global__ void ep_hier_stage_kernel(const HierParams p) {
         __syncthreads();
         const int t = blockIdx.x * EP_CHUNK_TOKENS + threadIdx.x;
         if (t < p.num_tokens) {
-            const int* slot_rank = own<int>(p, area_at(p, p.off_slot_rank)) +
+            const int* slot_rank = own<int>(p, area_at(p, p.normal.off_slot_rank)) +
                                    static_cast<int64_t>(t) * p.topk;
-            const int* rank_pos = own<int>(p, area_at(p, p.off_rank_pos)) +
+            const int* rank_pos = own<int>(p, area_at(p, p.normal.off_rank_pos)) +
                                   static_cast<int64_t>(t) * p.world;
             const int* ids = p.topk_idx + static_cast<int64_t>(t) * p.topk;
             const float* weights = p.topk_weights + static_cast<int64_t>(t) * p.topk;
@@ -259,12 +259,12 @@ extern "C" __global__ void ep_hier_stage_kernel(const HierParams p) {
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
     const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     const int4* x = reinterpret_cast<const int4*>(p.x);
-    int4* staged_x = own<int4>(p, area_at(p, p.off_staged_x));
+    int4* staged_x = own<int4>(p, area_at(p, p.normal.off_staged_x));
     const int64_t vectors = static_cast<int64_t>(p.num_tokens) * p.row_bytes / 16;
     for (int64_t i = first; i < vectors; i += stride) {
         staged_x[i] = x[i];
     }
-    float* staged_scales = own<float>(p, area_at(p, p.off_staged_scales));
+    float* staged_scales = own<float>(p, area_at(p, p.normal.off_staged_scales));
     for (int64_t i = first; i < static_cast<int64_t>(p.num_tokens) * p.scale_cols; i += stride) {
         staged_scales[i] = p.x_scales[i];
     }
@@ -281,18 +281,18 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     const int nodes = nodes_of(p);
     const int home = node_of(p, p.rank);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int64_t staged_x = area_at(p, p.off_staged_x);
-    const int64_t staged_scales = area_at(p, p.off_staged_scales);
+    const int64_t staged_x = area_at(p, p.normal.off_staged_x);
+    const int64_t staged_scales = area_at(p, p.normal.off_staged_scales);
 
     // Notify: the totals and the token count, to every remote gateway.
     if (blockIdx.x == 0 && warp == 0) {
-        const int64_t totals = area_at(p, p.off_totals);
+        const int64_t totals = area_at(p, p.normal.off_totals);
         const int64_t totals_bytes = static_cast<int64_t>(p.world + p.num_experts) * 4;
         for (int step = 1; step < nodes; ++step) {
             const int n = ring_node(p, step);
             const int gateway = rail_peer(p, n);
             const int64_t block = relay_block(p, home, n);
-            ep_net_put_warp(net, gateway, block + (p.off_totals - p.off_staged_x), totals,
+            ep_net_put_warp(net, gateway, block + (p.normal.off_totals - p.normal.off_staged_x), totals,
                             totals_bytes);
             ep_net_put_warp(net, gateway, notify_at(p, home), notify_at(p, home), 16);
         }
@@ -321,7 +321,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
                             staged_x + static_cast<int64_t>(t) * p.row_bytes, p.row_bytes);
             if (scale_bytes > 0) {
                 ep_net_put_warp(net, gateway,
-                                block + (p.off_staged_scales - p.off_staged_x) + t * scale_bytes,
+                                block + (p.normal.off_staged_scales - p.normal.off_staged_x) + t * scale_bytes,
                                 staged_scales + t * scale_bytes, scale_bytes);
             }
         }
@@ -374,11 +374,11 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
                 // The record of row (source, pos) in d's area, as the
                 // single-node stage kernel writes it.
                 const int64_t record = static_cast<int64_t>(source) * T + pos;
-                on_rank<int>(p, d, area_at(p, p.off_in_token))[record] = t;
-                int* in_local = on_rank<int>(p, d, area_at(p, p.off_in_local)) + record * p.topk;
-                int* in_rank = on_rank<int>(p, d, area_at(p, p.off_in_rank)) + record * p.topk;
+                on_rank<int>(p, d, area_at(p, p.normal.off_in_token))[record] = t;
+                int* in_local = on_rank<int>(p, d, area_at(p, p.normal.off_in_local)) + record * p.topk;
+                int* in_rank = on_rank<int>(p, d, area_at(p, p.normal.off_in_rank)) + record * p.topk;
                 float* in_weight =
-                    on_rank<float>(p, d, area_at(p, p.off_in_weight)) + record * p.topk;
+                    on_rank<float>(p, d, area_at(p, p.normal.off_in_weight)) + record * p.topk;
                 for (int k = 0; k < p.topk; ++k) {
                     const int e = header[EP_HIER_HDR_EXPERTS + k];
                     const bool here = e >= 0 && e < p.num_experts && e / L == d;
@@ -426,7 +426,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     const int R = p.ranks_per_node, T = p.max_tokens;
     const int warp = threadIdx.x / 32;
     const int64_t row_bytes = static_cast<int64_t>(p.hidden) * 2;
-    const __nv_bfloat16* returned = own<__nv_bfloat16>(p, area_at(p, p.off_returned));
+    const __nv_bfloat16* returned = own<__nv_bfloat16>(p, area_at(p, p.normal.off_returned));
     // A warp per (node, token): remote nodes in ring order first, then this
     // node (whose partials stay here).
     const int64_t items = static_cast<int64_t>(nodes) * T;

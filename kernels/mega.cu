@@ -292,11 +292,11 @@ __device__ __forceinline__ void ep_mega_move_rows(const MegaParams& p, MegaLayou
         const int num = __popc(has_pos);
         const int source = d.handle_row_src[2 * row];
         const int token = d.handle_row_src[2 * row + 1];
-        const uint8_t* src = ep_area<uint8_t>(d.peer_bases, source, d.area, d.off_staged_x) +
+        const uint8_t* src = ep_area<uint8_t>(d.peer_bases, source, d.normal.area, d.normal.off_staged_x) +
                              static_cast<int64_t>(token) * d.row_bytes;
         ep_warp_copy_row(src, nullptr, d.expert_x, dests, num, d.row_bytes, lane);
         if (d.scale_cols > 0) {
-            const float* scales = ep_area<float>(d.peer_bases, source, d.area, d.off_staged_scales) +
+            const float* scales = ep_area<float>(d.peer_bases, source, d.normal.area, d.normal.off_staged_scales) +
                                   static_cast<int64_t>(token) * d.scale_cols;
             for (int c = lane; c < d.scale_cols; c += 32) {
                 const float v = scales[c];
@@ -335,7 +335,7 @@ __device__ __forceinline__ void ep_mega_send_rows(const MegaParams& p, MegaLayou
         __syncwarp();
         const int source = c.handle_row_src[2 * row];
         const int token = c.handle_row_src[2 * row + 1];
-        int4* dst = ep_area<int4>(c.peer_bases, source, c.area, c.off_returned) +
+        int4* dst = ep_area<int4>(c.peer_bases, source, c.normal.area, c.normal.off_returned) +
                     (static_cast<int64_t>(c.rank) * c.max_tokens + token) * vectors;
         ep_combine_send_row(c, row, dst, l.comm_rows[comm_warp], l.comm_weights[comm_warp], lane);
         __syncwarp();

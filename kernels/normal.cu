@@ -100,9 +100,9 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
     const int local_experts = p.num_experts / p.world;
     const int first_token = blockIdx.x * EP_CHUNK_TOKENS + warp * 32;
     int* const my_counts = warp_counts + warp * columns;
-    int* const slot_rank = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_slot_rank);
-    int* const rank_pos = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_rank_pos);
-    int* const chunk_counts = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_chunk_counts);
+    int* const slot_rank = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_slot_rank);
+    int* const rank_pos = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_rank_pos);
+    int* const chunk_counts = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_counts);
 
     for (int i = threadIdx.x; i < EP_CHUNK_WARPS * columns; i += blockDim.x) {
         warp_counts[i] = 0;
@@ -212,10 +212,10 @@ extern "C" __global__ void ep_dispatch_stage_kernel(const DispatchParams p) {
     const int columns = p.world + p.num_experts;
     const int chunks = (p.num_tokens + EP_CHUNK_TOKENS - 1) / EP_CHUNK_TOKENS;
     const int local_experts = p.num_experts / p.world;
-    const int* chunk_counts = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_chunk_counts);
+    const int* chunk_counts = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_counts);
 
     if (blockIdx.x == 0) {
-        int* totals = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_totals);
+        int* totals = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_totals);
         ep_sum_chunk_counts(chunk_counts, columns, chunks, totals);
     }
     if (static_cast<int>(blockIdx.x) < chunks) {
@@ -223,9 +223,9 @@ extern "C" __global__ void ep_dispatch_stage_kernel(const DispatchParams p) {
         __syncthreads();
         const int token = blockIdx.x * EP_CHUNK_TOKENS + threadIdx.x;
         if (token < p.num_tokens) {
-            const int* slot_rank = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_slot_rank) +
+            const int* slot_rank = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_slot_rank) +
                                    static_cast<int64_t>(token) * p.topk;
-            const int* rank_pos = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_rank_pos) +
+            const int* rank_pos = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_rank_pos) +
                                   static_cast<int64_t>(token) * p.world;
             const int* ids = p.topk_idx + static_cast<int64_t>(token) * p.topk;
             const float* weights = p.topk_weights + static_cast<int64_t>(token) * p.topk;
@@ -237,11 +237,11 @@ extern "C" __global__ void ep_dispatch_stage_kernel(const DispatchParams p) {
                 }
                 // The record goes to row (this rank, pos) of rank r's area.
                 const int64_t record = static_cast<int64_t>(p.rank) * p.max_tokens + chunk_base[r] + pos;
-                ep_area<int>(p.peer_bases, r, p.area, p.off_in_token)[record] = token;
-                int* in_local = ep_area<int>(p.peer_bases, r, p.area, p.off_in_local) + record * p.topk;
-                int* in_rank = ep_area<int>(p.peer_bases, r, p.area, p.off_in_rank) + record * p.topk;
+                ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_token)[record] = token;
+                int* in_local = ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_local) + record * p.topk;
+                int* in_rank = ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_rank) + record * p.topk;
                 float* in_weight =
-                    ep_area<float>(p.peer_bases, r, p.area, p.off_in_weight) + record * p.topk;
+                    ep_area<float>(p.peer_bases, r, p.normal.area, p.normal.off_in_weight) + record * p.topk;
                 for (int k = 0; k < p.topk; ++k) {
                     const int e = ep_effective_expert(ids, k, p.num_experts);
                     const bool here = e >= 0 && e / local_experts == r;
@@ -258,7 +258,7 @@ extern "C" __global__ void ep_dispatch_stage_kernel(const DispatchParams p) {
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
     const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     const int4* x = reinterpret_cast<const int4*>(p.x);
-    int4* staged_x = ep_area<int4>(p.peer_bases, p.rank, p.area, p.off_staged_x);
+    int4* staged_x = ep_area<int4>(p.peer_bases, p.rank, p.normal.area, p.normal.off_staged_x);
     const int64_t vectors = static_cast<int64_t>(p.num_tokens) * p.row_bytes / 16;
     for (int64_t base = first; base < vectors; base += stride * EP_COPY_UNROLL) {
         int4 v[EP_COPY_UNROLL];
@@ -275,7 +275,7 @@ extern "C" __global__ void ep_dispatch_stage_kernel(const DispatchParams p) {
             }
         }
     }
-    float* staged_scales = ep_area<float>(p.peer_bases, p.rank, p.area, p.off_staged_scales);
+    float* staged_scales = ep_area<float>(p.peer_bases, p.rank, p.normal.area, p.normal.off_staged_scales);
     for (int64_t i = first; i < static_cast<int64_t>(p.num_tokens) * p.scale_cols; i += stride) {
         staged_scales[i] = p.x_scales[i];
     }
@@ -310,11 +310,11 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     for (int i = threadIdx.x; i < p.world * local_experts; i += blockDim.x) {
         const int source = i / local_experts;
         const int le = i % local_experts;
-        const int* totals = ep_area<int>(p.peer_bases, source, p.area, p.off_totals);
+        const int* totals = ep_area<int>(p.peer_bases, source, p.normal.area, p.normal.off_totals);
         layout.expert_base[i] = totals[p.world + p.rank * local_experts + le];
     }
     if (threadIdx.x < p.world) {
-        const int* totals = ep_area<int>(p.peer_bases, threadIdx.x, p.area, p.off_totals);
+        const int* totals = ep_area<int>(p.peer_bases, threadIdx.x, p.normal.area, p.normal.off_totals);
         layout.source_offset[threadIdx.x + 1] = totals[p.rank];
     }
     __syncthreads();
@@ -386,7 +386,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
         // The source's record for this row, in this rank's own area.
         const int64_t record =
             static_cast<int64_t>(source) * p.max_tokens + row - layout.source_offset[source];
-        const int token = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_in_token)[record];
+        const int token = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_in_token)[record];
 
         // Lane k < topk handles slot k: its local expert, weight and
         // expert-major row.
@@ -395,12 +395,12 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
         int pos = -1;
         if (lane < p.topk) {
             const int64_t slot = record * p.topk + lane;
-            local = ep_area<int>(p.peer_bases, p.rank, p.area, p.off_in_local)[slot];
+            local = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_in_local)[slot];
             if (local >= 0 && local < local_experts) {
-                weight = ep_area<float>(p.peer_bases, p.rank, p.area, p.off_in_weight)[slot];
+                weight = ep_area<float>(p.peer_bases, p.rank, p.normal.area, p.normal.off_in_weight)[slot];
                 pos = layout.expert_offset[local] +
                       layout.expert_base[source * local_experts + local] +
-                      ep_area<int>(p.peer_bases, p.rank, p.area, p.off_in_rank)[slot];
+                      ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_in_rank)[slot];
             } else {
                 local = -1;
             }
@@ -433,7 +433,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
         }
         __syncwarp();
         const int* extra_rows = layout.destinations[warp];
-        const uint8_t* src = ep_area<uint8_t>(p.peer_bases, source, p.area, p.off_staged_x) +
+        const uint8_t* src = ep_area<uint8_t>(p.peer_bases, source, p.normal.area, p.normal.off_staged_x) +
                              static_cast<int64_t>(token) * p.row_bytes;
         uint8_t* dst = p.recv_x == nullptr ? nullptr
                                            : p.recv_x + static_cast<int64_t>(row) * p.row_bytes;
@@ -442,7 +442,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
         }
 
         if (p.scale_cols > 0 && (dst != nullptr || num_extra > 0)) {
-            const float* scales = ep_area<float>(p.peer_bases, source, p.area, p.off_staged_scales) +
+            const float* scales = ep_area<float>(p.peer_bases, source, p.normal.area, p.normal.off_staged_scales) +
                                   static_cast<int64_t>(token) * p.scale_cols;
             for (int c = lane; c < p.scale_cols; c += 32) {
                 const float v = scales[c];
@@ -530,7 +530,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     for (int row = blockIdx.x * EP_MOVE_WARPS + warp; row < rows; row += warps) {
         const int source = p.handle_row_src[2 * row];
         const int token = p.handle_row_src[2 * row + 1];
-        int4* dst = ep_area<int4>(p.peer_bases, source, p.area, p.off_returned) +
+        int4* dst = ep_area<int4>(p.peer_bases, source, p.normal.area, p.normal.off_returned) +
                     (static_cast<int64_t>(p.rank) * p.max_tokens + token) * vectors;
         if (!p.expert_major) {
             ep_warp_copy_row(reinterpret_cast<const uint8_t*>(x + static_cast<int64_t>(row) * vectors),
@@ -554,7 +554,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     const int lane = threadIdx.x % 32;
     const int vectors = p.hidden / 8;
     const int warps = gridDim.x * EP_MOVE_WARPS;
-    const int4* returned = ep_area<int4>(p.peer_bases, p.rank, p.area, p.off_returned);
+    const int4* returned = ep_area<int4>(p.peer_bases, p.rank, p.normal.area, p.normal.off_returned);
     int4* out = reinterpret_cast<int4*>(p.out);
     for (int token = blockIdx.x * EP_MOVE_WARPS + warp; token < p.num_tokens; token += warps) {
         const uint8_t* in_rank = p.handle_in_rank + static_cast<int64_t>(token) * p.world;

@@ -620,4 +620,8 @@ fn barriers_of_two_ranks_sharing_the_gpu_pass_in_any_order() {
             "round {round}: rank {first} first, the other {delay:?} later"
         );
     }
+    for stream in streams {
+        // SAFETY: a stream made above, idle after the synchronize.
+        unsafe { cudarc::driver::sys::cuStreamDestroy_v2(stream) };
+    }
 }

@@ -198,9 +198,39 @@ abi_struct! {
 }
 
 abi_struct! {
+    /// Where the normal mode's arrays are in every rank's buffer: the mode's
+    /// area starts `area` bytes into the buffer, and each `off_*` is bytes
+    /// into the area (src/runtime/gpu/normal.rs has the layout). Shared by
+    /// the dispatch, combine and hierarchical kernels' parameters.
+    pub struct NormalOffsets {
+        /// Offset of the mode's area in every buffer.
+        area: i64,
+        /// `[max_tokens, row_bytes]` tokens staged for the peers to pull.
+        off_staged_x: i64,
+        /// `[max_tokens, scale_cols]` their FP8 scales.
+        off_staged_scales: i64,
+        /// `[max_tokens, topk]` position of each pair in its expert.
+        off_slot_rank: i64,
+        /// `[max_tokens, world]` position of each token for each rank, or -1.
+        off_rank_pos: i64,
+        /// `[chunks, world + experts]` the count kernel's per-chunk counts.
+        off_chunk_counts: i64,
+        /// `[world + experts]` tokens per rank, then pairs per expert.
+        off_totals: i64,
+        /// Records pushed by the sources, `[world, max_tokens]` rows: the
+        /// token index, then per slot the local expert or -1, the position
+        /// in the expert, and the weight.
+        off_in_token: i64,
+        off_in_local: i64,
+        off_in_rank: i64,
+        off_in_weight: i64,
+        /// `[world, max_tokens, hidden]` BF16 rows sent back in a combine.
+        off_returned: i64,
+    }
+}
+
+abi_struct! {
     /// Parameters of the normal-mode dispatch kernels (kernels/normal.cu).
-    /// Offsets `off_*` are bytes into the mode's area, which starts `area`
-    /// bytes into every rank's buffer (src/runtime/gpu/normal.rs).
     pub struct DispatchParams {
         /// The caller's inputs.
         x: u64 => "const uint8_t*",
@@ -241,27 +271,7 @@ abi_struct! {
         /// expert; nullptr when the host does not wait for them.
         host_counts: u64 => "int*",
         status: u64 => "EpDeviceStatus*",
-        /// Offset of this mode's area in every buffer.
-        area: i64,
-        /// `[max_tokens, row_bytes]` tokens staged for the peers to pull.
-        off_staged_x: i64,
-        /// `[max_tokens, scale_cols]` their FP8 scales.
-        off_staged_scales: i64,
-        /// `[max_tokens, topk]` position of each pair in its expert.
-        off_slot_rank: i64,
-        /// `[max_tokens, world]` position of each token for each rank, or -1.
-        off_rank_pos: i64,
-        /// `[chunks, world + experts]` the count kernel's per-chunk counts.
-        off_chunk_counts: i64,
-        /// `[world + experts]` tokens per rank, then pairs per expert.
-        off_totals: i64,
-        /// Records pushed by the sources, `[world, max_tokens]` rows: the
-        /// token index, then per slot the local expert or -1, the position
-        /// in the expert, and the weight.
-        off_in_token: i64,
-        off_in_local: i64,
-        off_in_rank: i64,
-        off_in_weight: i64,
+        normal: NormalOffsets,
         recv_capacity: i64,
         expert_capacity: i64,
         num_tokens: i32,
@@ -299,9 +309,8 @@ abi_struct! {
         handle_num_rows: u64 => "const int*",
         handle_in_rank: u64 => "const uint8_t*",
         status: u64 => "EpDeviceStatus*",
-        area: i64,
-        /// `[world, max_tokens, hidden]` BF16 rows sent back.
-        off_returned: i64,
+        /// Where the rows are sent back (`off_returned`).
+        normal: NormalOffsets,
         /// This rank's tokens of the handle's dispatch.
         num_tokens: i32,
         expert_major: i32,
@@ -465,9 +474,8 @@ abi_struct! {
 
 abi_struct! {
     /// Parameters of the hierarchical kernels (kernels/hierarchical.cu).
-    /// Offsets `off_*` are bytes into the normal mode's area, which starts
-    /// `area` bytes into every rank's buffer; `hier_*` are bytes into the
-    /// buffer (src/runtime/gpu/hierarchical.rs has the layout).
+    /// `hier_*` are bytes into the buffer (src/runtime/gpu/hierarchical.rs
+    /// has the layout).
     pub struct HierParams {
         /// The caller's tokens, scales, routing and weights (dispatch).
         x: u64 => "const uint8_t*",
@@ -495,19 +503,8 @@ abi_struct! {
         handle_in_node: u64 => "uint8_t*",
         handle_relay_mask: u64 => "uint64_t*",
         handle_relay_count: u64 => "int*",
-        /// The normal mode's area and arrays (see DispatchParams).
-        area: i64,
-        off_staged_x: i64,
-        off_staged_scales: i64,
-        off_slot_rank: i64,
-        off_rank_pos: i64,
-        off_chunk_counts: i64,
-        off_totals: i64,
-        off_in_token: i64,
-        off_in_local: i64,
-        off_in_rank: i64,
-        off_in_weight: i64,
-        off_returned: i64,
+        /// The normal mode's area and arrays.
+        normal: NormalOffsets,
         /// `[HIER_SIGNAL_KINDS, nodes]` u64 emulated signal words.
         hier_signals: i64,
         /// `[HIER_COUNTER_INTS]` call counters.
@@ -556,6 +553,7 @@ pub fn c_header() -> String {
         DeviceStatus::c_definition(),
         BarrierParams::c_definition(),
         LayoutParams::c_definition(),
+        NormalOffsets::c_definition(),
         DispatchParams::c_definition(),
         CombineParams::c_definition(),
         LlCounters::c_definition(),

@@ -35,8 +35,8 @@
 use super::normal::{chunks, Area as NormalArea};
 use super::{Bound, Runtime};
 use crate::abi::{
-    CombineParams, DispatchParams, HierParams, CHUNK_TOKENS, HIER_COUNTER_INTS, HIER_HEADER_BYTES,
-    HIER_SIGNAL_KINDS, MAX_WORLD_SIZE, MOVE_THREADS,
+    CombineParams, DispatchParams, HierParams, NormalOffsets, CHUNK_TOKENS, HIER_COUNTER_INTS,
+    HIER_HEADER_BYTES, HIER_SIGNAL_KINDS, MAX_WORLD_SIZE, MOVE_THREADS,
 };
 use crate::error::{Error, Result};
 use crate::reference::hierarchical::NodeShape;
@@ -232,7 +232,6 @@ impl Hierarchy {
     /// fill in the caller's tokens.
     fn params(&self, rt: &Runtime, handle: &HierHandle, in_rank: u64) -> HierParams {
         let cfg = &rt.cfg;
-        let n = &self.normal;
         let a = &self.area;
         HierParams {
             peer_bases: rt.memory.peer_bases(),
@@ -246,18 +245,7 @@ impl Hierarchy {
             handle_in_node: handle.in_node.ptr(),
             handle_relay_mask: handle.relay_mask.ptr(),
             handle_relay_count: handle.relay_count.ptr(),
-            area: self.normal_offset as i64,
-            off_staged_x: n.staged_x as i64,
-            off_staged_scales: n.staged_scales as i64,
-            off_slot_rank: n.slot_rank as i64,
-            off_rank_pos: n.rank_pos as i64,
-            off_chunk_counts: n.chunk_counts as i64,
-            off_totals: n.totals as i64,
-            off_in_token: n.in_token as i64,
-            off_in_local: n.in_local as i64,
-            off_in_rank: n.in_rank as i64,
-            off_in_weight: n.in_weight as i64,
-            off_returned: n.returned as i64,
+            normal: self.normal.offsets(self.normal_offset),
             hier_signals: a.signals as i64,
             hier_counters: a.counters as i64,
             hier_relay: a.relay as i64,
@@ -384,7 +372,10 @@ impl Hierarchy {
         // ascending, where the handle says the token went.
         let reduce = CombineParams {
             handle_in_rank: handle.in_node.ptr(),
-            off_returned: (self.area.node_sums - self.normal_offset) as i64,
+            normal: NormalOffsets {
+                off_returned: (self.area.node_sums - self.normal_offset) as i64,
+                ..flat.normal
+            },
             world: self.nodes.nodes() as i32,
             ..*flat
         };

@@ -9,7 +9,8 @@
 use super::hierarchical::{HierHandle, Hierarchy};
 use super::{ptr, Bound, Runtime};
 use crate::abi::{
-    CombineParams, DispatchParams, LayoutParams, CHUNK_TOKENS, LAYOUT_THREADS, MOVE_THREADS,
+    CombineParams, DispatchParams, LayoutParams, NormalOffsets, CHUNK_TOKENS, LAYOUT_THREADS,
+    MOVE_THREADS,
 };
 use crate::error::{Error, Result};
 use crate::reference::{normal::worst_case_rows, Dtype};
@@ -87,6 +88,27 @@ impl Area {
             in_weight: take(world * tokens * t.topk * 4),
             returned: take(world * tokens * t.hidden * 2),
             bytes: next,
+        }
+    }
+}
+
+impl Area {
+    /// The layout as the kernels take it, for an area that starts `area`
+    /// bytes into every rank's buffer.
+    pub(super) fn offsets(&self, area: usize) -> NormalOffsets {
+        NormalOffsets {
+            area: area as i64,
+            off_staged_x: self.staged_x as i64,
+            off_staged_scales: self.staged_scales as i64,
+            off_slot_rank: self.slot_rank as i64,
+            off_rank_pos: self.rank_pos as i64,
+            off_chunk_counts: self.chunk_counts as i64,
+            off_totals: self.totals as i64,
+            off_in_token: self.in_token as i64,
+            off_in_local: self.in_local as i64,
+            off_in_rank: self.in_rank as i64,
+            off_in_weight: self.in_weight as i64,
+            off_returned: self.returned as i64,
         }
     }
 }
@@ -346,17 +368,7 @@ impl NormalMode {
                 0
             },
             status: rt.status_ptr(),
-            area: self.offset as i64,
-            off_staged_x: a.staged_x as i64,
-            off_staged_scales: a.staged_scales as i64,
-            off_slot_rank: a.slot_rank as i64,
-            off_rank_pos: a.rank_pos as i64,
-            off_chunk_counts: a.chunk_counts as i64,
-            off_totals: a.totals as i64,
-            off_in_token: a.in_token as i64,
-            off_in_local: a.in_local as i64,
-            off_in_rank: a.in_rank as i64,
-            off_in_weight: a.in_weight as i64,
+            normal: a.offsets(self.offset),
             recv_capacity: recv.map_or(0, |r| r.capacity as i64),
             expert_capacity: expert.map_or(0, |e| e.capacity as i64),
             num_tokens: op.num_tokens as i32,
@@ -487,8 +499,7 @@ impl NormalMode {
             handle_num_rows: handle.num_rows.ptr(),
             handle_in_rank: handle.in_rank.ptr(),
             status: rt.status_ptr(),
-            area: self.offset as i64,
-            off_returned: self.area.returned as i64,
+            normal: self.area.offsets(self.offset),
             num_tokens: dispatched.num_tokens as i32,
             expert_major: op.expert_major as i32,
             rank: cfg.rank as i32,
