@@ -860,9 +860,9 @@ ep_status_t ep_mega_dispatch_gemm(struct ep_ctx_t *ctx,
 // Fused grouped GEMM + combine: multiplies the expert-major rows
 // `combine->x` of the handle's dispatch by their local experts' weights
 // into `y`, and combines `y` like `ep_combine` with
-// `EP_COMBINE_EXPERT_MAJOR` into `combine->out`, each token's rows leaving
-// as soon as the GEMM has made them (see `ep_mega_args_t`). Every rank of
-// the context must call it.
+// `EP_COMBINE_EXPERT_MAJOR` into `combine->out`, in the same persistent
+// kernel: once the GEMM has made all of `y`, every SM of the launch sends
+// tokens (see `ep_mega_args_t`). Every rank of the context must call it.
 //
 // Pointers: `ctx`, `args` and `handle` are required; `stream` may be NULL
 // (the legacy default stream). The pointers in `args` follow their fields'

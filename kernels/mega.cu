@@ -24,10 +24,11 @@
 //   warp 0        producer: waits until a tile's rows are there (dispatch),
 //                 then streams its A and B k-blocks into a ring of shared
 //                 memory stages with TMA (and the FP8 scales with cp.async);
-//   warps 1-3     communication: the dispatch's row copies, or the combine's
-//                 weighted sums sent back to the source ranks;
+//   warps 1-3     communication: the dispatch's row copies (a combine's
+//                 wait at the block barrier while the GEMM runs);
 //   warpgroups 1-2 consumers: warpgroup MMA over the stages (64 rows each),
 //                 then the epilogue stores the BF16 tile into y.
+// After a combine's GEMM every warp of the block (all 12) sends rows.
 // A consumer warpgroup whose 64 rows of a tile are all padding (a tile of at
 // most 64 real rows, as at decode) skips its MMAs. Every thread has the
 // same register budget (168, of the launch bounds).
@@ -50,33 +51,46 @@
 // written by generic stores, the TMA reads them through the async proxy.
 //
 // ep_mega_gemm_combine = this kernel, barrier, reduce (kernels/normal.cu),
-// barrier. The GEMM reads the caller's rows (no wait); after storing a tile
-// every consumer thread fences, the two consumer warpgroups meet at a named
-// barrier, and one thread counts the n-tile in tile_count[m-tile] (an
-// acquire-release compare-and-swap of (sequence number, count)); the one
-// whose count completes the m-tile release-stores the sequence number into
-// tile_ready[m-tile]. The communication warps take the received rows
-// (source order, warp w: rows w, w + W, ...), acquire-load tile_ready of the
-// m-tile of each of the row's expert-major rows, then run the normal
-// combine's expert-major send for the row (ep_combine_send_row).
+// barrier. The kernel has two phases, and no thread polls memory in the
+// first:
+//   1. GEMM. The producer and consumers run every tile of the block (the
+//      GEMM reads the caller's rows: no wait); the communication warps wait
+//      at the block barrier (a hardware barrier, no memory traffic).
+//   2. Combine, once EVERY block's tiles are stored. Each thread fences its
+//      stores of y and the block meets; thread 0 counts the block in
+//      gemm_count (an acquire-release compare-and-swap of (sequence number,
+//      blocks)), and the block whose count completes the grid release-stores
+//      the sequence number into gemm_done. Thread 0 acquire-loads gemm_done
+//      until it holds the sequence number, the block meets again, and every
+//      warp of the grid takes received rows (source order, warp w of W:
+//      rows w, w + W, ...) and runs the normal combine's expert-major send
+//      for each (ep_combine_send_row).
+// Why not send each row as soon as its tiles are stored: in source order a
+// row's expert-major rows lie in about topk random experts, so almost no
+// row is complete before almost every tile is. Waiting for them row by row
+// kept three warps of every block with rows polling tile flags (GPU-scope
+// acquires: each look a strong load plus an invalidation of the SM's L1,
+// CCTL.IVALL) for the whole GEMM, and the call took about 100 times the
+// GEMM's time (232 ms at W3, bench/RESULTS.md).
 //
 // Sequence numbers: state[0] is the number of the last fused call; every
 // block reads it at its start and uses state[0] + 1; the last block to
 // finish (state[1] counts them, reset by that block) stores the new number.
 // The next launch on the stream sees it, and a CUDA graph replay gets a
-// fresh number each time; no flag is ever cleared. A row or tile flag from
-// an earlier call holds a smaller number, so it never passes for ready.
+// fresh number each time; no flag is ever cleared. A row flag or gemm_done
+// from an earlier call holds a smaller number, so it never passes for ready.
 //
-// Waits: every wait on another block (rows, tiles) is an ep_mega_wait
+// Waits: every wait on another block (rows, the grid's GEMM) is an ep_mega_wait
 // (ep_wait_until with GPU-scope acquires, a short sleep between looks)
 // with the context timeout and abort flag. A wait that fails records the error
 // and the block goes on without waiting any more (computing garbage, the
 // call having failed), so no block, and no consumer waiting on a stage,
 // hangs. The waits on stages are local to a block and always complete.
 //
-// Blocks of one launch must all be resident for the communication and the
-// tiles to meet: the host launches at most one block per SM (each takes
-// most of an SM's shared memory) on at most the SMs the call may use.
+// Blocks of one launch must all be resident (a dispatch's tiles wait for
+// rows other blocks move, a combine's blocks for every block's GEMM): the
+// host launches at most one block per SM (each takes most of an SM's shared
+// memory) on at most the SMs the call may use.
 #include <cuda_bf16.h>
 
 #include "ep_device.cuh"
@@ -93,8 +107,8 @@
 #define EP_MEGA_CONSUMERS 256
 // Communication warps: warps 1-3 of the producer warpgroup.
 #define EP_MEGA_COMM_WARPS 3
-// Named barrier of the two consumer warpgroups (0 is __syncthreads).
-#define EP_MEGA_CONSUMER_BARRIER 1
+// Warps of a block (all of them send a combine's rows after the GEMM).
+#define EP_MEGA_WARPS (EP_MEGA_THREADS / 32)
 // Columns of k (and of n) that share one FP8 scale.
 #define EP_MEGA_SCALE_BLOCK EP_HIDDEN_ALIGNMENT
 // Shared memory a Hopper block may have (227 KiB); the host launches every
@@ -116,8 +130,8 @@ struct MegaLayout {
     int offset[EP_MAX_EXPERTS + 1];      // segment starts; [L] = end
     int count[EP_MAX_EXPERTS];           // real rows
     int tile_start[EP_MAX_EXPERTS + 1];  // first m-tile of each expert; [L] = m-tiles
-    int comm_rows[EP_MEGA_COMM_WARPS][EP_MAX_TOPK];  // per communication warp
-    float comm_weights[EP_MEGA_COMM_WARPS][EP_MAX_TOPK];
+    int warp_rows[EP_MEGA_WARPS][EP_MAX_TOPK];  // scratch of each warp
+    float warp_weights[EP_MEGA_WARPS][EP_MAX_TOPK];
     int usable;  // the routing and the layout are sane
     int failed;  // a wait of this block failed: wait no more
 };
@@ -201,25 +215,9 @@ __device__ __forceinline__ MegaTile ep_mega_tile(const MegaLayout& l, int expert
                     min(EP_MEGA_BLOCK_M, max(0, l.count[lo] - skipped))};
 }
 
-// The local expert whose segment holds the real row `row`: the last one
-// whose segment starts at or before it.
-__device__ __forceinline__ int ep_mega_expert_of_row(const MegaLayout& l, int experts, int row) {
-    int lo = 0, hi = experts - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (l.offset[mid] <= row) {
-            lo = mid;
-        } else {
-            hi = mid - 1;
-        }
-    }
-    return lo;
-}
-
-// How long a waiting thread sleeps between two looks at a flag: the flags
-// are polled by many threads for long (a combine's rows wait for most of the
-// GEMM), and the polls should leave the memory system to the work they
-// wait for.
+// How long a waiting thread sleeps between two looks at a flag: the polls
+// should leave the memory system to the work they wait for (a dispatch's
+// tiles wait for their rows while other tiles compute).
 #define EP_MEGA_POLL_SLEEP_NS 256
 
 // A bounded wait of one thread for `*flag` (written by blocks of this GPU)
@@ -258,11 +256,12 @@ __device__ __forceinline__ void ep_mega_zero_row(uint8_t* row, int64_t bytes, in
     }
 }
 
-// Dispatch: the expert-major rows, ascending, `warp` of `warps`.
+// Dispatch: the expert-major rows, ascending, `warp` of `warps`; `slot`:
+// the warp in its block (its scratch).
 __device__ __forceinline__ void ep_mega_move_rows(const MegaParams& p, MegaLayout& l, int seq, int warp, int warps,
-                                  int comm_warp, int lane) {
+                                  int slot, int lane) {
     const DispatchParams& d = p.dispatch;
-    int* const dests = l.comm_rows[comm_warp];
+    int* const dests = l.warp_rows[slot];
     const int total = l.offset[p.local_experts];
     for (int j = warp; j < total; j += warps) {
         const int row = d.expert_src_row[j];
@@ -315,42 +314,33 @@ __device__ __forceinline__ void ep_mega_move_rows(const MegaParams& p, MegaLayou
     }
 }
 
-// Combine: the received rows, `warp` of `warps`, each sent once every
-// m-tile holding one of its expert-major rows is stored (all its n-tiles).
-__device__ __forceinline__ void ep_mega_send_rows(const MegaParams& p, MegaLayout& l, int seq,
-                                                  int warp, int warps, int comm_warp, int lane) {
+// Combine, once every tile of the call is stored: the received rows, `warp`
+// of `warps` (the grid's), each the weighted sum of its expert-major rows of
+// y sent back to its source rank (ep_combine_send_row); `slot`: the warp in
+// its block (its scratch).
+__device__ __forceinline__ void ep_mega_send_rows(const MegaParams& p, MegaLayout& l, int warp,
+                                                  int warps, int slot, int lane) {
     const CombineParams& c = p.combine;
     const int rows = *c.handle_num_rows;
     const int vectors = c.hidden / 8;
     for (int row = warp; row < rows; row += warps) {
-        // Lane k waits for the m-tile of slot k's expert-major row.
-        if (lane < c.topk) {
-            const int pos = c.handle_row_expert_pos[static_cast<int64_t>(row) * c.topk + lane];
-            if (pos >= 0) {
-                const int e = ep_mega_expert_of_row(l, p.local_experts, pos);
-                const int m_tile = l.tile_start[e] + (pos - l.offset[e]) / EP_MEGA_BLOCK_M;
-                ep_mega_wait(p, l, p.tile_ready + m_tile, seq, EP_PHASE_COMBINE);
-            }
-        }
-        __syncwarp();
         const int source = c.handle_row_src[2 * row];
         const int token = c.handle_row_src[2 * row + 1];
         int4* dst = ep_area<int4>(c.peer_bases, source, c.normal.area, c.normal.off_returned) +
                     (static_cast<int64_t>(c.rank) * c.max_tokens + token) * vectors;
-        ep_combine_send_row(c, row, dst, l.comm_rows[comm_warp], l.comm_weights[comm_warp], lane);
+        ep_combine_send_row(c, row, dst, l.warp_rows[slot], l.warp_weights[slot], lane);
         __syncwarp();
     }
 }
 
-// Counts one stored n-tile of m-tile `m_tile` in `tile_count[m_tile]`, a
-// (sequence number << 32 | n-tiles stored) word, starting the count afresh
-// for a new call; the n-tile that completes the m-tile release-stores the
-// sequence number into `tile_ready[m_tile]`. The compare-and-swap is an
-// acquire-release at GPU scope, so the last one has seen every earlier
-// block's stores (each fenced them before its swap).
-__device__ __forceinline__ void ep_mega_count_tile(const MegaParams& p, int m_tile, int n_tiles,
-                                                   int seq) {
-    unsigned long long* word = p.tile_count + m_tile;
+// One thread per block, after the block's tiles are stored and fenced:
+// counts the block in `gemm_count`, a (sequence number << 32 | blocks
+// counted) word, starting the count afresh for a new call; the block that
+// completes the grid release-stores the sequence number into `gemm_done`.
+// The compare-and-swap is an acquire-release at GPU scope, so the last one
+// has seen every earlier block's stores (each fenced them before its swap).
+__device__ __forceinline__ void ep_mega_count_block(const MegaParams& p, int seq) {
+    unsigned long long* word = p.gemm_count;
     const unsigned long long call = static_cast<unsigned long long>(static_cast<unsigned>(seq)) << 32;
     unsigned long long seen = *reinterpret_cast<volatile unsigned long long*>(word);
     unsigned long long next;
@@ -366,8 +356,34 @@ __device__ __forceinline__ void ep_mega_count_tile(const MegaParams& p, int m_ti
         }
         seen = old;
     }
-    if (static_cast<int>(next & 0xffffffffull) == n_tiles) {
-        ep_st_release_gpu(p.tile_ready + m_tile, seq);
+    if (static_cast<unsigned>(next & 0xffffffffull) == gridDim.x) {
+        // Release: every block's stores of y (acquired by the swap) before
+        // the flag.
+        ep_st_release_gpu(p.gemm_done, seq);
+    }
+}
+
+// A combine's phase 2, whole block, after its GEMM (the kernel comment's
+// protocol): count the block, wait for every block's, send rows.
+__device__ __forceinline__ void ep_mega_combine(const MegaParams& p, MegaLayout& l, int seq,
+                                                int warp, int lane) {
+    // Release, part 1: this thread's stores of y (a consumer's) are fenced
+    // at GPU scope before the block meets, so thread 0's swap publishes
+    // them.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ep_mega_count_block(p, seq);
+        // Acquire: every block's y, then the block meets (below) before
+        // any warp reads it.
+        if (l.usable) {
+            ep_mega_wait(p, l, p.gemm_done, seq, EP_PHASE_COMBINE);
+        }
+    }
+    __syncthreads();
+    if (l.usable) {
+        ep_mega_send_rows(p, l, blockIdx.x * EP_MEGA_WARPS + warp, gridDim.x * EP_MEGA_WARPS,
+                          warp, lane);
     }
 }
 
@@ -692,7 +708,7 @@ __device__ __forceinline__ void store_tile(const MegaParams& p, const MegaTile& 
 
 // Consumer warpgroups: the MMAs and the epilogue of every tile of this block.
 template <class G>
-__device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::Shared& s, int seq,
+__device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::Shared& s,
                                         int n_tiles, int total_units, const Cluster& cluster,
                                         int consumer) {
     using T = Gemm<G>;
@@ -714,8 +730,7 @@ __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::S
     Ring ring{0, 0};
     for (int unit = cluster.id; unit < total_units; unit += cluster.count) {
         const MegaUnit u = ep_mega_unit(unit, n_tiles, cluster);
-        const int m_tile = u.m_tile;
-        const MegaTile t = ep_mega_tile(l, p.local_experts, m_tile);
+        const MegaTile t = ep_mega_tile(l, p.local_experts, u.m_tile);
         const int n0 = u.n_tile * T::kBlockN;
         if (t.rows <= warpgroup * rows_per_warpgroup) {
             mainloop_skip<G>(s, ring, k_blocks, consumer, cluster);
@@ -729,15 +744,6 @@ __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::S
                 mainloop_bf16<G>(s, ring, k_blocks, accum, tCrA, tCrB, consumer, cluster);
             }
             store_tile(p, t, n0, accum, tCcC);
-        }
-        if (p.mode == EP_MEGA_MODE_COMBINE) {
-            // Release: every consumer thread's stores before the count.
-            __threadfence();
-            asm volatile("bar.sync %0, %1;" ::"r"(EP_MEGA_CONSUMER_BARRIER), "r"(EP_MEGA_CONSUMERS)
-                         : "memory");
-            if (consumer == 0 && t.rows > 0) {
-                ep_mega_count_tile(p, m_tile, n_tiles, seq);
-            }
         }
     }
 }
@@ -793,21 +799,21 @@ __device__ __forceinline__ void run(const MegaParams& p) {
     const int total_units =
         l.usable ? l.tile_start[p.local_experts] / kCluster * n_tiles : 0;
 
+    // The GEMM, and a dispatch's row moves beside it.
     if (threadIdx.x < EP_MEGA_WARPGROUP) {
         if (warp == 0) {
             produce<G>(p, s, seq, n_tiles, total_units, cluster, lane);
-        } else if (l.usable) {
+        } else if (dispatch && l.usable) {
             const int comm_warp = warp - 1;
-            const int global_warp = blockIdx.x * EP_MEGA_COMM_WARPS + comm_warp;
-            const int warps = gridDim.x * EP_MEGA_COMM_WARPS;
-            if (dispatch) {
-                ep_mega_move_rows(p, l, seq, global_warp, warps, comm_warp, lane);
-            } else {
-                ep_mega_send_rows(p, l, seq, global_warp, warps, comm_warp, lane);
-            }
+            ep_mega_move_rows(p, l, seq, blockIdx.x * EP_MEGA_COMM_WARPS + comm_warp,
+                              gridDim.x * EP_MEGA_COMM_WARPS, warp, lane);
         }
     } else {
-        consume<G>(p, s, seq, n_tiles, total_units, cluster, threadIdx.x - EP_MEGA_WARPGROUP);
+        consume<G>(p, s, n_tiles, total_units, cluster, threadIdx.x - EP_MEGA_WARPGROUP);
+    }
+    // A combine's rows, once every block's GEMM is stored.
+    if (!dispatch) {
+        ep_mega_combine(p, l, seq, warp, lane);
     }
 
     // No block leaves while its partner may still arrive on its barriers.

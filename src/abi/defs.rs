@@ -450,11 +450,12 @@ abi_struct! {
         expert_layout: u64 => "const int*",
         /// `[rows]`: sequence number of the call that moved each row.
         row_ready: u64 => "int*",
-        /// `[max_m_tiles]`: sequence number of the call that stored every
-        /// n-tile of each m-tile (combine).
-        tile_ready: u64 => "int*",
-        /// `[max_m_tiles]`: (sequence number << 32) | n-tiles stored.
-        tile_count: u64 => "unsigned long long*",
+        /// `[1]`: sequence number of the last combine call whose blocks
+        /// had all stored their GEMM tiles.
+        gemm_done: u64 => "int*",
+        /// `[1]`: (sequence number << 32) | blocks of that call that have
+        /// stored theirs.
+        gemm_count: u64 => "unsigned long long*",
         /// `[2]`: the last call's sequence number, blocks finished.
         state: u64 => "int*",
         abort_flag: u64 => "const int*",
@@ -467,7 +468,7 @@ abi_struct! {
         n: i32,
         k: i32,
         local_experts: i32,
-        /// m-tiles `tile_ready` and `tile_count` have room for.
+        /// The most m-tiles a call can have (a layout with more is refused).
         max_m_tiles: i32,
     }
 }

@@ -2,13 +2,14 @@
 //! combine, each one persistent launch (kernels/mega.cu, whose comment
 //! describes the protocol) between the normal mode's routing kernels.
 //!
-//! This side keeps the fused kernels' flags (a sequence number per row and
-//! per tile, never cleared, see kernels/mega.cu), makes the TMA descriptors
-//! of each call's rows and weights, and enqueues:
+//! This side keeps the fused kernels' flags (a sequence number per row, and
+//! one for the end of a combine's GEMM, never cleared, see kernels/mega.cu),
+//! makes the TMA descriptors of each call's rows and weights, and enqueues:
 //! - dispatch + GEMM: count, stage, barrier, pull without the expert-major
 //!   rows (the normal mode's, see `normal.rs`), the fused kernel, barrier;
-//! - GEMM + combine: the fused kernel (GEMM and the combine's send), then
-//!   the normal combine's barrier, reduce, barrier.
+//! - GEMM + combine: the fused kernel (the GEMM, then the combine's send
+//!   once every tile is stored), then the normal combine's barrier, reduce,
+//!   barrier.
 
 use super::normal::{combined, Dispatched, GpuHandle, NormalMode};
 use super::{ptr, Bound, Runtime};
@@ -43,11 +44,13 @@ pub struct MegaMode {
     shared_bytes: u32,
     /// `[rows]` sequence number of the call that moved each expert-major row.
     row_ready: DeviceBuffer,
-    /// `[max_m_tiles]` sequence number of the call that stored every n-tile
-    /// of each m-tile of a fused combine, and `[max_m_tiles]` (sequence
-    /// number, n-tiles stored) words counting them.
-    tile_ready: DeviceBuffer,
-    tile_count: DeviceBuffer,
+    /// The sequence number of the last fused combine whose blocks had all
+    /// stored their GEMM tiles, and the (sequence number, blocks) word
+    /// counting them.
+    gemm_done: DeviceBuffer,
+    gemm_count: DeviceBuffer,
+    /// The most m-tiles one call can have (the kernels refuse a layout
+    /// with more).
     max_m_tiles: usize,
     /// `[2]` the last call's sequence number, blocks finished.
     state: DeviceBuffer,
@@ -122,8 +125,8 @@ impl MegaMode {
             max_blocks,
             shared_bytes: shared,
             row_ready: DeviceBuffer::zeroed(device, rows * 4)?,
-            tile_ready: DeviceBuffer::zeroed(device, max_m_tiles * 4)?,
-            tile_count: DeviceBuffer::zeroed(device, max_m_tiles * 8)?,
+            gemm_done: DeviceBuffer::zeroed(device, 4)?,
+            gemm_count: DeviceBuffer::zeroed(device, 8)?,
             max_m_tiles,
             state: DeviceBuffer::zeroed(device, 2 * 4)?,
         })
@@ -261,8 +264,8 @@ impl MegaMode {
             a_scales: if fp8 { ptr(x_scales) } else { 0 },
             b_scales: if fp8 { ptr(gemm.weight_scales) } else { 0 },
             row_ready: self.row_ready.ptr(),
-            tile_ready: self.tile_ready.ptr(),
-            tile_count: self.tile_count.ptr(),
+            gemm_done: self.gemm_done.ptr(),
+            gemm_count: self.gemm_count.ptr(),
             state: self.state.ptr(),
             abort_flag: rt.abort_ptr(),
             status: rt.status_ptr(),
