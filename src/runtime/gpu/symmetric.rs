@@ -271,14 +271,14 @@ impl NativeMemory {
         let own_bases = boot.all_gather(&own.base().to_le_bytes())?;
         let mut own = Some(own);
         let mut buffers = Vec::with_capacity(boot.world());
-        for rank in 0..boot.world() {
+        for (rank, their_base) in own_bases.iter().enumerate() {
             if rank == boot.rank() {
                 buffers.extend(own.take());
                 continue;
             }
             if sharing.contains(&rank) {
                 // The peer published its buffer before the all-gathers.
-                let base = own_bases[rank]
+                let base = their_base
                     .as_slice()
                     .try_into()
                     .map(u64::from_le_bytes)
