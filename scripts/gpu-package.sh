@@ -2,12 +2,13 @@
 # Builds everything the GPU machine runs (it has no Rust) and copies it into
 # the git-ignored folder .gpu/: libep.so, the GPU test binaries
 # (tests/gpu_*.rs), ep-bench, the C demo, the NCCL example, the Python
-# package with its tests (python/, loaded there through EP_LIBRARY),
-# scripts/gpu-check.sh, the fused kernels' runner (scripts/gpu-mega.sh) and
-# benchmark (bench/mega_bench.py), and what both scripts source
-# (scripts/gpu-lib.sh).
+# package with its tests (python/, loaded there through EP_LIBRARY), the
+# runners scripts/gpu-check.sh, scripts/gpu-multi.sh (several GPUs) and
+# scripts/gpu-mega.sh (fused kernels) with what they source
+# (scripts/gpu-lib.sh), and the fused kernels' benchmark (bench/mega_bench.py).
 # Debug info is stripped from the copies to stay well under 60 MiB.
-# Then, on the GPU machine: bash .gpu/gpu-check.sh [budget-seconds]
+# Then, on the GPU machine: bash .gpu/gpu-check.sh [budget-seconds], or on
+# several GPUs bash .gpu/gpu-multi.sh tests|bench [budget-seconds]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x scripts/install-cuda-tools.sh ] && scripts/install-cuda-tools.sh >/dev/null
@@ -74,8 +75,8 @@ for d in ep tests examples; do
 done
 find .gpu/python \( -name __pycache__ -o -name 'libep.so' \) -prune -exec rm -rf {} +
 
-cp scripts/gpu-check.sh scripts/gpu-mega.sh scripts/gpu-lib.sh bench/mega_bench.py .gpu/
-chmod +x .gpu/gpu-check.sh .gpu/gpu-mega.sh
+cp scripts/gpu-check.sh scripts/gpu-mega.sh scripts/gpu-multi.sh scripts/gpu-lib.sh bench/mega_bench.py .gpu/
+chmod +x .gpu/gpu-check.sh .gpu/gpu-mega.sh .gpu/gpu-multi.sh
 
 strip --strip-debug .gpu/libep.so .gpu/ep-bench .gpu/tests/* 2>/dev/null || true
 [ -f .gpu/demo ] && strip --strip-debug .gpu/demo

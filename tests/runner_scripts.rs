@@ -315,7 +315,7 @@ fn gpu_package_copies_what_the_runner_scripts_use() {
             .iter()
             .any(|l| l.contains(&format!("scripts/{script}")))
     };
-    for script in ["gpu-check.sh", "gpu-mega.sh"] {
+    for script in ["gpu-check.sh", "gpu-mega.sh", "gpu-multi.sh"] {
         assert!(
             copied(script),
             "scripts/gpu-package.sh does not copy {script}"
@@ -342,4 +342,70 @@ fn gpu_package_copies_what_the_runner_scripts_use() {
             );
         }
     }
+}
+
+#[test]
+fn gpu_multi_runs_each_part_and_packs_its_logs() {
+    let dir = scratch("multi");
+    let g = stub_machine(&dir);
+    stub(
+        &dir.join("bin/nvidia-smi"),
+        "[ \"$1\" = -L ] && printf 'GPU 0: a stub GPU\\nGPU 1: a stub GPU\\n'\ntrue",
+    );
+    copy_script("gpu-multi.sh", &g);
+    let (status, out) = run_script(&dir, &g.join("gpu-multi.sh"), &["tests", "540"], &[]);
+    // The stub machine lacks most test binaries, and gpu_beta is in no lane.
+    assert_eq!(status, 1, "{out}");
+    let rows = summary_rows(&out);
+    assert!(rows.contains(&("test gpu_normal (2 passed, 0 failed)".into(), "pass".into())));
+    assert!(rows.contains(&(
+        "test gpu_context (0 passed, 0 failed)".into(),
+        "missing".into()
+    )));
+    for step in [
+        "repeat gpu_normal x10000",
+        "repeat gpu_low_latency x10000",
+        "shared GPU gpu_normal",
+        "python torch tests",
+        "nccl low-latency",
+        "nccl example 2 ranks",
+        "demo gpu 2 ranks",
+    ] {
+        assert!(
+            rows.contains(&(step.into(), "pass".into())),
+            "{step}:\n{out}"
+        );
+    }
+    // Everything is packed into logs.tgz, with the summary beside it.
+    let listing = Command::new("tar")
+        .arg("-tzf")
+        .arg(dir.join("out/logs.tgz"))
+        .output()
+        .unwrap();
+    let listing = String::from_utf8_lossy(&listing.stdout);
+    for log in ["gpu-multi/test_gpu_normal.log", "gpu-multi/gpus.log"] {
+        assert!(
+            listing.lines().any(|l| l == log),
+            "{log} not in:\n{listing}"
+        );
+    }
+    let summary = fs::read_to_string(dir.join("out/summary.txt")).unwrap();
+    assert!(summary.contains("repeat gpu_normal x10000"), "{summary}");
+
+    let (status, out) = run_script(&dir, &g.join("gpu-multi.sh"), &["bench", "540"], &[]);
+    assert_eq!(status, 0, "{out}");
+    let steps: Vec<String> = summary_rows(&out).into_iter().map(|(s, _)| s).collect();
+    assert_eq!(
+        steps,
+        [
+            "W1 normal 2 ranks",
+            "W2 ll 2 ranks",
+            "W3 fused 1 rank",
+            "W3 fused 2 ranks",
+            "traffic 2 ranks 1 per node",
+            "W1 SM sweep 2 ranks",
+        ]
+    );
+    assert!(out.contains("mega_bench.py --lib"), "{out}");
+    assert!(out.contains("--iters 20 --ranks 2"), "{out}");
 }

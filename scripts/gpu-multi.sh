@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# The run on a machine of several GPUs (2, 4 or 8), on what
+# scripts/gpu-package.sh put into .gpu/, in two parts that each fit in
+# ten minutes:
+#   bash .gpu/gpu-multi.sh tests [budget-seconds]   (default budget 540)
+#   bash .gpu/gpu-multi.sh bench [budget-seconds]
+# tests: every GPU test binary with a GPU per rank (ranks as threads and as
+#   processes; the binaries in parallel lanes), the long repeatability runs
+#   (10,000 randomized dispatch+combine iterations, normal and low-latency,
+#   twice, hashes compared), the killed-rank tests, the Python package's torch
+#   tests, the NCCL-communicator suites, the C demo, and the suites whose
+#   ranks share one GPU (CUDA_VISIBLE_DEVICES=0).
+# bench: W1 (normal mode, 4096 tokens: 24 SMs and an SM sweep) and W2
+#   (low-latency mode, 1 and 128 tokens) at every world size up to the GPUs,
+#   each beside an NCCL all-to-all of the same payload; W3 (the fused calls)
+#   at one rank and a rank per GPU; the hierarchical plans' bytes per leg.
+# Logs and JSON results go to $OUT (default ./gpu-out), packed into
+# $OUT/logs.tgz at the end (with summary.txt beside it), so that a runner
+# that fetches only a few files gets them all. Never changes clocks or
+# resets GPUs.
+PART="${1:-tests}"
+BUDGET="${2:-540}"
+FINAL_OUT="${OUT:-./gpu-out}"
+OUT="$(mktemp -d)/gpu-multi"
+# shellcheck shell=bash source=scripts/gpu-lib.sh
+. "$(dirname "$0")/gpu-lib.sh"
+NAME_WIDTH=44
+WHEELS="$(python3 -c 'import nvidia, os; print(nvidia.__path__[0])' 2>/dev/null || true)"
+if [ -n "$WHEELS" ] && [ -f "$WHEELS/nccl/lib/libnccl.so.2" ]; then
+  export EP_NCCL_LIBRARY="$WHEELS/nccl/lib/libnccl.so.2"
+  export LD_LIBRARY_PATH="$WHEELS/nccl/lib:$WHEELS/cu13/lib:$LD_LIBRARY_PATH"
+fi
+gpu_header "$OUT/gpus.log" --topology
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+T="$G/tests"
+# The repeatability tests (long: run on their own, below) and their length.
+REPEAT_FILTER=repeat
+REPEAT_ITERS="${EP_REPEAT_ITERS:-10000}"
+
+# pack: the logs into $FINAL_OUT/logs.tgz, the summary beside them.
+pack() {
+  mkdir -p "$FINAL_OUT"
+  tar -C "$(dirname "$OUT")" -czf "$FINAL_OUT/logs.tgz" gpu-multi
+  cp "$OUT/summary.txt" "$FINAL_OUT/" 2>/dev/null || true
+}
+
+# lane BINARY...: runs each test binary in turn (every test of it, one at a
+# time, but the repeatability tests), each with its own timeout and log;
+# writes the result of each to $OUT/<binary>.result.
+lane() {
+  local bin rc
+  for bin in "$@"; do
+    [ -x "$T/$bin" ] || { echo "missing" > "$OUT/$bin.result"; continue; }
+    timeout --kill-after=10 "$LANE_LIMIT" "$T/$bin" --ignored --test-threads=1 --show-output \
+      --skip "$REPEAT_FILTER" > "$OUT/test_$bin.log" 2>&1
+    rc=$?
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then echo timeout; elif [ $rc -ne 0 ]; then
+      echo "fail($rc)"; else echo pass; fi > "$OUT/$bin.result"
+  done
+}
+
+# lanes_done BINARY...: the summary rows of the lanes' binaries, with the
+# tests passed and failed in each.
+lanes_done() {
+  local bin res p f
+  for bin in "$@"; do
+    res=$(cat "$OUT/$bin.result" 2>/dev/null || echo missing)
+    [ "$res" = pass ] || FAILED=1
+    p=$(grep -oE '[0-9]+ passed' "$OUT/test_$bin.log" 2>/dev/null | awk '{n += $1} END {print n + 0}')
+    f=$(grep -oE '[0-9]+ failed' "$OUT/test_$bin.log" 2>/dev/null | awk '{n += $1} END {print n + 0}')
+    SUMMARY+=("$(printf "%-${NAME_WIDTH}s %-8s %6s" "test $bin ($p passed, $f failed)" "$res" "-")")
+  done
+}
+
+if [ "$PART" = tests ]; then
+  # 1. Every binary, in four lanes of about equal length.
+  LANE_LIMIT=$(( BUDGET * 6 / 10 ))
+  t0=$(date +%s)
+  lane gpu_low_latency gpu_collectives &
+  lane gpu_normal gpu_hierarchical gpu_nccl &
+  lane gpu_mega gpu_kernels &
+  lane gpu_contract gpu_context &
+  wait
+  echo "=== lanes took $(( $(date +%s) - t0 ))s"
+  lanes_done gpu_low_latency gpu_collectives gpu_normal gpu_hierarchical gpu_nccl gpu_mega \
+    gpu_kernels gpu_contract gpu_context
+
+  # 2. Repeatability: each test runs its iterations twice and compares.
+  for bin in gpu_normal gpu_low_latency; do
+    step "repeat $bin x$REPEAT_ITERS" 60 150 env EP_REPEAT_ITERS="$REPEAT_ITERS" \
+      "$T/$bin" --ignored --test-threads=1 --show-output "$REPEAT_FILTER"
+  done
+
+  # 3. Ranks sharing one GPU (threads of one process).
+  for bin in gpu_normal gpu_contract gpu_hierarchical; do
+    step "shared GPU $bin" 40 150 env CUDA_VISIBLE_DEVICES=0 "$T/$bin" --ignored \
+      --test-threads=1 --show-output --skip "$REPEAT_FILTER"
+  done
+
+  # 4. Python with torch, contexts from NCCL communicators, the C programs.
+  PY=(env EP_LIBRARY="$G/libep.so" PYTHONPATH="$G/python" python3)
+  step "python torch tests" 40 150 env EP_REQUIRE_GPU=1 "${PY[@]}" -m pytest -q \
+    -p no:cacheprovider "$G/python/tests/test_gpu_torch.py"
+  step "python example gpu $NGPU ranks" 20 60 "${PY[@]}" "$G/python/examples/torch_two_ranks.py" \
+    --gpu --ranks "$NGPU"
+  if [ -n "${EP_NCCL_LIBRARY:-}" ]; then
+    step "nccl normal" 20 120 env EP_TEST_NCCL=1 "$T/gpu_normal" --ignored --test-threads=1 \
+      dispatch_and_combine_match_the_reference
+    step "nccl low-latency" 20 120 env EP_TEST_NCCL=1 "$T/gpu_low_latency" --ignored \
+      --test-threads=1 dispatch_and_combine_match_the_reference variants_match_the_reference
+    step "nccl hierarchical" 20 120 env EP_TEST_NCCL=1 "$T/gpu_hierarchical" --ignored \
+      --test-threads=1 virtual_nodes_match_the_reference
+    step "nccl example $NGPU ranks" 10 60 "$G/nccl_context" "$NGPU"
+  fi
+  step "demo gpu $NGPU ranks" 10 60 env EP_BACKEND=gpu "$G/demo" "$NGPU"
+elif [ "$PART" = bench ]; then
+  B="$G/ep-bench"
+  bench() {
+    local name="$1" need="$2" limit="$3"; shift 3
+    step "$name" "$need" "$limit" "$B" "$@" --json "$(out_file "$name" json)"
+  }
+  # W1 and W2 at a rank per GPU first (the targets), then at 2 ranks.
+  bench "W1 normal ${NGPU} ranks" 60 150 --ranks "$NGPU" --mode normal --sweep-tokens 256,4096 --iters 30
+  bench "W2 ll ${NGPU} ranks" 40 120 --ranks "$NGPU" --mode ll --sweep-tokens 1,128 --iters 200
+  # W3: the fused calls, one rank then a rank per GPU.
+  step "W3 fused 1 rank" 40 150 env PYTHONUNBUFFERED=1 python3 "$G/mega_bench.py" \
+    --lib "$G/libep.so" --iters 20
+  step "W3 fused ${NGPU} ranks" 40 180 env PYTHONUNBUFFERED=1 python3 "$G/mega_bench.py" \
+    --lib "$G/libep.so" --iters 20 --ranks "$NGPU"
+  # Bytes per leg of the hierarchical plans on virtual nodes of each size.
+  for rpn in 1 2 4; do
+    [ "$rpn" -lt "$NGPU" ] || continue
+    bench "traffic ${NGPU} ranks ${rpn} per node" 5 60 --ranks "$NGPU" --mode traffic \
+      --ranks-per-node "$rpn"
+  done
+  if [ "$NGPU" -gt 2 ]; then
+    bench "W1 normal 2 ranks" 60 150 --ranks 2 --mode normal --sweep-tokens 4096 --iters 30
+    bench "W2 ll 2 ranks" 40 120 --ranks 2 --mode ll --sweep-tokens 128 --iters 200
+  fi
+  bench "W1 SM sweep ${NGPU} ranks" 60 180 --ranks "$NGPU" --mode normal --sms-sweep 16,24,32,48,64 \
+    --iters 20
+  cat "$OUT"/*.log 2>/dev/null | grep -E '^\||^\*\*|UTC, ' > "$OUT/results.md" || true
+else
+  echo "usage: gpu-multi.sh tests|bench [budget-seconds]" >&2
+  exit 2
+fi
+
+summary "logs in $FINAL_OUT/logs.tgz" | tee "$OUT/summary.txt"
+pack
+exit "$FAILED"
