@@ -15,7 +15,7 @@
 //! A test that leaves out part of its work for lack of GPUs or memory prints
 //! a line starting with "skipped " (scripts/gpu-check.sh counts them).
 
-use super::{last_error, run_ranks, run_ranks_in_processes, Ctx, POISON};
+use super::{last_error, run_ranks, run_ranks_in_processes_killing, Ctx, POISON};
 use cudarc::driver::sys;
 use ep::capi::*;
 use std::cell::RefCell;
@@ -619,23 +619,39 @@ pub fn run_gpu_ranks(
         Ranks::Threads => {
             run_gpu_world(world, cfg, body);
         }
-        Ranks::Processes { test } => {
-            let gpus = device_count();
-            if world > gpus {
-                println!(
-                    "skipped {call}: {world} ranks as processes need {world} GPUs, this machine has {gpus}"
-                );
-                return;
-            }
-            run_ranks_in_processes(
-                test,
-                call,
-                world,
-                |rank, id| join_on_gpu(world, cfg, rank, rank, None, id),
-                body,
-            )
-        }
+        Ranks::Processes { test } => run_gpu_processes(test, call, world, cfg, &[], body),
     }
+}
+
+/// Runs `body(rank, ctx)` on `world` rank processes running the test named
+/// `test` (see [`super::run_ranks_in_processes_killing`]), rank r on GPU r
+/// with its own context; the ranks in `killed` must end by SIGKILL, the
+/// others pass. `call` names this call among the test's calls. Processes
+/// cannot share a GPU: with fewer GPUs than ranks the call prints why and
+/// runs nothing.
+pub fn run_gpu_processes(
+    test: &str,
+    call: &str,
+    world: usize,
+    cfg: &ep_config_t,
+    killed: &[usize],
+    body: impl Fn(usize, &Ctx),
+) {
+    let gpus = device_count();
+    if world > gpus {
+        println!(
+            "skipped {call}: {world} ranks as processes need {world} GPUs, this machine has {gpus}"
+        );
+        return;
+    }
+    run_ranks_in_processes_killing(
+        test,
+        call,
+        world,
+        killed,
+        |rank, id| join_on_gpu(world, cfg, rank, rank, None, id),
+        body,
+    )
 }
 
 /// The context's async error status.
