@@ -4,7 +4,8 @@
 //! the reference computed on the host. Also: send/receive split, several
 //! rounds on one context (alternating buffer sets), a CUDA graph replayed
 //! with new inputs and token counts, ranks as processes, a peer that never
-//! calls (timeout), a bad device token count, and misuse.
+//! calls (timeout), a rank process killed mid-run, a bad device token count,
+//! and misuse.
 //! Needs CUDA GPUs: `cargo test --release --test gpu_low_latency -- --ignored`.
 
 mod common;
@@ -768,6 +769,42 @@ fn missing_peer(world: usize) {
         // The others keep their buffers mapped until rank 0 is done.
         gate();
     });
+}
+
+/// A rank process killed (SIGKILL) while its dispatch is in flight, on one
+/// process per GPU (2 to 8): every other rank sees `EP_ERR_TIMEOUT` within
+/// the timeout and destroys its context (see `until_the_timeout`).
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn a_killed_rank_process_makes_the_others_time_out() {
+    let test = "a_killed_rank_process_makes_the_others_time_out";
+    let Some(world) = one_process_per_gpu(test) else {
+        return;
+    };
+    let case = Case::new(world, 512, 4, 32, 16);
+    let timeout = Duration::from_millis(3000);
+    let n = 12;
+    run_with_a_killed_rank(
+        test,
+        world,
+        &case.config(timeout.as_millis() as u32),
+        |rank, ctx| {
+            let all = inputs(&case, 0, &vec![n; world]);
+            let bufs = Bufs::new(&case, &all[rank]);
+            let dispatch = bufs.dispatch_args(&case, n, 0);
+            let combine = bufs.combine_args(&case, n, 0);
+            until_the_timeout(
+                ctx,
+                rank,
+                world,
+                timeout,
+                // SAFETY: device buffers sized for the config.
+                || unsafe { ep_ll_dispatch(ctx.0, &dispatch, stream()) },
+                // SAFETY: as above.
+                || unsafe { ep_ll_combine(ctx.0, &combine, stream()) },
+            );
+        },
+    );
 }
 
 #[test]

@@ -3,8 +3,9 @@
 //! random inputs: uneven and skewed routing with dropped slots, zero, one,
 //! 17 and 4096 tokens, hidden sizes from 128 to 16384, BF16 and FP8, both
 //! output orders, both combine inputs, the no-sync path inside a CUDA graph
-//! replayed with new routing, bad expert ids, and a rank that never comes;
-//! ranks as threads of one process and as processes.
+//! replayed with new routing, bad expert ids, a rank that never comes and a
+//! rank process killed mid-run; ranks as threads of one process and as
+//! processes.
 //! Needs CUDA GPUs: `cargo test --release --test gpu_normal -- --ignored`.
 
 mod common;
@@ -200,6 +201,50 @@ fn a_rank_that_never_dispatches_makes_the_others_time_out() {
         }
         // Rank 1 keeps its buffers mapped until rank 0 is done.
         gate();
+    });
+}
+
+/// A rank process killed (SIGKILL) while its dispatch is in flight, on one
+/// process per GPU (2 to 8): every other rank sees `EP_ERR_TIMEOUT` within
+/// the timeout and destroys its context (see `until_the_timeout`).
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn a_killed_rank_process_makes_the_others_time_out() {
+    let test = "a_killed_rank_process_makes_the_others_time_out";
+    let Some(world) = one_process_per_gpu(test) else {
+        return;
+    };
+    let topo = Topology {
+        world,
+        num_experts: 4 * world,
+        topk: 2,
+        hidden: 256,
+    };
+    let n = 48;
+    let timeout = Duration::from_millis(3000);
+    let cfg = gpu_config(256, 2, 4 * world as i32, 64, 0, timeout.as_millis() as u32);
+    run_with_a_killed_rank(test, world, &cfg, |rank, ctx| {
+        let handle = ctx.handle();
+        let mut rng = Rng::new(rank as u64);
+        let input = DeviceInput::new(&Input::random(&mut rng, &topo, Dtype::Bf16, n, false));
+        let out = Outputs::new(ctx, &topo, 1);
+        let y = DevBuf::of::<bf16>(n * topo.hidden);
+        // No host sync: the dispatch returns once enqueued.
+        let mut args = out.args(&input, n, Dtype::Bf16, 1);
+        args.flags = EP_DISPATCH_NO_HOST_SYNC;
+        let mut c = common::combine_args();
+        c.x = out.recv_x.as_const();
+        c.out = y.as_mut();
+        until_the_timeout(
+            ctx,
+            rank,
+            world,
+            timeout,
+            // SAFETY: device buffers of the sizes the arguments give.
+            || unsafe { ep_dispatch(ctx.0, &args, handle.0, stream()) },
+            // SAFETY: as above.
+            || unsafe { ep_combine(ctx.0, &c, handle.0, stream()) },
+        );
     });
 }
 
