@@ -918,3 +918,68 @@ pub fn kill_this_process() -> ! {
     std::thread::sleep(Duration::from_secs(10));
     panic!("still alive 10 s after SIGKILL");
 }
+
+/// Whether iteration `i` of a repeatability test is also checked against the
+/// reference: the first and every 100th.
+pub fn checked_iteration(i: usize) -> bool {
+    i.is_multiple_of(100)
+}
+
+/// The seed of rank `rank`'s input in iteration `i` of a repeatability test.
+pub fn repeat_seed(i: usize, rank: usize) -> u64 {
+    ((i as u64) << 8) | rank as u64
+}
+
+/// Rank `rank`'s token count in iteration `i` of a repeatability test:
+/// 0, 1, `max`, or uniform in `[0, max]`.
+pub fn repeat_count(i: usize, rank: usize, max: usize) -> usize {
+    let mut rng = super::Rng::new(repeat_seed(i, rank) ^ 0x636f_756e_7400_0000);
+    match rng.below(6) {
+        0 => 0,
+        1 => 1,
+        2 => max,
+        _ => rng.below(max + 1),
+    }
+}
+
+/// A repeatability test of `mode`: two runs of `run(world, iterations)`
+/// (fresh contexts, ranks as threads, one per GPU and at most 8;
+/// `EP_REPEAT_ITERS` iterations, else 200), each returning every rank's
+/// running output hash after each iteration, by rank. Prints the final
+/// hashes and the rate, and fails unless both runs hashed the same: names
+/// the first iteration that differs.
+pub fn assert_repeatable(mode: &str, run: impl Fn(usize, usize) -> Vec<Vec<u64>>) {
+    let world = device_count().min(8);
+    let iterations = std::env::var("EP_REPEAT_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200);
+    let what = format!("{mode}, world {world}");
+    let mut runs = Vec::new();
+    for pass in 1..=2 {
+        let start = Instant::now();
+        let hashes = run(world, iterations);
+        let secs = start.elapsed().as_secs_f64();
+        for (rank, h) in hashes.iter().enumerate() {
+            assert_eq!(h.len(), iterations, "{what}: rank {rank}'s hashes");
+        }
+        let last: Vec<String> = hashes
+            .iter()
+            .map(|h| format!("{:016x}", h.last().copied().unwrap_or(0)))
+            .collect();
+        println!(
+            "{what}, run {pass}: {iterations} iterations in {secs:.1} s ({:.1} iterations/s), \
+             final hash of each rank [{}]",
+            iterations as f64 / secs,
+            last.join(", ")
+        );
+        runs.push(hashes);
+    }
+    for (rank, (a, b)) in runs[0].iter().zip(&runs[1]).enumerate() {
+        if let Some(i) = a.iter().zip(b).position(|(x, y)| x != y) {
+            panic!(
+                "{what}: rank {rank}'s outputs differ between the two runs, first in iteration {i}"
+            );
+        }
+    }
+}

@@ -128,13 +128,40 @@ pub fn poisoned<T: Copy>(n: usize) -> Vec<T> {
     v
 }
 
+/// The bytes of `values` (integers, floats, bf16: plain data).
+pub fn bytes_of<T: Copy>(values: &[T]) -> &[u8] {
+    // SAFETY: reads the plain bytes of `values`.
+    unsafe {
+        std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values))
+    }
+}
+
 /// True when every byte of `values` is still [`POISON`].
 pub fn is_poisoned<T: Copy>(values: &[T]) -> bool {
-    // SAFETY: reads the plain bytes of `values`.
-    let bytes = unsafe {
-        std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values))
-    };
-    bytes.iter().all(|&b| b == POISON)
+    bytes_of(values).iter().all(|&b| b == POISON)
+}
+
+/// A running 64-bit FNV-1a hash of bytes (`Fnv::default()` to start).
+#[derive(Clone, Copy, Debug)]
+pub struct Fnv(pub u64);
+
+impl Default for Fnv {
+    fn default() -> Fnv {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv {
+    pub fn bytes(&mut self, data: &[u8]) {
+        for &b in data {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+
+    /// Hashes the bytes of `values`.
+    pub fn values<T: Copy>(&mut self, values: &[T]) {
+        self.bytes(bytes_of(values));
+    }
 }
 
 /// The token dtype of an `fp8` flag.
