@@ -4,7 +4,9 @@
 //! the reference computed on the host. Also: send/receive split, several
 //! rounds on one context (alternating buffer sets), a CUDA graph replayed
 //! with new inputs and token counts, ranks as processes, a peer that never
-//! calls (timeout), a bad device token count, and misuse.
+//! calls (timeout), a rank process killed mid-run, two runs of random
+//! iterations that must give the same outputs bit for bit, a bad device token
+//! count, and misuse.
 //! Needs CUDA GPUs: `cargo test --release --test gpu_low_latency -- --ignored`.
 
 mod common;
@@ -12,7 +14,7 @@ mod common;
 use common::gpu::*;
 use common::{
     bits, bytes_to_bf16, dtype_code, dtype_of, is_poisoned, last_error, ll_combine_args,
-    ll_dispatch_args, random_bf16, routing, weights, Ctx, Rng,
+    ll_dispatch_args, random_bf16, routing, weights, Ctx, Fnv, Rng,
 };
 use cudarc::driver::sys;
 use ep::capi::*;
@@ -120,18 +122,21 @@ fn inputs(case: &Case, round: u64, tokens: &[usize]) -> Vec<Input> {
     tokens
         .iter()
         .enumerate()
-        .map(|(r, &n)| {
-            let mut rng = Rng::new(case.seed * 1_000_003 + round * 101 + r as u64);
-            let hot = case.skewed.then_some(0);
-            Input {
-                n,
-                x: random_bf16(&mut rng, n * case.hidden),
-                idx: routing(&mut rng, case.experts, case.topk, n, 0.1, hot),
-                w: weights(&mut rng, n * case.topk),
-                y: random_bf16(&mut rng, case.rows() * case.hidden),
-            }
-        })
+        .map(|(r, &n)| input_of(case, round, r, n))
         .collect()
+}
+
+/// Rank `rank`'s inputs of round `round`, with `n` tokens.
+fn input_of(case: &Case, round: u64, rank: usize, n: usize) -> Input {
+    let mut rng = Rng::new(case.seed * 1_000_003 + round * 101 + rank as u64);
+    let hot = case.skewed.then_some(0);
+    Input {
+        n,
+        x: random_bf16(&mut rng, n * case.hidden),
+        idx: routing(&mut rng, case.experts, case.topk, n, 0.1, hot),
+        w: weights(&mut rng, n * case.topk),
+        y: random_bf16(&mut rng, case.rows() * case.hidden),
+    }
 }
 
 /// The device buffers of one rank's dispatch and combine.
@@ -301,13 +306,73 @@ fn check(case: &Case, rank: usize, all: &[Input], bufs: &Bufs, what: &str) {
     check_but(case, rank, all, bufs, "", what);
 }
 
+/// One rank's outputs of a dispatch and combine, downloaded whole.
+struct Got {
+    count: Vec<i32>,
+    range: Vec<i32>,
+    recv_x: Vec<u8>,
+    src_info: Vec<i32>,
+    /// FP8 only.
+    scales: Vec<f32>,
+    out: Vec<u8>,
+}
+
+impl Got {
+    fn download(case: &Case, bufs: &Bufs) -> Got {
+        let (rows, h, local) = (case.rows(), case.hidden, case.experts / case.world);
+        Got {
+            count: bufs.recv_count.download(local),
+            range: bufs.recv_range.download(local * case.world * 2),
+            recv_x: bufs.recv_x.download(rows * case.dtype().row_bytes(h)),
+            src_info: bufs.recv_src_info.download(rows),
+            scales: if case.fp8 {
+                bufs.recv_scales.download(rows * h / 128)
+            } else {
+                vec![]
+            },
+            out: bufs.out.download(case.max_tokens * h * 2),
+        }
+    }
+
+    /// The valid rows of local expert `le` (`recv_count`), as rows of the
+    /// masked layout.
+    fn rows(&self, case: &Case, le: usize) -> std::ops::Range<usize> {
+        let capacity = case.world * case.max_tokens;
+        let count = self.count[le];
+        assert!(
+            (0..=capacity as i32).contains(&count),
+            "recv_count[{le}] = {count}"
+        );
+        le * capacity..le * capacity + count as usize
+    }
+
+    /// Hashes what the API defines after a dispatch and combine of `n`
+    /// tokens: the counts, the layout ranges, each local expert's valid rows
+    /// (tokens, FP8 scales, source tokens: in the order the API promises, by
+    /// source rank then token) and the combine output. Rows past the counts
+    /// are not defined and left out.
+    fn hash(&self, case: &Case, n: usize, hash: &mut Fnv) {
+        let h = case.hidden;
+        let row_bytes = case.dtype().row_bytes(h);
+        hash.values(&self.count);
+        hash.values(&self.range);
+        for le in 0..self.count.len() {
+            let rows = self.rows(case, le);
+            hash.bytes(&self.recv_x[rows.start * row_bytes..rows.end * row_bytes]);
+            hash.values(&self.src_info[rows.clone()]);
+            if case.fp8 {
+                hash.values(&self.scales[rows.start * h / 128..rows.end * h / 128]);
+            }
+        }
+        hash.bytes(&self.out[..n * h * 2]);
+    }
+}
+
 /// Compares one rank's GPU results but the output named `left_out` (its C
 /// field name) with the reference.
 fn check_but(case: &Case, rank: usize, all: &[Input], bufs: &Bufs, left_out: &str, what: &str) {
     let topo = case.topo();
     let (m, h, world) = (case.max_tokens, case.hidden, case.world);
-    let local = case.experts / world;
-    let capacity = world * m;
     let sources: Vec<LlRankTokens> = all
         .iter()
         .map(|i| i.tokens(case.weights_at_dispatch))
@@ -318,37 +383,29 @@ fn check_but(case: &Case, rank: usize, all: &[Input], bufs: &Bufs, left_out: &st
     let want = &dispatched[rank];
 
     let row_bytes = case.dtype().row_bytes(h);
-    let count: Vec<i32> = bufs.recv_count.download(local);
-    assert_eq!(count, want.recv_count, "{what}: recv_count");
+    let got = Got::download(case, bufs);
+    assert_eq!(got.count, want.recv_count, "{what}: recv_count");
     if left_out != "recv_layout_range" {
-        let range: Vec<i32> = bufs.recv_range.download(local * world * 2);
-        assert_eq!(range, want.recv_layout_range, "{what}: layout range");
+        assert_eq!(got.range, want.recv_layout_range, "{what}: layout range");
     }
-    let recv_x: Vec<u8> = bufs.recv_x.download(case.rows() * row_bytes);
-    let src: Vec<i32> = bufs.recv_src_info.download(case.rows());
-    let scales: Vec<f32> = if case.fp8 {
-        bufs.recv_scales.download(case.rows() * h / 128)
-    } else {
-        vec![]
-    };
-    for (le, &rows) in count.iter().enumerate() {
-        let rows = le * capacity..le * capacity + rows as usize;
+    for le in 0..got.count.len() {
+        let rows = got.rows(case, le);
         if left_out != "recv_src_info" {
             assert_eq!(
-                src[rows.clone()],
+                got.src_info[rows.clone()],
                 want.recv_src_info[rows.clone()],
                 "{what}: src_info of expert {le}"
             );
         }
         let bytes = rows.start * row_bytes..rows.end * row_bytes;
         assert!(
-            recv_x[bytes.clone()] == want.recv_x[bytes],
+            got.recv_x[bytes.clone()] == want.recv_x[bytes],
             "{what}: recv_x of expert {le}"
         );
         if case.fp8 {
             let s = rows.start * h / 128..rows.end * h / 128;
             assert_eq!(
-                bits(&scales[s.clone()]),
+                bits(&got.scales[s.clone()]),
                 bits(&want.recv_scales[s]),
                 "{what}: scales of expert {le}"
             );
@@ -366,12 +423,11 @@ fn check_but(case: &Case, rank: usize, all: &[Input], bufs: &Bufs, left_out: &st
     let me = &all[rank];
     let weights = (!case.weights_at_dispatch).then_some(&me.w[..]);
     let want_out = ll_combine(topo, m, rank, me.n, &me.idx, weights, &experts);
-    let out: Vec<u8> = bufs.out.download(m * h * 2);
     assert!(
-        is_poisoned(&out[me.n * h * 2..]),
+        is_poisoned(&got.out[me.n * h * 2..]),
         "{what}: combine wrote past the token count"
     );
-    let out = bytes_to_bf16(&out[..me.n * h * 2]);
+    let out = bytes_to_bf16(&got.out[..me.n * h * 2]);
     let mismatch = out
         .iter()
         .zip(&want_out)
@@ -768,6 +824,110 @@ fn missing_peer(world: usize) {
         // The others keep their buffers mapped until rank 0 is done.
         gate();
     });
+}
+
+/// A rank process killed (SIGKILL) while its dispatch is in flight, on one
+/// process per GPU (2 to 8): every other rank sees `EP_ERR_TIMEOUT` within
+/// the timeout and destroys its context (see `until_the_timeout`).
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn a_killed_rank_process_makes_the_others_time_out() {
+    let test = "a_killed_rank_process_makes_the_others_time_out";
+    let Some(world) = one_process_per_gpu(test) else {
+        return;
+    };
+    let case = Case::new(world, 512, 4, 32, 16);
+    let timeout = Duration::from_millis(3000);
+    let n = 12;
+    run_with_a_killed_rank(
+        test,
+        world,
+        &case.config(timeout.as_millis() as u32),
+        |rank, ctx| {
+            let all = inputs(&case, 0, &vec![n; world]);
+            let bufs = Bufs::new(&case, &all[rank]);
+            let dispatch = bufs.dispatch_args(&case, n, 0);
+            let combine = bufs.combine_args(&case, n, 0);
+            until_the_timeout(
+                ctx,
+                rank,
+                world,
+                timeout,
+                // SAFETY: device buffers sized for the config.
+                || unsafe { ep_ll_dispatch(ctx.0, &dispatch, stream()) },
+                // SAFETY: as above.
+                || unsafe { ep_ll_combine(ctx.0, &combine, stream()) },
+            );
+        },
+    );
+}
+
+/// Two runs of `EP_REPEAT_ITERS` (default 200) random iterations, on fresh
+/// contexts from the same seeds, give the same outputs bit for bit (see
+/// `assert_repeatable` and `repeat_run`).
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn two_runs_of_random_iterations_are_identical() {
+    assert_repeatable("low-latency mode", repeat_run);
+}
+
+/// The case of iteration `i` of a repeatability run: FP8 (with UE8M0 scales
+/// every other time) or BF16, weights at dispatch or at combine, split
+/// calls or not, skewed routing or not, the token count in device memory
+/// or not, zero-copy combine or not.
+fn repeat_case(base: Case, i: usize) -> Case {
+    Case {
+        fp8: i.is_multiple_of(2),
+        ue8m0: i.is_multiple_of(4),
+        weights_at_dispatch: i % 3 == 1,
+        split: i % 5 == 2,
+        skewed: i % 4 == 3,
+        count_in_memory: i % 7 == 4,
+        zero_copy: i % 6 == 5,
+        ..base
+    }
+}
+
+/// One run of the repeatability test: in iteration i every rank dispatches
+/// and combines random tokens (counts from 0 to 32, 0 and 1 included,
+/// uneven routing with dropped slots) as `repeat_case(i)` says. Hashed: see
+/// `Got::hash`. Iterations `checked_iteration` picks are also checked
+/// against the reference. Returns each rank's running hash after each
+/// iteration.
+fn repeat_run(world: usize, iterations: usize) -> Vec<Vec<u64>> {
+    let base = Case::new(world, 1024, 8, 32, 32);
+    run_gpu_world(world, &base.config(20_000), |rank, ctx| {
+        // BF16 rows: room for either output type.
+        let bufs = Bufs::new(&Case { fp8: false, ..base }, &input_of(&base, 0, rank, 0));
+        gate();
+        let mut hash = Fnv::default();
+        let mut hashes = Vec::with_capacity(iterations);
+        for i in 0..iterations {
+            let case = repeat_case(base, i);
+            let counts: Vec<usize> = (0..world)
+                .map(|r| repeat_count(i, r, case.max_tokens))
+                .collect();
+            let me = input_of(&case, i as u64, rank, counts[rank]);
+            let what = format!("{case:?} iteration {i} rank {rank} ({} tokens)", me.n);
+            bufs.upload(&me);
+            bufs.poison_outputs();
+            if case.zero_copy {
+                // Only this rank's combine reads it, and its last one has ended.
+                fill_combine_buffer(ctx, &me.y);
+            }
+            run_ops(ctx, &case, &bufs, me.n, stream());
+            sync();
+            assert_eq!(async_status(ctx), EP_SUCCESS, "{what}: {}", last_error());
+            if checked_iteration(i) {
+                check(&case, rank, &inputs(&case, i as u64, &counts), &bufs, &what);
+            }
+            Got::download(&case, &bufs).hash(&case, me.n, &mut hash);
+            hashes.push(hash.0);
+        }
+        // Every rank is done before any frees its buffers.
+        gate();
+        hashes
+    })
 }
 
 #[test]

@@ -3,8 +3,10 @@
 //! random inputs: uneven and skewed routing with dropped slots, zero, one,
 //! 17 and 4096 tokens, hidden sizes from 128 to 16384, BF16 and FP8, both
 //! output orders, both combine inputs, the no-sync path inside a CUDA graph
-//! replayed with new routing, bad expert ids, and a rank that never comes;
-//! ranks as threads of one process and as processes.
+//! replayed with new routing, bad expert ids, a rank that never comes and a
+//! rank process killed mid-run, and two runs of random iterations that must
+//! give the same outputs bit for bit; ranks as threads of one process and as
+//! processes.
 //! Needs CUDA GPUs: `cargo test --release --test gpu_normal -- --ignored`.
 
 mod common;
@@ -12,7 +14,7 @@ mod common;
 use common::calls::combine_reference;
 use common::gpu::*;
 use common::normal::*;
-use common::{bytes_to_bf16, last_error, Rng};
+use common::{bytes_to_bf16, last_error, Fnv, Rng};
 use ep::capi::*;
 use ep::reference::normal::Dispatched;
 use ep::reference::{Dtype, Topology};
@@ -80,15 +82,20 @@ fn ranks_as_processes_match_the_reference() {
 
 /// The reference combine of rank `rank`'s `n` tokens when every rank
 /// returns its received BF16 rows as they are (`all`: every rank's
-/// dispatch): the sum over ranks of each token's row.
+/// dispatch): its source-order rows (the sum over ranks of each token's
+/// row), or with `expert_major` its expert-major rows.
 fn combine_of_received_rows(
     topo: Topology,
     all: &[Dispatched],
     rank: usize,
     n: usize,
+    expert_major: bool,
 ) -> Vec<bf16> {
-    let rows: Vec<Vec<bf16>> = all.iter().map(|d| bytes_to_bf16(&d.x)).collect();
-    combine_reference(topo, rank, n, all, &rows, false)
+    let rows: Vec<Vec<bf16>> = all
+        .iter()
+        .map(|d| bytes_to_bf16(if expert_major { &d.expert_x } else { &d.x }))
+        .collect();
+    combine_reference(topo, rank, n, all, &rows, expert_major)
 }
 
 /// The no-sync dispatch and a combine, captured once in a CUDA graph and
@@ -147,7 +154,7 @@ fn replay_in_a_cuda_graph(world: usize) {
             let all = dispatch_all(topo, Dtype::Bf16, inputs, 16);
             let what = format!("world {world} replay {i} rank {rank}");
             out.check(&topo, Dtype::Bf16, &all[rank], &what);
-            let want = combine_of_received_rows(topo, &all, rank, n);
+            let want = combine_of_received_rows(topo, &all, rank, n, false);
             assert_close(&y.download::<bf16>(n * topo.hidden), &want, &what);
             assert_eq!(async_status(ctx), EP_SUCCESS, "{what}");
         }
@@ -203,6 +210,161 @@ fn a_rank_that_never_dispatches_makes_the_others_time_out() {
     });
 }
 
+/// A rank process killed (SIGKILL) while its dispatch is in flight, on one
+/// process per GPU (2 to 8): every other rank sees `EP_ERR_TIMEOUT` within
+/// the timeout and destroys its context (see `until_the_timeout`).
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn a_killed_rank_process_makes_the_others_time_out() {
+    let test = "a_killed_rank_process_makes_the_others_time_out";
+    let Some(world) = one_process_per_gpu(test) else {
+        return;
+    };
+    let topo = Topology {
+        world,
+        num_experts: 4 * world,
+        topk: 2,
+        hidden: 256,
+    };
+    let n = 48;
+    let timeout = Duration::from_millis(3000);
+    let cfg = gpu_config(256, 2, 4 * world as i32, 64, 0, timeout.as_millis() as u32);
+    run_with_a_killed_rank(test, world, &cfg, |rank, ctx| {
+        let handle = ctx.handle();
+        let mut rng = Rng::new(rank as u64);
+        let input = DeviceInput::new(&Input::random(&mut rng, &topo, Dtype::Bf16, n, false));
+        let out = Outputs::new(ctx, &topo, 1);
+        let y = DevBuf::of::<bf16>(n * topo.hidden);
+        // No host sync: the dispatch returns once enqueued.
+        let mut args = out.args(&input, n, Dtype::Bf16, 1);
+        args.flags = EP_DISPATCH_NO_HOST_SYNC;
+        let mut c = common::combine_args();
+        c.x = out.recv_x.as_const();
+        c.out = y.as_mut();
+        until_the_timeout(
+            ctx,
+            rank,
+            world,
+            timeout,
+            // SAFETY: device buffers of the sizes the arguments give.
+            || unsafe { ep_dispatch(ctx.0, &args, handle.0, stream()) },
+            // SAFETY: as above.
+            || unsafe { ep_combine(ctx.0, &c, handle.0, stream()) },
+        );
+    });
+}
+
+/// Two runs of `EP_REPEAT_ITERS` (default 200) random iterations, on fresh
+/// contexts from the same seeds, give the same outputs bit for bit (see
+/// `assert_repeatable` and `repeat_run`).
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn two_runs_of_random_iterations_are_identical() {
+    assert_repeatable("normal mode", repeat_run);
+}
+
+/// One run of the repeatability test: in iteration i every rank dispatches
+/// random BF16 tokens (counts from 0 to 128, 0 and 1 included, uneven and
+/// skewed routing with dropped slots; alignment 1, 4 or 128; host sync or
+/// not) and combines its received rows twice, as source-order and as
+/// expert-major input. Hashed: every dispatch output the API defines (the
+/// rows come in the order the API promises: by source rank, then token),
+/// padding rows of the expert-major output included (zeros), and both
+/// combine outputs. Iterations `checked_iteration` picks are also checked
+/// against the reference. Returns each rank's running hash after each
+/// iteration.
+fn repeat_run(world: usize, iterations: usize) -> Vec<Vec<u64>> {
+    let experts = 64 - 64 % world;
+    let (hidden, topk, max_tokens) = (1024, 8, 128);
+    let topo = Topology {
+        world,
+        num_experts: experts,
+        topk,
+        hidden,
+    };
+    let cfg = gpu_config(
+        hidden as i32,
+        topk as i32,
+        experts as i32,
+        max_tokens as i32,
+        0,
+        20_000,
+    );
+    let input = |i: usize, rank: usize| {
+        let mut rng = Rng::new(repeat_seed(i, rank));
+        let n = repeat_count(i, rank, max_tokens);
+        Input::random(&mut rng, &topo, Dtype::Bf16, n, i % 4 == 1)
+    };
+    let l = topo.local_experts();
+    run_gpu_world(world, &cfg, |rank, ctx| {
+        let handle = ctx.handle();
+        // Input buffers for the most tokens.
+        let largest = Input::random(&mut Rng::new(0), &topo, Dtype::Bf16, max_tokens, false);
+        let dev = DeviceInput::new(&largest);
+        let out = Outputs::new(ctx, &topo, 128);
+        let y = DevBuf::of::<bf16>(max_tokens * hidden);
+        gate();
+        let mut hash = Fnv::default();
+        let mut hashes = Vec::with_capacity(iterations);
+        for i in 0..iterations {
+            let me = input(i, rank);
+            let n = me.num_tokens;
+            let alignment = [1, 4, 128][i % 3];
+            let what = format!("world {world} iteration {i} rank {rank} ({n} tokens)");
+            dev.upload(&me);
+            out.poison();
+            let mut args = out.args(&dev, n, Dtype::Bf16, alignment);
+            if i % 2 == 1 {
+                args.flags = EP_DISPATCH_NO_HOST_SYNC;
+            }
+            // SAFETY: device buffers of the sizes the arguments give.
+            ok(
+                unsafe { ep_dispatch(ctx.0, &args, handle.0, stream()) },
+                &what,
+            );
+            let rows = out.recv_num_rows.download::<i32>(1)[0];
+            let erows = out.expert_offsets.download::<i32>(l + 1)[l];
+            assert!(
+                rows >= 0 && erows >= 0,
+                "{what}: {rows} rows, {erows} expert rows"
+            );
+            for (_, bytes) in out.defined(&topo, Dtype::Bf16, rows as usize, erows as usize) {
+                hash.bytes(&bytes);
+            }
+            let mut combined = Vec::new();
+            for (layout, x) in [
+                (EP_COMBINE_SOURCE_ORDER, &out.recv_x),
+                (EP_COMBINE_EXPERT_MAJOR, &out.expert_x),
+            ] {
+                y.poison();
+                let mut c = common::combine_args();
+                c.input_layout = layout;
+                c.x = x.as_const();
+                c.out = y.as_mut();
+                // SAFETY: device buffers of the sizes the dispatch gives.
+                ok(unsafe { ep_combine(ctx.0, &c, handle.0, stream()) }, &what);
+                let got = y.download::<bf16>(n * hidden);
+                hash.values(&got);
+                combined.push(got);
+            }
+            assert_eq!(async_status(ctx), EP_SUCCESS, "{what}");
+            if checked_iteration(i) {
+                let inputs: Vec<Input> = (0..world).map(|r| input(i, r)).collect();
+                let all = dispatch_all(topo, Dtype::Bf16, &inputs, alignment as usize);
+                out.check(&topo, Dtype::Bf16, &all[rank], &what);
+                for (expert_major, got) in [false, true].into_iter().zip(&combined) {
+                    let want = combine_of_received_rows(topo, &all, rank, n, expert_major);
+                    assert_close(got, &want, &format!("{what}: combine"));
+                }
+            }
+            hashes.push(hash.0);
+        }
+        // Every rank is done before any frees its buffers.
+        gate();
+        hashes
+    })
+}
+
 /// Every dispatch output the API lets a caller leave out (NULL), left out
 /// one at a time, on 1 and 2 ranks: the call succeeds (nothing faults), the
 /// other outputs are as the reference says, and a combine after it is
@@ -238,7 +400,7 @@ fn optional_outputs_may_be_null() {
             let input = DeviceInput::new(&inputs[rank]);
             let out = Outputs::new(ctx, &topo, 4);
             let y = DevBuf::of::<bf16>(n * topo.hidden);
-            let combined = combine_of_received_rows(topo, &all, rank, n);
+            let combined = combine_of_received_rows(topo, &all, rank, n, false);
             gate();
             for (i, field) in OPTIONAL.into_iter().enumerate() {
                 let what = format!("world {world} rank {rank}, {field} NULL");

@@ -15,12 +15,13 @@
 //! A test that leaves out part of its work for lack of GPUs or memory prints
 //! a line starting with "skipped " (scripts/gpu-check.sh counts them).
 
-use super::{last_error, run_ranks, run_ranks_in_processes, Ctx, POISON};
+use super::{last_error, run_ranks, run_ranks_in_processes_killing, show, Ctx, POISON};
 use cudarc::driver::sys;
 use ep::capi::*;
 use std::cell::RefCell;
 use std::ptr::null_mut;
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 pub fn cu(res: sys::CUresult, what: &str) {
     assert_eq!(res, sys::CUresult::CUDA_SUCCESS, "{what}");
@@ -619,23 +620,39 @@ pub fn run_gpu_ranks(
         Ranks::Threads => {
             run_gpu_world(world, cfg, body);
         }
-        Ranks::Processes { test } => {
-            let gpus = device_count();
-            if world > gpus {
-                println!(
-                    "skipped {call}: {world} ranks as processes need {world} GPUs, this machine has {gpus}"
-                );
-                return;
-            }
-            run_ranks_in_processes(
-                test,
-                call,
-                world,
-                |rank, id| join_on_gpu(world, cfg, rank, rank, None, id),
-                body,
-            )
-        }
+        Ranks::Processes { test } => run_gpu_processes(test, call, world, cfg, &[], body),
     }
+}
+
+/// Runs `body(rank, ctx)` on `world` rank processes running the test named
+/// `test` (see [`super::run_ranks_in_processes_killing`]), rank r on GPU r
+/// with its own context; the ranks in `killed` must end by SIGKILL, the
+/// others pass. `call` names this call among the test's calls. Processes
+/// cannot share a GPU: with fewer GPUs than ranks the call prints why and
+/// runs nothing.
+pub fn run_gpu_processes(
+    test: &str,
+    call: &str,
+    world: usize,
+    cfg: &ep_config_t,
+    killed: &[usize],
+    body: impl Fn(usize, &Ctx),
+) {
+    let gpus = device_count();
+    if world > gpus {
+        println!(
+            "skipped {call}: {world} ranks as processes need {world} GPUs, this machine has {gpus}"
+        );
+        return;
+    }
+    run_ranks_in_processes_killing(
+        test,
+        call,
+        world,
+        killed,
+        |rank, id| join_on_gpu(world, cfg, rank, rank, None, id),
+        body,
+    )
 }
 
 /// The context's async error status.
@@ -792,5 +809,177 @@ impl super::calls::Mem for DeviceMem {
     }
     fn stream(&self) -> ep_stream_t {
         stream()
+    }
+}
+
+/// The iteration of [`until_the_timeout`] in which the last rank kills its
+/// process.
+pub const KILL_AT: usize = 5;
+
+/// The world of a killed-rank test: one rank process per GPU, 2 to 8 of
+/// them; None, after printing why, on a machine with fewer than 2 GPUs.
+pub fn one_process_per_gpu(test: &str) -> Option<usize> {
+    let gpus = device_count();
+    if gpus < 2 {
+        println!("skipped {test}: ranks as processes need 2 GPUs, this machine has {gpus}");
+        return None;
+    }
+    Some(gpus.min(8))
+}
+
+/// Runs `body(rank, ctx)` on `world` rank processes of the test named
+/// `test`, rank r on GPU r, where the last rank kills its process (in
+/// [`until_the_timeout`]): it must end by SIGKILL, every other rank pass.
+pub fn run_with_a_killed_rank(
+    test: &str,
+    world: usize,
+    cfg: &ep_config_t,
+    body: impl Fn(usize, &Ctx),
+) {
+    let call = format!("{world} ranks, rank {} killed", world - 1);
+    run_gpu_processes(test, &call, world, cfg, &[world - 1], body);
+}
+
+/// Rank `rank` of a `world`-rank killed-rank test: iterations of
+/// `dispatch()` then `combine()` (each enqueues one correct call on this
+/// rank's stream and returns its status), a sync, and the context's async
+/// status. In iteration [`KILL_AT`] the last rank kills its process once its
+/// dispatch is enqueued (work in flight, a combine never made). Every other
+/// rank must succeed until then, and then see `EP_ERR_TIMEOUT` (returned by
+/// a call, or the async status after the sync) within `timeout` plus 10 s
+/// of the start of iteration `KILL_AT`; it prints how long it took. The
+/// caller's context must then be destroyed without error (`Ctx`'s drop).
+pub fn until_the_timeout(
+    ctx: &Ctx,
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+    dispatch: impl Fn() -> ep_status_t,
+    combine: impl Fn() -> ep_status_t,
+) {
+    let killer = rank == world - 1;
+    let mut kill_began = Instant::now();
+    for i in 0..=KILL_AT + 1 {
+        if i == KILL_AT {
+            kill_began = Instant::now();
+        }
+        let mut status = dispatch();
+        if killer && i == KILL_AT {
+            assert_eq!(
+                status,
+                EP_SUCCESS,
+                "the dispatch before the kill: {}",
+                last_error()
+            );
+            kill_this_process();
+        }
+        if status == EP_SUCCESS {
+            status = combine();
+        }
+        if status == EP_SUCCESS {
+            sync();
+            status = async_status(ctx);
+        }
+        if status == EP_SUCCESS {
+            continue;
+        }
+        // Every call of the context has ended (the kernels gave up).
+        sync();
+        let took = kill_began.elapsed();
+        let message = last_error();
+        let what = format!("rank {rank}, iteration {i}: status {status}: {message}");
+        assert!(i >= KILL_AT, "{what}");
+        assert_eq!(status, EP_ERR_TIMEOUT, "{what}");
+        show(&format!(
+            "EP_ERR_TIMEOUT in iteration {i}, {:.2} s after iteration {KILL_AT} began \
+             (timeout {:.1} s): {}",
+            took.as_secs_f64(),
+            timeout.as_secs_f64(),
+            message.lines().next().unwrap_or("")
+        ));
+        assert!(
+            took <= timeout + Duration::from_secs(10),
+            "{what}: the timeout took {took:?}"
+        );
+        return;
+    }
+    panic!(
+        "rank {rank}: no timeout after rank {} was killed",
+        world - 1
+    );
+}
+
+/// Ends this process by SIGKILL, as a crash would: no unwinding, no
+/// destructors, work left on the GPU.
+pub fn kill_this_process() -> ! {
+    // SAFETY: sends a signal to this process.
+    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    // The signal ends every thread before the call returns to this one.
+    std::thread::sleep(Duration::from_secs(10));
+    panic!("still alive 10 s after SIGKILL");
+}
+
+/// Whether iteration `i` of a repeatability test is also checked against the
+/// reference: the first and every 100th.
+pub fn checked_iteration(i: usize) -> bool {
+    i.is_multiple_of(100)
+}
+
+/// The seed of rank `rank`'s input in iteration `i` of a repeatability test.
+pub fn repeat_seed(i: usize, rank: usize) -> u64 {
+    ((i as u64) << 8) | rank as u64
+}
+
+/// Rank `rank`'s token count in iteration `i` of a repeatability test:
+/// 0, 1, `max`, or uniform in `[0, max]`.
+pub fn repeat_count(i: usize, rank: usize, max: usize) -> usize {
+    let mut rng = super::Rng::new(repeat_seed(i, rank) ^ 0x636f_756e_7400_0000);
+    match rng.below(6) {
+        0 => 0,
+        1 => 1,
+        2 => max,
+        _ => rng.below(max + 1),
+    }
+}
+
+/// A repeatability test of `mode`: two runs of `run(world, iterations)`
+/// (fresh contexts, ranks as threads, one per GPU and at most 8;
+/// `EP_REPEAT_ITERS` iterations, else 200), each returning every rank's
+/// running output hash after each iteration, by rank. Prints the final
+/// hashes and the rate, and fails unless both runs hashed the same: names
+/// the first iteration that differs.
+pub fn assert_repeatable(mode: &str, run: impl Fn(usize, usize) -> Vec<Vec<u64>>) {
+    let world = device_count().min(8);
+    let iterations = std::env::var("EP_REPEAT_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200);
+    let what = format!("{mode}, world {world}");
+    let mut runs = Vec::new();
+    for pass in 1..=2 {
+        let start = Instant::now();
+        let hashes = run(world, iterations);
+        let secs = start.elapsed().as_secs_f64();
+        for (rank, h) in hashes.iter().enumerate() {
+            assert_eq!(h.len(), iterations, "{what}: rank {rank}'s hashes");
+        }
+        let last: Vec<String> = hashes
+            .iter()
+            .map(|h| format!("{:016x}", h.last().copied().unwrap_or(0)))
+            .collect();
+        println!(
+            "{what}, run {pass}: {iterations} iterations in {secs:.1} s ({:.1} iterations/s), \
+             final hash of each rank [{}]",
+            iterations as f64 / secs,
+            last.join(", ")
+        );
+        runs.push(hashes);
+    }
+    for (rank, (a, b)) in runs[0].iter().zip(&runs[1]).enumerate() {
+        if let Some(i) = a.iter().zip(b).position(|(x, y)| x != y) {
+            panic!(
+                "{what}: rank {rank}'s outputs differ between the two runs, first in iteration {i}"
+            );
+        }
     }
 }

@@ -128,13 +128,40 @@ pub fn poisoned<T: Copy>(n: usize) -> Vec<T> {
     v
 }
 
+/// The bytes of `values` (integers, floats, bf16: plain data).
+pub fn bytes_of<T: Copy>(values: &[T]) -> &[u8] {
+    // SAFETY: reads the plain bytes of `values`.
+    unsafe {
+        std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values))
+    }
+}
+
 /// True when every byte of `values` is still [`POISON`].
 pub fn is_poisoned<T: Copy>(values: &[T]) -> bool {
-    // SAFETY: reads the plain bytes of `values`.
-    let bytes = unsafe {
-        std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values))
-    };
-    bytes.iter().all(|&b| b == POISON)
+    bytes_of(values).iter().all(|&b| b == POISON)
+}
+
+/// A running 64-bit FNV-1a hash of bytes (`Fnv::default()` to start).
+#[derive(Clone, Copy, Debug)]
+pub struct Fnv(pub u64);
+
+impl Default for Fnv {
+    fn default() -> Fnv {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv {
+    pub fn bytes(&mut self, data: &[u8]) {
+        for &b in data {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+
+    /// Hashes the bytes of `values`.
+    pub fn values<T: Copy>(&mut self, values: &[T]) {
+        self.bytes(bytes_of(values));
+    }
 }
 
 /// The token dtype of an `fp8` flag.
@@ -207,7 +234,7 @@ pub fn unique_id() -> ep_unique_id_t {
     id
 }
 
-/// One rank's context, destroyed on drop.
+/// One rank's context, destroyed on drop (which must succeed).
 pub struct Ctx(pub *mut ep_ctx_t);
 
 // SAFETY: a context is used by one thread at a time (the one that owns it).
@@ -251,9 +278,12 @@ impl Ctx {
 impl Drop for Ctx {
     fn drop(&mut self) {
         // SAFETY: the context is live and no work is running.
-        unsafe { ep_ctx_destroy(self.0) };
+        let status = unsafe { ep_ctx_destroy(self.0) };
         // A GPU test context on an NCCL communicator of the test's own.
         gpu::nccl::release(self.0);
+        if !std::thread::panicking() {
+            assert_eq!(status, EP_SUCCESS, "ep_ctx_destroy: {}", last_error());
+        }
     }
 }
 
@@ -312,6 +342,16 @@ const CALL_ENV: &str = "EP_TEST_RANK_CALL";
 const RANK_ENV: &str = "EP_TEST_RANK";
 const ID_ENV: &str = "EP_TEST_UNIQUE_ID";
 
+/// Marks a line that a rank process prints for the starting process to
+/// print too (see [`show`]); the test harness may have begun the line.
+const SHOWN: &str = "[shown by the starting process] ";
+
+/// Prints `line` in a rank process of [`run_ranks_in_processes`] so that the
+/// starting process prints it too (after the rank), in the test's output.
+pub fn show(line: &str) {
+    println!("{SHOWN}{line}");
+}
+
 /// Runs `body(rank, ctx)` for every rank of a `world`-rank group, each rank
 /// in its own process, its context made with `join(rank, id)`.
 ///
@@ -320,8 +360,8 @@ const ID_ENV: &str = "EP_TEST_UNIQUE_ID";
 /// same `call` (a name for this call among the test's calls of this
 /// function). There, the call runs the rank's body and returns, and the
 /// test's other calls return at once. The starting process holds the unique
-/// id's rendezvous, waits for every rank, and fails unless each ran the test
-/// and passed.
+/// id's rendezvous, waits for every rank, prints the lines they [`show`],
+/// and fails unless each ran the test and passed.
 pub fn run_ranks_in_processes(
     test: &str,
     call: &str,
@@ -329,6 +369,21 @@ pub fn run_ranks_in_processes(
     join: impl Fn(usize, ep_unique_id_t) -> Ctx,
     body: impl Fn(usize, &Ctx),
 ) {
+    run_ranks_in_processes_killing(test, call, world, &[], join, body);
+}
+
+/// [`run_ranks_in_processes`] where the ranks in `killed` end their process
+/// by SIGKILL (their body kills it, as a crash would): the call fails
+/// unless exactly those ranks died by SIGKILL and every other rank passed.
+pub fn run_ranks_in_processes_killing(
+    test: &str,
+    call: &str,
+    world: usize,
+    killed: &[usize],
+    join: impl Fn(usize, ep_unique_id_t) -> Ctx,
+    body: impl Fn(usize, &Ctx),
+) {
+    use std::os::unix::process::ExitStatusExt;
     if let Ok(this_call) = std::env::var(CALL_ENV) {
         if this_call == call {
             let rank: usize = std::env::var(RANK_ENV).unwrap().parse().unwrap();
@@ -349,8 +404,11 @@ pub fn run_ranks_in_processes(
     let failed: Vec<String> = std::thread::scope(|s| {
         let ranks: Vec<_> = (0..world)
             .map(|rank| {
+                // --nocapture: what the body prints reaches the pipe even if
+                // the process dies.
                 let child = std::process::Command::new(&exe)
                     .args([test, "--exact", "--include-ignored", "--test-threads=1"])
+                    .arg("--nocapture")
                     .env(CALL_ENV, call)
                     .env(RANK_ENV, rank.to_string())
                     .env(ID_ENV, &hex)
@@ -369,10 +427,22 @@ pub fn run_ranks_in_processes(
             .filter_map(|(rank, t)| {
                 let out = t.join().unwrap();
                 let stdout = String::from_utf8_lossy(&out.stdout);
-                let ran = stdout.contains("test result: ok. 1 passed");
-                (!out.status.success() || !ran).then(|| {
+                for line in stdout
+                    .lines()
+                    .filter_map(|l| l.split_once(SHOWN).map(|(_, rest)| rest))
+                {
+                    println!("{call}: rank {rank}: {line}");
+                }
+                let (as_expected, expected) = if killed.contains(&rank) {
+                    let by_sigkill = out.status.signal() == Some(libc::SIGKILL);
+                    (by_sigkill, "expected: killed by SIGKILL")
+                } else {
+                    let ran = stdout.contains("test result: ok. 1 passed");
+                    (out.status.success() && ran, "expected: passed")
+                };
+                (!as_expected).then(|| {
                     format!(
-                        "rank {rank} ({}):\n{stdout}{}",
+                        "rank {rank} ({}; {expected}):\n{stdout}{}",
                         out.status,
                         String::from_utf8_lossy(&out.stderr)
                     )

@@ -6,7 +6,8 @@
 
 use super::gpu::*;
 use super::{
-    bf16_to_bytes, bits, dtype_code, last_error, random_bf16, routing, weights, Ctx, Handle, Rng,
+    bf16_to_bytes, bytes_of, dtype_code, last_error, random_bf16, routing, weights, Ctx, Handle,
+    Rng,
 };
 use ep::capi::*;
 use ep::reference::hierarchical::{self, NodeShape};
@@ -214,79 +215,63 @@ impl Outputs {
         left_out: &str,
         what: &str,
     ) {
-        let (h, k, l) = (topo.hidden, topo.topk, topo.local_experts());
-        let (rows, erows) = (want.num_rows, want.expert_rows);
-        let row_bytes = dtype.row_bytes(h);
-        let sc = dtype.scales_per_row(h);
-        let check = |name: &str, got: Vec<u32>, want: Vec<u32>| {
+        let rows = [want.num_rows as i32];
+        // In the order of `defined`.
+        let wanted: [&[u8]; 12] = [
+            bytes_of(&rows),
+            &want.x,
+            bytes_of(&want.scales),
+            bytes_of(&want.topk_idx),
+            bytes_of(&want.topk_weights),
+            bytes_of(&want.src_info),
+            bytes_of(&want.expert_offsets),
+            bytes_of(&want.expert_counts),
+            &want.expert_x,
+            bytes_of(&want.expert_scales),
+            bytes_of(&want.expert_weights),
+            bytes_of(&want.expert_src_row),
+        ];
+        let got = self.defined(topo, dtype, want.num_rows, want.expert_rows);
+        for ((name, got), want) in got.into_iter().zip(wanted) {
             if name != left_out {
                 assert!(got == want, "{what}: {name}");
             }
-        };
-        let ints = |v: Vec<i32>| v.into_iter().map(|x| x as u32).collect::<Vec<_>>();
-        let int_slice = |v: &[i32]| v.iter().map(|&x| x as u32).collect::<Vec<_>>();
-        let bytes = |v: Vec<u8>| v.into_iter().map(u32::from).collect::<Vec<_>>();
-        let byte_slice = |v: &[u8]| v.iter().map(|&x| u32::from(x)).collect::<Vec<_>>();
-        check(
-            "recv_num_tokens",
-            ints(self.recv_num_rows.download(1)),
-            vec![rows as u32],
-        );
-        check(
-            "recv_x",
-            bytes(self.recv_x.download(rows * row_bytes)),
-            byte_slice(&want.x),
-        );
-        check(
-            "recv_x_scales",
-            bits(&self.recv_scales.download(rows * sc)),
-            bits(&want.scales),
-        );
-        check(
-            "recv_topk_idx",
-            ints(self.recv_topk_idx.download(rows * k)),
-            int_slice(&want.topk_idx),
-        );
-        check(
-            "recv_topk_weights",
-            bits(&self.recv_topk_weights.download(rows * k)),
-            bits(&want.topk_weights),
-        );
-        check(
-            "recv_src_info",
-            ints(self.recv_src_info.download(rows * 2)),
-            int_slice(&want.src_info),
-        );
-        check(
-            "expert_offsets",
-            ints(self.expert_offsets.download(l + 1)),
-            int_slice(&want.expert_offsets),
-        );
-        check(
-            "expert_counts",
-            ints(self.expert_counts.download(l)),
-            int_slice(&want.expert_counts),
-        );
-        check(
-            "expert_x",
-            bytes(self.expert_x.download(erows * row_bytes)),
-            byte_slice(&want.expert_x),
-        );
-        check(
-            "expert_x_scales",
-            bits(&self.expert_scales.download(erows * sc)),
-            bits(&want.expert_scales),
-        );
-        check(
-            "expert_weights",
-            bits(&self.expert_weights.download(erows)),
-            bits(&want.expert_weights),
-        );
-        check(
-            "expert_src_row",
-            ints(self.expert_src_row.download(erows)),
-            int_slice(&want.expert_src_row),
-        );
+        }
+    }
+
+    /// The bytes of every output that a dispatch of `rows` source-order rows
+    /// and `erows` expert-major rows (padding included) defines, named by
+    /// their C fields.
+    pub fn defined(
+        &self,
+        topo: &Topology,
+        dtype: Dtype,
+        rows: usize,
+        erows: usize,
+    ) -> Vec<(&'static str, Vec<u8>)> {
+        let (h, k, l) = (topo.hidden, topo.topk, topo.local_experts());
+        let row_bytes = dtype.row_bytes(h);
+        let sc = dtype.scales_per_row(h);
+        // Bytes of `n` 32-bit values (ints or floats) or of `n` rows.
+        let words = |buf: &DevBuf, n: usize| buf.download::<u8>(4 * n);
+        let rows_of = |buf: &DevBuf, n: usize| buf.download::<u8>(n * row_bytes);
+        vec![
+            ("recv_num_tokens", words(&self.recv_num_rows, 1)),
+            ("recv_x", rows_of(&self.recv_x, rows)),
+            ("recv_x_scales", words(&self.recv_scales, rows * sc)),
+            ("recv_topk_idx", words(&self.recv_topk_idx, rows * k)),
+            (
+                "recv_topk_weights",
+                words(&self.recv_topk_weights, rows * k),
+            ),
+            ("recv_src_info", words(&self.recv_src_info, rows * 2)),
+            ("expert_offsets", words(&self.expert_offsets, l + 1)),
+            ("expert_counts", words(&self.expert_counts, l)),
+            ("expert_x", rows_of(&self.expert_x, erows)),
+            ("expert_x_scales", words(&self.expert_scales, erows * sc)),
+            ("expert_weights", words(&self.expert_weights, erows)),
+            ("expert_src_row", words(&self.expert_src_row, erows)),
+        ]
     }
 }
 
