@@ -34,8 +34,9 @@ gpu_header "$OUT/gpus.log" --topology
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 T="$G/tests"
 # The repeatability tests (long: run on their own, below) and their length.
-REPEAT_FILTER=repeat
+REPEAT_FILTER=two_runs_of_random_iterations
 REPEAT_ITERS="${EP_REPEAT_ITERS:-10000}"
+REPEATS=()
 
 # pack: the logs into $FINAL_OUT/logs.tgz, the summary beside them.
 pack() {
@@ -73,31 +74,34 @@ lanes_done() {
 }
 
 if [ "$PART" = tests ]; then
-  # 1. Every binary, in four lanes of about equal length.
+  # 1. Every binary, in four lanes of about equal length, and beside them
+  # the repeatability tests (each runs its iterations twice and compares).
   LANE_LIMIT=$(( BUDGET * 6 / 10 ))
   t0=$(date +%s)
   lane gpu_low_latency gpu_collectives &
   lane gpu_normal gpu_hierarchical gpu_nccl &
   lane gpu_mega gpu_kernels &
   lane gpu_contract gpu_context &
-  wait
+  LANES=$(jobs -p)
+  for bin in gpu_normal gpu_low_latency; do
+    timeout --kill-after=10 $(( BUDGET * 85 / 100 )) env EP_REPEAT_ITERS="$REPEAT_ITERS" \
+      "$T/$bin" --ignored --test-threads=1 --show-output "$REPEAT_FILTER" \
+      > "$OUT/repeat_$bin.log" 2>&1 &
+    REPEATS+=("$bin:$!")
+  done
+  # shellcheck disable=SC2086 # a list of process ids
+  wait $LANES
   echo "=== lanes took $(( $(date +%s) - t0 ))s"
   lanes_done gpu_low_latency gpu_collectives gpu_normal gpu_hierarchical gpu_nccl gpu_mega \
     gpu_kernels gpu_contract gpu_context
 
-  # 2. Repeatability: each test runs its iterations twice and compares.
-  for bin in gpu_normal gpu_low_latency; do
-    step "repeat $bin x$REPEAT_ITERS" 60 150 env EP_REPEAT_ITERS="$REPEAT_ITERS" \
-      "$T/$bin" --ignored --test-threads=1 --show-output "$REPEAT_FILTER"
-  done
-
-  # 3. Ranks sharing one GPU (threads of one process).
+  # 2. Ranks sharing one GPU (threads of one process).
   for bin in gpu_normal gpu_contract gpu_hierarchical; do
     step "shared GPU $bin" 40 150 env CUDA_VISIBLE_DEVICES=0 "$T/$bin" --ignored \
       --test-threads=1 --show-output --skip "$REPEAT_FILTER"
   done
 
-  # 4. Python with torch, contexts from NCCL communicators, the C programs.
+  # 3. Python with torch, contexts from NCCL communicators, the C programs.
   PY=(env EP_LIBRARY="$G/libep.so" PYTHONPATH="$G/python" python3)
   step "python torch tests" 40 150 env EP_REQUIRE_GPU=1 "${PY[@]}" -m pytest -q \
     -p no:cacheprovider "$G/python/tests/test_gpu_torch.py"
@@ -113,6 +117,17 @@ if [ "$PART" = tests ]; then
     step "nccl example $NGPU ranks" 10 60 "$G/nccl_context" "$NGPU"
   fi
   step "demo gpu $NGPU ranks" 10 60 env EP_BACKEND=gpu "$G/demo" "$NGPU"
+
+  # 4. The repeatability tests' results.
+  for entry in "${REPEATS[@]}"; do
+    bin=${entry%%:*}
+    wait "${entry#*:}"
+    rc=$?
+    res=pass
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then res=timeout; elif [ $rc -ne 0 ]; then res="fail($rc)"; fi
+    [ "$res" = pass ] || FAILED=1
+    SUMMARY+=("$(printf "%-${NAME_WIDTH}s %-8s %6s" "repeat $bin x$REPEAT_ITERS" "$res" "-")")
+  done
 elif [ "$PART" = bench ]; then
   B="$G/ep-bench"
   bench() {
