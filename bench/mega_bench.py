@@ -1,31 +1,52 @@
 #!/usr/bin/env python3
 """Fused-kernel benchmark: ep's fused calls next to ep's unfused path and
-torch's grouped GEMMs, in one process on one GPU (world size 1).
+torch's grouped GEMMs, in one process on one GPU (world size 1), or with
+--ranks N in N processes on N GPUs of one host (rank r on GPU r, all in one
+ep context).
 
-    python3 bench/mega_bench.py [--lib path/to/libep.so] [--iters 30] [--warmup 5]
+    python3 bench/mega_bench.py [--lib path/to/libep.so] [--ranks 1] [--iters 30] [--warmup 5]
 
-Workload W3 (bench/README.md): 4096 tokens of top-8 over 32 experts, hidden
-7168, uniform random routing; GEMM1 (gate+up) k 7168 -> n 4096, GEMM2 (down)
+Workload W3 (bench/README.md), per rank: 4096 tokens of top-8 over 32 experts
+(32 / N local experts on each rank, weights [32 / N, n, k]), hidden 7168,
+uniform random routing; GEMM1 (gate+up) k 7168 -> n 4096, GEMM2 (down)
 k 2048 -> n 7168; and the decode shape: 128 tokens of top-8 (about 32 rows
 per expert). Every figure is the median of --iters runs timed with CUDA
 events after --warmup runs. Rows of the table:
 
   fused dispatch+GEMM      ep_mega_dispatch_gemm (routing, row moves, GEMM)
+  ep_dispatch alone        ep_dispatch (expert-major output)
   unfused dispatch+GEMM    ep_dispatch (expert-major) + torch grouped GEMM
   fused GEMM+combine       ep_mega_gemm_combine (GEMM, weighted sums, reduce)
+  ep_combine alone         ep_combine (expert-major input)
   unfused GEMM+combine     torch grouped GEMM + ep_combine (expert-major)
   torch GEMM alone         torch._grouped_mm (BF16) / _scaled_grouped_mm (FP8,
                            rowwise scales) on the same rows
 
-TFLOP/s count 2 * rows * n * k over the real (token, expert) rows.
-Needs torch with CUDA and a Hopper GPU.
+TFLOP/s count 2 * rows * n * k over the real (token, expert) rows (per
+rank: tokens * top-k, the average over the ranks). With --ranks N every rank
+makes the same calls in the same order; the ranks meet at a host barrier
+before each op's warm-up and again before its timed runs, and a row's figure
+is the slowest rank's median. A rank that fails (with several ranks, any
+failed ep call) stops the run with its traceback. The closing lines divide
+each fused time by the larger of its parts alone (communication alone, torch
+GEMM alone); the target is at most 1.05. Needs torch with CUDA and a Hopper
+GPU per rank. --backend host runs the same steps on the library's host
+backend with small shapes and CPU tensors: a smoke run of the script without
+a GPU, whose times mean nothing.
 """
 import argparse
+import collections
 import ctypes
+import math
+import multiprocessing
+import multiprocessing.connection
 import os
+import signal
 import statistics
 import sys
+import threading
 import time
+import traceback
 import importlib.util
 from ctypes import byref, c_int32, c_void_p
 
@@ -50,16 +71,44 @@ def load_abi():
 abi = load_abi()
 EP_SUCCESS = abi.EP_SUCCESS
 EP_BACKEND_GPU = abi.EP_BACKEND_GPU
+EP_BACKEND_HOST = abi.EP_BACKEND_HOST
 EP_DTYPE_BF16 = abi.EP_DTYPE_BF16
 EP_DTYPE_FP8_E4M3 = abi.EP_DTYPE_FP8_E4M3
 EP_DISPATCH_NO_HOST_SYNC = abi.EP_DISPATCH_NO_HOST_SYNC
 EP_COMBINE_EXPERT_MAJOR = abi.EP_COMBINE_EXPERT_MAJOR
+EP_UNIQUE_ID_BYTES = abi.EP_UNIQUE_ID_BYTES
+EP_MAX_WORLD_SIZE = abi.EP_MAX_WORLD_SIZE
 ep_config_t = abi.ep_config_t
 ep_unique_id_t = abi.ep_unique_id_t
 ep_dispatch_args_t = abi.ep_dispatch_args_t
 ep_combine_args_t = abi.ep_combine_args_t
 ep_mega_args_t = abi.ep_mega_args_t
 P = c_void_p
+
+# The shapes, per rank: W3 and decode on the GPU; small ones that the host
+# backend's reference code runs in a moment (--backend host).
+Dims = collections.namedtuple("Dims", "hidden n1 k2 experts topk tokens")
+GPU_DIMS = Dims(hidden=7168, n1=4096, k2=2048, experts=32, topk=8,
+                tokens={"w3": 4096, "decode": 128})
+HOST_DIMS = Dims(hidden=256, n1=256, k2=128, experts=8, topk=2,
+                 tokens={"w3": 64, "decode": 8})
+# Expert-major segment alignment of every dispatch (rows).
+ALIGNMENT = 128
+# Rank r draws its tokens and weights from seed (tokens + r * RANK_SEED_STRIDE).
+RANK_SEED_STRIDE = 7919
+# Target of the fused calls: fused time <= TARGET_RATIO x max(communication
+# alone, GEMM alone).
+TARGET_RATIO = 1.05
+# With several ranks: the contexts' timeout_ms, the longest wait for a peer
+# inside a call (the ranks start each op together, so a peer that has not
+# come after this long has failed; the default is 100 s).
+PEER_TIMEOUT_MS = 30000
+# Longest wait of a rank at a barrier for its peers (a peer that failed is
+# stopped by the parent long before).
+BARRIER_TIMEOUT_S = 600
+# Every rank's environment: never NVLink multicast.
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                    "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def load(path):
@@ -71,9 +120,13 @@ def load(path):
     return lib
 
 
+class EpError(RuntimeError):
+    """A failed ep call."""
+
+
 def check(lib, status, what):
     if status != EP_SUCCESS:
-        raise RuntimeError("%s: status %d: %s" % (what, status, lib.ep_get_last_error().decode()))
+        raise EpError("%s: status %d: %s" % (what, status, lib.ep_get_last_error().decode()))
 
 
 def init(lib, cls, fn):
@@ -110,12 +163,22 @@ def weight_block_scales(w):
     return q.contiguous(), scale.contiguous()
 
 
-def time_op(fn, iters, warmup):
+def time_op(fn, iters, warmup, meet=lambda: None, cuda=True):
+    """Median time of fn in microseconds over iters runs after warmup runs;
+    meet() runs between the two (the ranks' barrier). CUDA events on the
+    current stream, or (cuda False: the host backend) wall-clock."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
+    meet()
     times = []
     for _ in range(iters):
+        if not cuda:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+            continue
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
@@ -126,38 +189,87 @@ def time_op(fn, iters, warmup):
     return statistics.median(times)
 
 
-class Ep:
-    """One world-1 GPU context of the W3 shape and its buffers."""
+class Group:
+    """This process's rank among the ranks of the run and what they share
+    (made by launch()): a barrier, the unique id of the next context (rank 0
+    writes it) and one figure per rank. A world of one rank shares nothing."""
 
-    def __init__(self, lib, hidden, topk, experts, max_tokens, alignment):
+    def __init__(self, rank=0, world=1, barrier=None, uid=None, figures=None):
+        self.rank, self.world = rank, world
+        self._barrier, self._uid, self._figures = barrier, uid, figures
+        # Prefix of the lines a rank prints about itself.
+        self.tag = "rank %d: " % rank if world > 1 else ""
+
+    def barrier(self):
+        if self.world > 1:
+            self._barrier.wait(BARRIER_TIMEOUT_S)
+
+    def unique_id(self, lib):
+        """The unique id of a new context: rank 0 makes it (the rendezvous
+        service runs in rank 0's process, which stays alive until every
+        rank has joined, its own ep_ctx_create waiting for them), the others
+        read it. An id serves one group, so each context gets its own."""
+        uid = ep_unique_id_t()
+        if self.rank == 0:
+            check(lib, lib.ep_get_unique_id(byref(uid)), "ep_get_unique_id")
+            if self.world > 1:
+                self._uid[:] = bytes(uid.internal)
+        # Rank 0 writes the next id only after its ep_ctx_create with this
+        # one has returned, that is after every rank has read this one.
+        self.barrier()
+        if self.rank != 0:
+            uid.internal[:] = self._uid[:]
+        return uid
+
+    def slowest(self, us):
+        """The largest of the ranks' figures us (None where a rank has
+        none: then None). Every rank calls it."""
+        if self.world == 1:
+            return us
+        self._figures[self.rank] = math.nan if us is None else us
+        self.barrier()
+        figures = list(self._figures)
+        self.barrier()  # no rank writes the next figure before all have read these
+        return None if any(math.isnan(f) for f in figures) else max(figures)
+
+
+class Ep:
+    """One context of the benchmark's shape (world size group.world) and
+    its buffers."""
+
+    def __init__(self, lib, group, backend, hidden, topk, experts, max_tokens, alignment):
         self.lib = lib
+        self.cuda = backend == "gpu"
         cfg = init(lib, ep_config_t, "ep_config_init")
-        cfg.backend = EP_BACKEND_GPU
+        cfg.backend = EP_BACKEND_GPU if self.cuda else EP_BACKEND_HOST
         cfg.hidden, cfg.topk, cfg.num_experts = hidden, topk, experts
         cfg.max_tokens_per_rank = max_tokens
         cfg.ll_max_tokens_per_rank = 0
         cfg.num_sms = 24
-        uid = ep_unique_id_t()
-        check(lib, lib.ep_get_unique_id(byref(uid)), "ep_get_unique_id")
+        if group.world > 1:
+            cfg.timeout_ms = PEER_TIMEOUT_MS
+        uid = group.unique_id(lib)
+        device = torch.cuda.current_device() if self.cuda else 0
         self.ctx = P()
-        check(lib, lib.ep_ctx_create(byref(self.ctx), 1, uid, 0, torch.cuda.current_device(),
+        check(lib, lib.ep_ctx_create(byref(self.ctx), group.world, uid, group.rank, device,
                                      byref(cfg)), "ep_ctx_create")
         self.handle = P()
         check(lib, lib.ep_handle_create(self.ctx, byref(self.handle)), "ep_handle_create")
         cap = c_int32()
         check(lib, lib.ep_get_dispatch_capacity(self.ctx, alignment, None, byref(cap)), "capacity")
         self.capacity = cap.value
-        self.hidden, self.experts, self.alignment = hidden, experts, alignment
-        dev = "cuda"
+        local = experts // group.world
+        self.hidden, self.experts, self.alignment = hidden, local, alignment
+        dev = "cuda" if self.cuda else "cpu"
         self.expert_x = torch.empty(self.capacity * hidden * 2, dtype=torch.uint8, device=dev)
         self.expert_scales = torch.empty(self.capacity, hidden // 128, dtype=torch.float32, device=dev)
         self.expert_weights = torch.empty(self.capacity, dtype=torch.float32, device=dev)
         self.expert_src_row = torch.empty(self.capacity, dtype=torch.int32, device=dev)
-        self.expert_offsets = torch.empty(experts + 1, dtype=torch.int32, device=dev)
-        self.expert_counts = torch.empty(experts, dtype=torch.int32, device=dev)
+        self.expert_offsets = torch.empty(local + 1, dtype=torch.int32, device=dev)
+        self.expert_counts = torch.empty(local, dtype=torch.int32, device=dev)
 
     def stream(self):
-        return P(torch.cuda.current_stream().cuda_stream)
+        return P(torch.cuda.current_stream().cuda_stream) if self.cuda else None
 
     def dispatch_args(self, x, x_scales, topk_idx, topk_weights, dtype):
         a = init(self.lib, ep_dispatch_args_t, "ep_dispatch_args_init")
@@ -207,17 +319,18 @@ class Ep:
         s = c_int32()
         check(self.lib, self.lib.ep_ctx_get_async_error(self.ctx, byref(s)), "async error")
         if s.value != EP_SUCCESS:
-            raise RuntimeError("async error %d: %s" % (s.value, self.lib.ep_get_last_error().decode()))
+            raise EpError("async error %d: %s" % (s.value, self.lib.ep_get_last_error().decode()))
 
     def close(self):
-        torch.cuda.synchronize()
+        if self.cuda:
+            torch.cuda.synchronize()
         self.lib.ep_handle_destroy(self.handle)
         self.lib.ep_ctx_destroy(self.ctx)
 
 
-def routing(tokens, experts, topk):
-    idx = torch.rand(tokens, experts, device="cuda").topk(topk, dim=1).indices.to(torch.int32)
-    weights = torch.rand(tokens, topk, device="cuda", dtype=torch.float32)
+def routing(tokens, experts, topk, dev="cuda"):
+    idx = torch.rand(tokens, experts, device=dev).topk(topk, dim=1).indices.to(torch.int32)
+    weights = torch.rand(tokens, topk, device=dev, dtype=torch.float32)
     return idx.contiguous(), weights.contiguous()
 
 
@@ -230,50 +343,90 @@ def grouped_fp8(a, a_scale, w, w_scale, offs):
                                     out_dtype=torch.bfloat16)
 
 
-def run(args):
+def fmt_us(us):
+    return "%.1f" % us if us else "n/a"
+
+
+def run(args, group):
+    """Every op of every shape on this rank; rank 0 prints the slowest
+    rank's figures."""
     lib = load(args.lib)
+    cuda = args.backend == "gpu"
+    dev = "cuda" if cuda else "cpu"
+    dims = GPU_DIMS if cuda else HOST_DIMS
     torch.manual_seed(0)
-    hidden, n1, k2, experts, topk = 7168, 4096, 2048, 32, 8
+    hidden, n1, k2, experts, topk = dims.hidden, dims.n1, dims.k2, dims.experts, dims.topk
+    local = experts // group.world
     rows_out = []
+    medians = {}
+    # (fused row, (label, row) of communication alone, (label, row) of GEMM
+    # alone) for the closing ratios.
+    targets = []
+    lead = group.rank == 0
 
     def row(name, us, flops):
         tflops = flops / us / 1e6 if us and flops else None
         rows_out.append((name, us, tflops))
-        print("  %-48s %10s us %8s TFLOP/s" % (
-            name, "%.1f" % us if us else "n/a", "%.0f" % tflops if tflops else "-"), flush=True)
+        medians[name] = us
+        if lead:
+            print("  %-48s %10s us %8s TFLOP/s" % (
+                name, fmt_us(us), "%.0f" % tflops if tflops else "-"), flush=True)
+
+    def measure(name, fn):
+        """This rank's median of fn (None if it failed here). The ranks meet
+        before the warm-up and before the timed runs, also where fn failed,
+        so that every rank passes every barrier. With several ranks a failed
+        ep call ends the run: its peers would wait for it in the call."""
+        group.barrier()
+        met = []
+
+        def meet():
+            met.append(True)
+            group.barrier()
+
+        try:
+            return time_op(fn, args.iters, args.warmup, meet, cuda)
+        except Exception as e:  # e.g. a baseline that this torch cannot run
+            if isinstance(e, EpError) and group.world > 1:
+                raise
+            # The first line: torch's dispatcher errors list every backend.
+            print("  %s%s: %s" % (group.tag, name, (str(e).strip().splitlines() or [repr(e)])[0]),
+                  flush=True)
+            if not met:
+                group.barrier()
+            return None
 
     def timed(name, fn, flops):
-        try:
-            us = time_op(fn, args.iters, args.warmup)
-        except Exception as e:  # a baseline that this torch cannot run
-            print("  %s: %s" % (name, e), flush=True)
-            us = None
-        row(name, us, flops)
+        row(name, group.slowest(measure(name, fn)), flops)
 
-    shapes = {"w3": 4096, "decode": 128}
     for shape in args.shapes.split(","):
-        tokens = shapes[shape]
-        torch.manual_seed(tokens)
-        x = (torch.rand(tokens, hidden, device="cuda") * 2 - 1).to(torch.bfloat16)
+        tokens = dims.tokens[shape]
+        torch.manual_seed(tokens + RANK_SEED_STRIDE * group.rank)
+        x = (torch.rand(tokens, hidden, device=dev) * 2 - 1).to(torch.bfloat16)
         xq, xs = quantize_fp8(x)
-        idx, wts = routing(tokens, experts, topk)
+        idx, wts = routing(tokens, experts, topk, dev)
         rows = tokens * topk
-        w1 = (torch.randn(experts, n1, hidden, device="cuda") * 0.05).to(torch.bfloat16)
-        w2 = (torch.randn(experts, hidden, k2, device="cuda") * 0.05).to(torch.bfloat16)
+        w1 = (torch.randn(local, n1, hidden, device=dev) * 0.05).to(torch.bfloat16)
+        w2 = (torch.randn(local, hidden, k2, device=dev) * 0.05).to(torch.bfloat16)
         w1q, w1s = weight_block_scales(w1)
         w2q, w2s = weight_block_scales(w2)
         f1, f2 = 2.0 * rows * n1 * hidden, 2.0 * rows * hidden * k2
-        print("%s: %d tokens, top-%d of %d experts, hidden %d; GEMM1 n %d; GEMM2 k %d"
-              % (shape, tokens, topk, experts, hidden, n1, k2), flush=True)
+        if lead and group.world == 1:
+            print("%s: %d tokens, top-%d of %d experts, hidden %d; GEMM1 n %d; GEMM2 k %d"
+                  % (shape, tokens, topk, experts, hidden, n1, k2), flush=True)
+        elif lead:
+            print("%s: %d tokens per rank on %d ranks, top-%d of %d experts (%d per rank), "
+                  "hidden %d; GEMM1 n %d; GEMM2 k %d"
+                  % (shape, tokens, group.world, topk, experts, local, hidden, n1, k2), flush=True)
         # Fused calls with single blocks (the default) and clusters of 2; the
         # library reads EP_MEGA_CLUSTER when a context is created.
         for cluster in args.clusters.split(","):
             os.environ["EP_MEGA_CLUSTER"] = cluster
-            ep = Ep(lib, hidden, topk, experts, tokens, 128)
-            y1 = torch.empty(ep.capacity, n1, dtype=torch.bfloat16, device="cuda")
-            y2 = torch.empty(ep.capacity, hidden, dtype=torch.bfloat16, device="cuda")
-            out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device="cuda")
-            x2 = (torch.rand(ep.capacity, k2, device="cuda") * 2 - 1).to(torch.bfloat16)
+            ep = Ep(lib, group, args.backend, hidden, topk, experts, tokens, ALIGNMENT)
+            y1 = torch.empty(ep.capacity, n1, dtype=torch.bfloat16, device=dev)
+            y2 = torch.empty(ep.capacity, hidden, dtype=torch.bfloat16, device=dev)
+            out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=dev)
+            x2 = (torch.rand(ep.capacity, k2, device=dev) * 2 - 1).to(torch.bfloat16)
             x2q, x2s = quantize_fp8(x2)
             baselines = cluster == args.clusters.split(",")[0]
             for dtype, name in [(EP_DTYPE_BF16, "BF16"), (EP_DTYPE_FP8_E4M3, "FP8")]:
@@ -282,59 +435,200 @@ def run(args):
                 a = ep.dispatch_args(xq if fp8 else x, xs if fp8 else None, idx, wts, dtype)
                 w1_, w1s_ = (w1q, w1s) if fp8 else (w1, None)
                 w2_, w2s_ = (w2q, w2s) if fp8 else (w2, None)
-                timed("%s fused dispatch+GEMM (clusters of %s)" % (tag, cluster),
-                      lambda: ep.mega_dispatch_gemm(a, dtype, w1_, w1s_, y1, n1), f1)
+                fused1 = "%s fused dispatch+GEMM (clusters of %s)" % (tag, cluster)
+                timed(fused1, lambda: ep.mega_dispatch_gemm(a, dtype, w1_, w1s_, y1, n1), f1)
                 ep.status()
                 ep.dispatch(a)
-                timed("%s fused GEMM+combine (clusters of %s)" % (tag, cluster),
-                      lambda: ep.mega_gemm_combine(dtype, x2q if fp8 else x2, x2s if fp8 else None,
-                                                   w2_, w2s_, y2, out), f2)
+                fused2 = "%s fused GEMM+combine (clusters of %s)" % (tag, cluster)
+                timed(fused2, lambda: ep.mega_gemm_combine(dtype, x2q if fp8 else x2,
+                                                           x2s if fp8 else None,
+                                                           w2_, w2s_, y2, out), f2)
                 ep.status()
+                dispatch_alone = "%s ep_dispatch alone (expert-major)" % tag
+                combine_alone = "%s ep_combine alone (expert-major)" % tag
+                gemm1_alone = "%s torch GEMM1 alone" % tag
+                gemm2_alone = "%s torch GEMM2 alone" % tag
+                targets.append((fused1, ("ep_dispatch alone", dispatch_alone),
+                                ("torch GEMM1 alone", gemm1_alone)))
+                targets.append((fused2, ("ep_combine alone", combine_alone),
+                                ("torch GEMM2 alone", gemm2_alone)))
                 if not baselines:
                     continue
                 offs = ep.expert_offsets[1:]
                 ex = ep.expert_x[:ep.capacity * hidden * (1 if fp8 else 2)]
                 ex = ex.view(torch.float8_e4m3fn if fp8 else torch.bfloat16).view(ep.capacity, hidden)
-                ones_m = torch.ones(ep.capacity, device="cuda")
-                ones_w1 = torch.ones(experts, n1, device="cuda")
-                ones_w2 = torch.ones(experts, hidden, device="cuda")
+                ones_m = torch.ones(ep.capacity, device=dev)
+                ones_w1 = torch.ones(local, n1, device=dev)
+                ones_w2 = torch.ones(local, hidden, device=dev)
                 if fp8:
                     gemm1 = lambda: grouped_fp8(ex, ones_m, w1q, ones_w1, offs)
                     gemm2 = lambda: grouped_fp8(x2q, ones_m, w2q, ones_w2, offs)
                 else:
                     gemm1 = lambda: grouped_bf16(ex, w1, offs)
                     gemm2 = lambda: grouped_bf16(x2, w2, offs)
-                timed("%s ep_dispatch alone (expert-major)" % tag, lambda: ep.dispatch(a), None)
+                timed(dispatch_alone, lambda: ep.dispatch(a), None)
                 timed("%s unfused ep_dispatch + torch GEMM" % tag,
                       lambda: (ep.dispatch(a), gemm1()), f1)
-                timed("%s torch GEMM1 alone" % tag, gemm1, f1)
+                timed(gemm1_alone, gemm1, f1)
+                # y2 holds the fused GEMM+combine's rows of the same dispatch.
+                timed(combine_alone, lambda: ep.combine(y2, out), None)
                 timed("%s unfused torch GEMM + ep_combine" % tag,
                       lambda: ep.combine(gemm2(), out), f2)
-                timed("%s torch GEMM2 alone" % tag, gemm2, f2)
+                timed(gemm2_alone, gemm2, f2)
                 ep.status()
             ep.close()
 
+    if not lead:
+        return
     print()
+    if group.world > 1:
+        print("median us: the slowest of the %d ranks' medians" % group.world)
     print("| op | median us | TFLOP/s |")
     print("| --- | ---: | ---: |")
     for name, us, tflops in rows_out:
-        print("| %s | %s | %s |" % (name, "%.1f" % us if us else "n/a",
-                                    "%.0f" % tflops if tflops else "-"))
+        print("| %s | %s | %s |" % (name, fmt_us(us), "%.0f" % tflops if tflops else "-"))
+    print()
+    print("Fused / max(communication alone, GEMM alone), target at most %.2f:" % TARGET_RATIO)
+    for fused, (comm_label, comm), (gemm_label, gemm) in targets:
+        f, c, g = medians.get(fused), medians.get(comm), medians.get(gemm)
+        parts = "max(%s %s us, %s %s us)" % (comm_label, fmt_us(c), gemm_label, fmt_us(g))
+        if f and c and g:
+            ratio = f / max(c, g)
+            verdict = "met" if ratio <= TARGET_RATIO else "missed"
+            print("  %s: %.2f = %s us / %s: %s" % (fused, ratio, fmt_us(f), parts, verdict))
+        else:
+            print("  %s: n/a = %s us / %s" % (fused, fmt_us(f), parts))
+
+
+def header(args, world):
+    if args.backend == "host":
+        device = "CPU, host backend (small shapes, wall-clock: a smoke run)"
+    else:
+        device = torch.cuda.get_device_name()
+    if world > 1:
+        device = "%d x %s, %d ranks (one process each)" % (world, device, world)
+    print("date: %s, device: %s, torch %s" % (time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                              device, torch.__version__), flush=True)
+
+
+def watch_parent(parent):
+    """Ends this rank's process once its parent (launch()) is gone."""
+    while True:
+        time.sleep(1)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def rank_main(args, rank, world, shared, parent):
+    """Rank `rank` of a --ranks run, in a process of its own (started with
+    'spawn': no CUDA state inherited), on GPU `rank`. A failure prints its
+    traceback and ends the process with status 1 (launch() then stops the
+    other ranks)."""
+    threading.Thread(target=watch_parent, args=(parent,), daemon=True).start()
+    try:
+        if args.backend == "gpu":
+            torch.cuda.set_device(rank)
+        if rank == 0:
+            header(args, world)
+        run(args, Group(rank, world, *shared))
+    except BaseException:
+        sys.stdout.flush()
+        sys.stderr.write("rank %d failed:\n%s" % (rank, traceback.format_exc()))
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def stop(procs):
+    """Ends the ranks' processes that are still running."""
+    procs = [p for p in procs if p.pid is not None]  # those started
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def launch(args):
+    """--ranks N > 1: N processes, rank r on GPU r. Returns the exit status:
+    0 when every rank ended well; 1 as soon as one fails (the others are
+    stopped) or when --timeout runs out."""
+    n = args.ranks
+    mp = multiprocessing.get_context("spawn")
+    shared = (mp.Barrier(n), mp.RawArray("B", EP_UNIQUE_ID_BYTES), mp.RawArray("d", n))
+    procs = [mp.Process(target=rank_main, args=(args, r, n, shared, os.getpid()),
+                        name="rank %d" % r) for r in range(n)]
+
+    def on_term(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    failure = None
+    deadline = time.monotonic() + args.timeout
+    try:
+        for p in procs:
+            p.start()
+        running = list(procs)
+        while running and not failure:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                failure = "the run took longer than --timeout %d s" % args.timeout
+                break
+            multiprocessing.connection.wait([p.sentinel for p in running], min(left, 5.0))
+            # One look at each exit status: a rank may end between two looks.
+            codes = [(p, p.exitcode) for p in running]
+            failed = ["%s ended with %s" % (p.name, "status %d" % c if c > 0 else "signal %d" % -c)
+                      for p, c in codes if c is not None and c != 0]
+            if failed:
+                failure = ", ".join(failed)
+            running = [p for p, c in codes if c is None]
+    finally:
+        stop(procs)
+    if failure:
+        print("mega_bench: %s; stopped every rank" % failure, file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lib", default=os.environ.get("EP_LIB", os.path.join(here, "libep.so")))
+    p.add_argument("--ranks", type=int, default=1,
+                   help="ranks, one process and one GPU each (rank r on GPU r); default 1")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--shapes", default="w3,decode", help="comma list of w3, decode")
     p.add_argument("--clusters", default="1",
                    help="cluster sizes of the fused kernels to time (EP_MEGA_CLUSTER)")
+    p.add_argument("--backend", choices=["gpu", "host"], default="gpu",
+                   help="host: the host backend on CPU tensors, small shapes (a smoke run)")
+    p.add_argument("--timeout", type=int, default=1800,
+                   help="with --ranks > 1: stop every rank and fail after this many seconds")
     args = p.parse_args()
-    print("date: %s, device: %s, torch %s" % (time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                              torch.cuda.get_device_name(), torch.__version__))
-    run(args)
+    dims = GPU_DIMS if args.backend == "gpu" else HOST_DIMS
+    unknown = set(args.shapes.split(",")) - set(dims.tokens)
+    if unknown:
+        p.error("unknown shape(s) %s (known: %s)" % (", ".join(sorted(unknown)),
+                                                      ", ".join(dims.tokens)))
+    if args.iters < 1 or args.warmup < 0:
+        p.error("--iters must be at least 1 and --warmup at least 0")
+    if not 1 <= args.ranks <= EP_MAX_WORLD_SIZE or dims.experts % args.ranks:
+        p.error("--ranks %d: the ranks must divide the %d experts (at most %d ranks)"
+                % (args.ranks, dims.experts, EP_MAX_WORLD_SIZE))
+    if args.backend == "gpu" and args.ranks > 1 and args.ranks > torch.cuda.device_count():
+        p.error("--ranks %d needs %d GPUs, this machine has %d"
+                % (args.ranks, args.ranks, torch.cuda.device_count()))
+    if args.timeout < 1:
+        p.error("--timeout must be at least 1 second")
+    os.environ.update(NO_MULTICAST_ENV)
+    if args.ranks > 1:
+        return launch(args)
+    header(args, 1)
+    run(args, Group())
+    return 0
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@
 # (bench/mega_bench.py, which needs torch), then an optional profile.
 #   bash .gpu/gpu-mega.sh [budget-seconds] [steps]
 # steps: a comma list of tests,sanitizer,bench,profile (default tests,bench).
+# MEGA_RANKS=N (default 1) runs the benchmark on N GPUs (mega_bench.py
+# --ranks N: one process per GPU, one context); the profile stays on one.
 # Logs go to $OUT (default ./gpu-out). Never changes clocks or resets GPUs.
 BUDGET="${1:-540}"
 STEPS=",${2:-tests,bench},"
@@ -41,10 +43,14 @@ fi
 # Single blocks (the default kernels) only, unless MEGA_CLUSTERS says
 # otherwise (1,2 adds the experimental clusters of 2; bench/RESULTS.md).
 CLUSTERS=${MEGA_CLUSTERS:-1}
+RANKS=${MEGA_RANKS:-1}
+# Several ranks add the processes' start and the contexts' rendezvous.
+BENCH_TIMEOUT=240
+[ "$RANKS" != 1 ] && BENCH_TIMEOUT=360
 if [[ "$STEPS" == *,bench,* ]]; then
   [ "$HUNG" -eq 1 ] && CLUSTERS=1
-  mega_step "bench fused vs unfused vs torch" 30 240 env PYTHONUNBUFFERED=1 \
-    python3 "$G/mega_bench.py" --lib "$G/libep.so" --clusters "$CLUSTERS"
+  mega_step "bench fused vs unfused vs torch" 30 "$BENCH_TIMEOUT" env PYTHONUNBUFFERED=1 \
+    python3 "$G/mega_bench.py" --lib "$G/libep.so" --ranks "$RANKS" --clusters "$CLUSTERS"
 fi
 if [[ "$STEPS" == *,profile,* ]]; then
   # Every fused launch of one W3 run of each cluster size under ncu (clocks

@@ -277,7 +277,11 @@ fn gpu_mega_skips_the_tests_after_a_hang_and_benchmarks_single_blocks() {
         &dir,
         &g.join("gpu-mega.sh"),
         &["540", "tests,bench"],
-        &[("TEST_TIMEOUT", "1"), ("MEGA_CLUSTERS", "1,2")],
+        &[
+            ("TEST_TIMEOUT", "1"),
+            ("MEGA_CLUSTERS", "1,2"),
+            ("MEGA_RANKS", "2"),
+        ],
     );
     assert_eq!(status, 1, "{out}");
     assert_eq!(
@@ -298,6 +302,9 @@ fn gpu_mega_skips_the_tests_after_a_hang_and_benchmarks_single_blocks() {
     assert!(log.contains("=== test decode_shape_matches_the_reference (timeout 1s)"));
     assert!(log.contains("mega_bench.py --lib"));
     assert!(log.contains("--clusters 1\n"), "{log}");
+    // MEGA_RANKS goes to the benchmark, which then gets more time.
+    assert!(log.contains("=== bench fused vs unfused vs torch (timeout 360s)"));
+    assert!(log.contains("--ranks 2 --clusters 1\n"), "{log}");
     assert!(!log.contains("w3_shape"), "{log}");
 }
 
