@@ -1,24 +1,29 @@
 #!/usr/bin/env bash
 # The run on a machine of several GPUs (2, 4 or 8), on what
-# scripts/gpu-package.sh put into .gpu/, in two parts that each fit in
-# ten minutes:
-#   bash .gpu/gpu-multi.sh tests [budget-seconds]   (default budget 540)
-#   bash .gpu/gpu-multi.sh bench [budget-seconds]
-# tests: every GPU test binary with a GPU per rank (ranks as threads and as
-#   processes; the binaries in parallel lanes), the long repeatability runs
-#   (10,000 randomized dispatch+combine iterations, normal and low-latency,
-#   twice, hashes compared), the killed-rank tests, the Python package's torch
-#   tests, the NCCL-communicator suites, the C demo, and the suites whose
-#   ranks share one GPU (CUDA_VISIBLE_DEVICES=0).
-# bench: W1 (normal mode, 4096 tokens: 24 SMs and an SM sweep) and W2
-#   (low-latency mode, 1 and 128 tokens) at every world size up to the GPUs,
-#   each beside an NCCL all-to-all of the same payload; W3 (the fused calls)
-#   at one rank and a rank per GPU; the hierarchical plans' bytes per leg.
+# scripts/gpu-package.sh put into .gpu/, in parts that each fit in ten
+# minutes:
+#   bash .gpu/gpu-multi.sh PARTS [budget-seconds]   (default budget 540)
+# PARTS: a comma list of
+#   lanes   every GPU test binary with a GPU per rank (ranks as threads and
+#           as processes; the binaries in parallel lanes), and beside them
+#           the long repeatability runs (10,000 randomized dispatch+combine
+#           iterations, normal and low-latency, twice, hashes compared);
+#   shared  the normal-mode suites with every rank on one GPU
+#           (CUDA_VISIBLE_DEVICES=0);
+#   checks  what must not share the GPUs with other tests (the leak test,
+#           which compares the device's free memory), the Python package's
+#           torch tests, the NCCL-communicator suites, the C demo;
+#   bench   W1 (normal mode: 256 and 4096 tokens, then an SM sweep) and W2
+#           (low-latency mode, 1 and 128 tokens) at a rank per GPU, each
+#           beside an NCCL all-to-all of the same payload; W3 (the fused
+#           calls) at one rank and a rank per GPU; the hierarchical plans'
+#           bytes per leg;
+#   tests   lanes,shared,checks.
 # Logs and JSON results go to $OUT (default ./gpu-out), packed into
-# $OUT/logs.tgz at the end (with summary.txt beside it), so that a runner
-# that fetches only a few files gets them all. Never changes clocks or
-# resets GPUs.
-PART="${1:-tests}"
+# $OUT/logs-<parts>.tgz at the end (with summary-<parts>.txt beside it), so
+# that a runner that fetches only a few files gets them all. Never changes
+# clocks or resets GPUs.
+PARTS="${1:-tests}"
 BUDGET="${2:-540}"
 FINAL_OUT="${OUT:-./gpu-out}"
 OUT="$(mktemp -d)/gpu-multi"
@@ -33,27 +38,27 @@ fi
 gpu_header "$OUT/gpus.log" --topology
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 T="$G/tests"
-# The repeatability tests (long: run on their own, below) and their length.
+# The repeatability tests (long: run beside the lanes) and their length, and
+# the leak test (it compares the device's free memory: run alone, in checks).
 REPEAT_FILTER=two_runs_of_random_iterations
+LEAK_TEST=destroy_after_an_async_error_or_a_timeout_leaks_nothing
 REPEAT_ITERS="${EP_REPEAT_ITERS:-10000}"
 REPEATS=()
 
-# pack: the logs into $FINAL_OUT/logs.tgz, the summary beside them.
-pack() {
-  mkdir -p "$FINAL_OUT"
-  tar -C "$(dirname "$OUT")" -czf "$FINAL_OUT/logs.tgz" gpu-multi
-  cp "$OUT/summary.txt" "$FINAL_OUT/" 2>/dev/null || true
-}
+NAME="$(echo "$PARTS" | tr ',' '-')"
+[ "$PARTS" = tests ] && PARTS=lanes,shared,checks
+# has PART: whether PART is one of the parts asked for.
+has() { [[ ",$PARTS," == *",$1,"* ]]; }
 
 # lane BINARY...: runs each test binary in turn (every test of it, one at a
-# time, but the repeatability tests), each with its own timeout and log;
+# time, but the repeatability and leak tests), each with its own timeout and log;
 # writes the result of each to $OUT/<binary>.result.
 lane() {
   local bin rc
   for bin in "$@"; do
     [ -x "$T/$bin" ] || { echo "missing" > "$OUT/$bin.result"; continue; }
     timeout --kill-after=10 "$LANE_LIMIT" "$T/$bin" --ignored --test-threads=1 --show-output \
-      --skip "$REPEAT_FILTER" > "$OUT/test_$bin.log" 2>&1
+      --skip "$REPEAT_FILTER" --skip "$LEAK_TEST" > "$OUT/test_$bin.log" 2>&1
     rc=$?
     if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then echo timeout; elif [ $rc -ne 0 ]; then
       echo "fail($rc)"; else echo pass; fi > "$OUT/$bin.result"
@@ -73,7 +78,7 @@ lanes_done() {
   done
 }
 
-if [ "$PART" = tests ]; then
+if has lanes; then
   # 1. Every binary, in four lanes of about equal length, and beside them
   # the repeatability tests (each runs its iterations twice and compares).
   LANE_LIMIT=$(( BUDGET * 6 / 10 ))
@@ -94,14 +99,21 @@ if [ "$PART" = tests ]; then
   echo "=== lanes took $(( $(date +%s) - t0 ))s"
   lanes_done gpu_low_latency gpu_collectives gpu_normal gpu_hierarchical gpu_nccl gpu_mega \
     gpu_kernels gpu_contract gpu_context
+fi
 
-  # 2. Ranks sharing one GPU (threads of one process).
+# 2. Ranks sharing one GPU (threads of one process).
+if has shared; then
   for bin in gpu_normal gpu_contract gpu_hierarchical; do
     step "shared GPU $bin" 40 150 env CUDA_VISIBLE_DEVICES=0 "$T/$bin" --ignored \
       --test-threads=1 --show-output --skip "$REPEAT_FILTER"
   done
+fi
 
-  # 3. Python with torch, contexts from NCCL communicators, the C programs.
+# 3. Alone on the GPUs: the leak test, Python with torch, contexts from NCCL
+# communicators, the C programs.
+if has checks; then
+  step "leak test alone" 20 120 "$T/gpu_context" --ignored --test-threads=1 --show-output \
+    --exact "$LEAK_TEST"
   PY=(env EP_LIBRARY="$G/libep.so" PYTHONPATH="$G/python" python3)
   step "python torch tests" 40 150 env EP_REQUIRE_GPU=1 "${PY[@]}" -m pytest -q \
     -p no:cacheprovider "$G/python/tests/test_gpu_torch.py"
@@ -117,8 +129,10 @@ if [ "$PART" = tests ]; then
     step "nccl example $NGPU ranks" 10 60 "$G/nccl_context" "$NGPU"
   fi
   step "demo gpu $NGPU ranks" 10 60 env EP_BACKEND=gpu "$G/demo" "$NGPU"
+fi
 
-  # 4. The repeatability tests' results.
+# 4. The repeatability tests' results (started with the lanes).
+if has lanes; then
   for entry in "${REPEATS[@]}"; do
     bin=${entry%%:*}
     wait "${entry#*:}"
@@ -128,7 +142,9 @@ if [ "$PART" = tests ]; then
     [ "$res" = pass ] || FAILED=1
     SUMMARY+=("$(printf "%-${NAME_WIDTH}s %-8s %6s" "repeat $bin x$REPEAT_ITERS" "$res" "-")")
   done
-elif [ "$PART" = bench ]; then
+fi
+
+if has bench; then
   B="$G/ep-bench"
   bench() {
     local name="$1" need="$2" limit="$3"; shift 3
@@ -137,11 +153,13 @@ elif [ "$PART" = bench ]; then
   # W1 and W2 at a rank per GPU first (the targets), then at 2 ranks.
   bench "W1 normal ${NGPU} ranks" 60 150 --ranks "$NGPU" --mode normal --sweep-tokens 256,4096 --iters 30
   bench "W2 ll ${NGPU} ranks" 40 120 --ranks "$NGPU" --mode ll --sweep-tokens 1,128 --iters 200
-  # W3: the fused calls, one rank then a rank per GPU.
-  step "W3 fused 1 rank" 40 150 env PYTHONUNBUFFERED=1 python3 "$G/mega_bench.py" \
-    --lib "$G/libep.so" --iters 20
+  # W3 at a rank per GPU, the SM sweep of W1, then W3 at one rank.
   step "W3 fused ${NGPU} ranks" 40 180 env PYTHONUNBUFFERED=1 python3 "$G/mega_bench.py" \
     --lib "$G/libep.so" --iters 20 --ranks "$NGPU"
+  bench "W1 SM sweep ${NGPU} ranks" 60 180 --ranks "$NGPU" --mode normal --sms-sweep 16,24,32,48,64 \
+    --iters 20
+  step "W3 fused 1 rank" 40 150 env PYTHONUNBUFFERED=1 python3 "$G/mega_bench.py" \
+    --lib "$G/libep.so" --iters 20
   # Bytes per leg of the hierarchical plans on virtual nodes of each size.
   for rpn in 1 2 4; do
     [ "$rpn" -lt "$NGPU" ] || continue
@@ -152,14 +170,11 @@ elif [ "$PART" = bench ]; then
     bench "W1 normal 2 ranks" 60 150 --ranks 2 --mode normal --sweep-tokens 4096 --iters 30
     bench "W2 ll 2 ranks" 40 120 --ranks 2 --mode ll --sweep-tokens 128 --iters 200
   fi
-  bench "W1 SM sweep ${NGPU} ranks" 60 180 --ranks "$NGPU" --mode normal --sms-sweep 16,24,32,48,64 \
-    --iters 20
   cat "$OUT"/*.log 2>/dev/null | grep -E '^\||^\*\*|UTC, ' > "$OUT/results.md" || true
-else
-  echo "usage: gpu-multi.sh tests|bench [budget-seconds]" >&2
-  exit 2
 fi
 
-summary "logs in $FINAL_OUT/logs.tgz" | tee "$OUT/summary.txt"
-pack
+summary "logs in $FINAL_OUT/logs-$NAME.tgz" | tee "$OUT/summary.txt"
+mkdir -p "$FINAL_OUT"
+tar -C "$(dirname "$OUT")" -czf "$FINAL_OUT/logs-$NAME.tgz" gpu-multi
+cp "$OUT/summary.txt" "$FINAL_OUT/summary-$NAME.txt"
 exit "$FAILED"
