@@ -508,6 +508,13 @@ pub fn check_shape_on_nodes(
                 } else {
                     "source-order"
                 };
+                // A device error first: it explains an output left unwritten.
+                assert_eq!(
+                    async_status(ctx),
+                    EP_SUCCESS,
+                    "{what}: combine {kind}: {}",
+                    last_error()
+                );
                 exact &= assert_close(&got, combined, &format!("{what}: combine {kind}"));
             }
             assert_eq!(async_status(ctx), EP_SUCCESS, "{what}");

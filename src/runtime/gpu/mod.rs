@@ -484,6 +484,12 @@ impl Monitor for GpuMonitor {
                 Ok(words) => log::warning!("after a device timeout: {words}"),
                 Err(err) => log::warning!("after a device timeout: {err}"),
             }
+        } else if log::enabled(log::Level::Debug) {
+            // At DEBUG, the words at every look (a device read each time).
+            match self.signals.describe() {
+                Ok(words) => log::debug!("async status {}: {words}", status.code),
+                Err(err) => log::debug!("async status {}: {err}", status.code),
+            }
         }
         status.to_result()
     }
