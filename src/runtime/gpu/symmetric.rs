@@ -11,8 +11,7 @@
 //!   its host over the bootstrap's Unix channel, and maps every peer's
 //!   buffer. One host only. Ranks that share a GPU (threads of one process,
 //!   see `placement`) do not map each other's buffers again: they use the
-//!   owner's own buffer, which is plain device memory when every rank is on
-//!   that one GPU (see "Ranks sharing a GPU" below).
+//!   owner's own mapping (see "Ranks sharing a GPU" below).
 //! - [`NcclMemory`]: `ncclMemAlloc` + `ncclCommWindowRegister` (a symmetric
 //!   window) on an NCCL communicator; the peers of the LSA team (NCCL's
 //!   load/store-accessible ranks) are reached through `ncclGetLsaPointer`,
@@ -30,17 +29,11 @@
 //! barrier polls its own slots while the peers store into them), so with
 //! aliases a waiting rank could miss a peer's signal for good. Therefore
 //! every buffer on a GPU is reached through one virtual address only: each
-//! rank publishes its own buffer in a table of this process
-//! ([`OWN_BUFFERS`]), and a rank on the same GPU shares it (an `Arc`, so the
-//! buffer stays alive until its last user has gone) instead of importing
+//! rank publishes its own mapping in a table of this process
+//! ([`OWN_MAPPINGS`]), and a rank on the same GPU shares it (an `Arc`, so the
+//! buffer stays mapped until its last user has gone) instead of importing
 //! the descriptor. Peers on other GPUs map the buffer themselves: their
 //! accesses cross NVLink to the owner's memory, which is not an alias.
-//!
-//! When every rank is a thread on one GPU, no rank needs a descriptor, and
-//! the buffers are plain device memory (`cuMemAlloc`) instead of
-//! `cuMemCreate` allocations. (With `cuMemCreate` buffers and 2 ranks on
-//! one H200, a rank's stores into its peer's buffer were seen not to arrive
-//! during a combine; bench/RESULTS.md.)
 
 use super::super::bootstrap::Bootstrap;
 use super::super::cuda::{check, Device, DeviceBuffer};
@@ -90,6 +83,11 @@ struct Mapping {
     size: usize,
 }
 
+// SAFETY: a handle and an address are plain values, and the driver API is
+// thread-safe; ranks that share a mapping only read its fields.
+unsafe impl Send for Mapping {}
+unsafe impl Sync for Mapping {}
+
 impl Drop for Mapping {
     fn drop(&mut self) {
         let Ok(_context) = self.device.bind() else {
@@ -105,55 +103,31 @@ impl Drop for Mapping {
     }
 }
 
-/// A rank's buffer as this rank reaches it: a mapping of a physical
-/// allocation (this rank's own or a peer's, imported), or plain device
-/// memory when every rank is a thread on this one GPU (see "Ranks sharing a
-/// GPU"). The memory is released on drop.
-enum Buffer {
-    Mapped(Mapping),
-    Plain(DeviceBuffer),
-}
-
-impl Buffer {
-    /// The buffer's device address here.
-    fn base(&self) -> u64 {
-        match self {
-            Buffer::Mapped(mapping) => mapping.base,
-            Buffer::Plain(memory) => memory.ptr(),
-        }
-    }
-}
-
-// SAFETY: handles and addresses are plain values, and the driver API is
-// thread-safe; ranks that share a buffer only read its address.
-unsafe impl Send for Buffer {}
-unsafe impl Sync for Buffer {}
-
 /// The buffers of this process's ranks, by base address: where ranks
-/// sharing a GPU find each other's buffer (see "Ranks sharing a GPU").
-/// Entries of dropped buffers are pruned when the table is next used.
-static OWN_BUFFERS: Mutex<Vec<(u64, Weak<Buffer>)>> = Mutex::new(Vec::new());
+/// sharing a GPU find each other's mapping (see "Ranks sharing a GPU").
+/// Entries of dropped mappings are pruned when the table is next used.
+static OWN_MAPPINGS: Mutex<Vec<(u64, Weak<Mapping>)>> = Mutex::new(Vec::new());
 
-/// Lists `buffer` (a rank's own) in [`OWN_BUFFERS`].
-fn publish(buffer: &Arc<Buffer>) {
-    let mut table = OWN_BUFFERS.lock().unwrap_or_else(PoisonError::into_inner);
+/// Lists `mapping` (a rank's own buffer) in [`OWN_MAPPINGS`].
+fn publish(mapping: &Arc<Mapping>) {
+    let mut table = OWN_MAPPINGS.lock().unwrap_or_else(PoisonError::into_inner);
     table.retain(|(_, weak)| weak.strong_count() > 0);
-    table.push((buffer.base(), Arc::downgrade(buffer)));
+    table.push((mapping.base, Arc::downgrade(mapping)));
 }
 
-/// The live buffer of this process listed at `base`, if any.
-fn published(base: u64) -> Option<Arc<Buffer>> {
-    let table = OWN_BUFFERS.lock().unwrap_or_else(PoisonError::into_inner);
+/// The live mapping of this process listed at `base`, if any.
+fn published(base: u64) -> Option<Arc<Mapping>> {
+    let table = OWN_MAPPINGS.lock().unwrap_or_else(PoisonError::into_inner);
     table
         .iter()
         .filter(|(b, _)| *b == base)
         .find_map(|(_, weak)| weak.upgrade())
 }
 
-/// This rank's buffer and every peer's, index = rank (a peer on this GPU:
-/// the peer's own buffer, shared).
+/// This rank's buffer and the mappings of every peer's, index = rank (a
+/// peer on this GPU: the peer's own mapping, shared).
 pub struct NativeMemory {
-    buffers: Vec<Arc<Buffer>>,
+    mappings: Vec<Arc<Mapping>>,
     /// `[world]` device pointers to every rank's buffer, for kernels.
     peer_bases: DeviceBuffer,
     host_bases: Vec<u64>,
@@ -251,57 +225,77 @@ impl NativeMemory {
         )?;
         let size = bytes.max(1).div_ceil(granularity) * granularity;
 
-        // Every rank on this GPU: plain device memory, shared in-process.
-        // Otherwise a physical allocation exported as a descriptor.
-        let one_gpu = sharing.len() == boot.world();
-        let (own, own_fd) = if one_gpu {
-            (
-                Arc::new(Buffer::Plain(DeviceBuffer::new(device, size)?)),
-                None,
-            )
-        } else {
-            let (mapping, fd) = exported_allocation(device, &prop, size)?;
-            (Arc::new(Buffer::Mapped(mapping)), Some(fd))
-        };
-        publish(&own);
-        let fds = match &own_fd {
-            Some(fd) => boot.all_gather_fds(fd.as_fd())?,
-            None => Vec::new(),
-        };
-        let own_bases = boot.all_gather(&own.base().to_le_bytes())?;
-        let mut own = Some(own);
-        let mut buffers = Vec::with_capacity(boot.world());
-        for (rank, their_base) in own_bases.iter().enumerate() {
+        let mut own = 0;
+        // SAFETY: creates one physical allocation, owned by `own_mapping`.
+        check(
+            unsafe { sys::cuMemCreate(&mut own, size, &prop, 0) },
+            "cuMemCreate",
+        )?;
+        let own_mapping = Arc::new(map(device, own, size)?);
+        publish(&own_mapping);
+        let mut raw_fd: i32 = -1;
+        // SAFETY: writes one int (the descriptor) for a handle we own.
+        check(
+            unsafe {
+                sys::cuMemExportToShareableHandle(
+                    &mut raw_fd as *mut i32 as *mut std::ffi::c_void,
+                    own,
+                    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                    0,
+                )
+            },
+            "cuMemExportToShareableHandle",
+        )?;
+        // SAFETY: the driver gave us a new descriptor that nothing else owns.
+        let own_fd = unsafe { OwnedFd::from_raw_fd(raw_fd) };
+
+        let fds = boot.all_gather_fds(own_fd.as_fd())?;
+        let own_bases = boot.all_gather(&own_mapping.base.to_le_bytes())?;
+        let mut own_mapping = Some(own_mapping);
+        let mut mappings = Vec::with_capacity(boot.world());
+        for (rank, fd) in fds.iter().enumerate() {
             if rank == boot.rank() {
-                buffers.extend(own.take());
+                mappings.extend(own_mapping.take());
                 continue;
             }
             if sharing.contains(&rank) {
-                // The peer published its buffer before the all-gathers.
-                let base = their_base
+                // The peer published its mapping before the all-gathers.
+                let base = own_bases[rank]
                     .as_slice()
                     .try_into()
                     .map(u64::from_le_bytes)
                     .map_err(|_| Error::remote(format!("rank {rank} sent a malformed address")))?;
                 let shared = published(base).ok_or_else(|| {
                     Error::remote(format!(
-                        "rank {rank} shares this GPU but its buffer is not in this process \
+                        "rank {rank} shares this GPU but its buffer is not mapped in this process \
                          (it left the group during create)"
                     ))
                 })?;
-                buffers.push(shared);
+                mappings.push(shared);
                 continue;
             }
-            let fd = fds
-                .get(rank)
-                .and_then(Option::as_ref)
+            let fd = fd
+                .as_ref()
                 .ok_or_else(|| Error::internal(format!("rank {rank} sent no buffer")))?;
-            buffers.push(Arc::new(Buffer::Mapped(import(device, fd, size)?)));
+            let mut handle = 0;
+            // SAFETY: imports a descriptor the peer exported; the driver
+            // takes the descriptor's number in the pointer argument.
+            check(
+                unsafe {
+                    sys::cuMemImportFromShareableHandle(
+                        &mut handle,
+                        fd.as_raw_fd() as isize as *mut std::ffi::c_void,
+                        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                    )
+                },
+                "cuMemImportFromShareableHandle",
+            )?;
+            mappings.push(Arc::new(map(device, handle, size)?));
         }
-        // Every rank is reached: no base is 0.
-        let bases: Vec<u64> = buffers.iter().map(|b| b.base()).collect();
+        // Every rank is mapped: no base is 0.
+        let bases: Vec<u64> = mappings.iter().map(|m| m.base).collect();
         let memory = NativeMemory {
-            buffers,
+            mappings,
             peer_bases: DeviceBuffer::from_host(device, &bases)?,
             host_bases: bases,
             rank: boot.rank(),
@@ -317,58 +311,9 @@ impl NativeMemory {
     }
 }
 
-/// A new physical allocation of `size` bytes on `device`, mapped here, and
-/// a descriptor of it for the peers (`cuMemExportToShareableHandle`).
-fn exported_allocation(
-    device: &Device,
-    prop: &sys::CUmemAllocationProp,
-    size: usize,
-) -> Result<(Mapping, OwnedFd)> {
-    let mut own = 0;
-    // SAFETY: creates one physical allocation, owned by the mapping.
-    check(
-        unsafe { sys::cuMemCreate(&mut own, size, prop, 0) },
-        "cuMemCreate",
-    )?;
-    let mapping = map(device, own, size)?;
-    let mut raw_fd: i32 = -1;
-    // SAFETY: writes one int (the descriptor) for a handle we own.
-    check(
-        unsafe {
-            sys::cuMemExportToShareableHandle(
-                &mut raw_fd as *mut i32 as *mut std::ffi::c_void,
-                own,
-                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                0,
-            )
-        },
-        "cuMemExportToShareableHandle",
-    )?;
-    // SAFETY: the driver gave us a new descriptor that nothing else owns.
-    Ok((mapping, unsafe { OwnedFd::from_raw_fd(raw_fd) }))
-}
-
-/// A peer's allocation from its descriptor `fd`, mapped here.
-fn import(device: &Device, fd: &OwnedFd, size: usize) -> Result<Mapping> {
-    let mut handle = 0;
-    // SAFETY: imports a descriptor the peer exported; the driver takes the
-    // descriptor's number in the pointer argument.
-    check(
-        unsafe {
-            sys::cuMemImportFromShareableHandle(
-                &mut handle,
-                fd.as_raw_fd() as isize as *mut std::ffi::c_void,
-                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-            )
-        },
-        "cuMemImportFromShareableHandle",
-    )?;
-    map(device, handle, size)
-}
-
 impl SymmetricMemory for NativeMemory {
     fn own_base(&self) -> u64 {
-        self.buffers[self.rank].base()
+        self.mappings[self.rank].base
     }
 
     fn peer_bases(&self) -> u64 {
