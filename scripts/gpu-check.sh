@@ -40,8 +40,7 @@ R=$NGPU
 count_tests() {
   local p f s
   [ -f "$1" ] || return 0
-  p=$(grep -oE '[0-9]+ passed' "$1" | awk '{n += $1} END {print n + 0}')
-  f=$(grep -oE '[0-9]+ failed' "$1" | awk '{n += $1} END {print n + 0}')
+  read -r p f < <(test_counts "$1")
   s=$(grep -cE '^skipped ' "$1")
   TESTS_PASSED=$((TESTS_PASSED + p)); TESTS_FAILED=$((TESTS_FAILED + f))
   TESTS_SKIPPED=$((TESTS_SKIPPED + s))

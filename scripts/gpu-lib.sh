@@ -24,9 +24,32 @@ elapsed() { echo $(( $(date +%s) - START )); }
 # out_file NAME EXT: the file of $OUT for step NAME (spaces and slashes as _).
 out_file() { echo "$OUT/$(echo "$1" | tr ' /' '__').$2"; }
 
+# result_of RC: a command's result from its exit status: pass, fail(RC), or
+# timeout (124 or 137, from timeout(1)).
+result_of() {
+  if [ "$1" -eq 124 ] || [ "$1" -eq 137 ]; then echo timeout
+  elif [ "$1" -ne 0 ]; then echo "fail($1)"
+  else echo pass; fi
+}
+
+# test_counts LOG: the tests passed and failed in libtest log LOG ("P F").
+test_counts() {
+  local p f
+  p=$(grep -oE '[0-9]+ passed' "$1" 2>/dev/null | awk '{n += $1} END {print n + 0}')
+  f=$(grep -oE '[0-9]+ failed' "$1" 2>/dev/null | awk '{n += $1} END {print n + 0}')
+  echo "$p $f"
+}
+
+# summary_row NAME RESULT TIME: adds a row to the summary table; a result
+# other than pass or skipped makes the script fail.
+summary_row() {
+  SUMMARY+=("$(printf "%-${NAME_WIDTH}s %-8s %6s" "$1" "$2" "$3")")
+  case "$2" in pass|skipped) ;; *) FAILED=1;; esac
+}
+
 # skipped NAME WHY: records step NAME as skipped.
 skipped() {
-  SUMMARY+=("$(printf "%-${NAME_WIDTH}s %-8s %6s" "$1" skipped "-")")
+  summary_row "$1" skipped "-"
   echo "=== $1: skipped ($2)"
   LAST_RESULT=skipped
 }
@@ -55,11 +78,8 @@ step() {
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "${tee_args[@]}"
   local rc=${PIPESTATUS[0]}
   local dt=$(( $(date +%s) - t0 ))
-  local res=pass
-  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then res=timeout; elif [ "$rc" -ne 0 ]; then res="fail($rc)"; fi
-  [ "$res" = pass ] || FAILED=1
-  LAST_RESULT=$res
-  SUMMARY+=("$(printf "%-${NAME_WIDTH}s %-8s %5ss" "$name" "$res" "$dt")")
+  LAST_RESULT=$(result_of "$rc")
+  summary_row "$name" "$LAST_RESULT" "${dt}s"
 }
 
 # gpu_header LOG [--topology]: the date, the budget and the GPUs (with

@@ -54,14 +54,12 @@ has() { [[ ",$PARTS," == *",$1,"* ]]; }
 # time, but the repeatability and leak tests), each with its own timeout and log;
 # writes the result of each to $OUT/<binary>.result.
 lane() {
-  local bin rc
+  local bin
   for bin in "$@"; do
     [ -x "$T/$bin" ] || { echo "missing" > "$OUT/$bin.result"; continue; }
     timeout --kill-after=10 "$LANE_LIMIT" "$T/$bin" --ignored --test-threads=1 --show-output \
       --skip "$REPEAT_FILTER" --skip "$LEAK_TEST" > "$OUT/test_$bin.log" 2>&1
-    rc=$?
-    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then echo timeout; elif [ $rc -ne 0 ]; then
-      echo "fail($rc)"; else echo pass; fi > "$OUT/$bin.result"
+    result_of $? > "$OUT/$bin.result"
   done
 }
 
@@ -71,10 +69,8 @@ lanes_done() {
   local bin res p f
   for bin in "$@"; do
     res=$(cat "$OUT/$bin.result" 2>/dev/null || echo missing)
-    [ "$res" = pass ] || FAILED=1
-    p=$(grep -oE '[0-9]+ passed' "$OUT/test_$bin.log" 2>/dev/null | awk '{n += $1} END {print n + 0}')
-    f=$(grep -oE '[0-9]+ failed' "$OUT/test_$bin.log" 2>/dev/null | awk '{n += $1} END {print n + 0}')
-    SUMMARY+=("$(printf "%-${NAME_WIDTH}s %-8s %6s" "test $bin ($p passed, $f failed)" "$res" "-")")
+    read -r p f < <(test_counts "$OUT/test_$bin.log")
+    summary_row "test $bin ($p passed, $f failed)" "$res" "-"
   done
 }
 
@@ -136,11 +132,7 @@ if has lanes; then
   for entry in "${REPEATS[@]}"; do
     bin=${entry%%:*}
     wait "${entry#*:}"
-    rc=$?
-    res=pass
-    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then res=timeout; elif [ $rc -ne 0 ]; then res="fail($rc)"; fi
-    [ "$res" = pass ] || FAILED=1
-    SUMMARY+=("$(printf "%-${NAME_WIDTH}s %-8s %6s" "repeat $bin x$REPEAT_ITERS" "$res" "-")")
+    summary_row "repeat $bin x$REPEAT_ITERS" "$(result_of $?)" "-"
   done
 fi
 
