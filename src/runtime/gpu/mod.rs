@@ -436,6 +436,11 @@ struct SignalWords {
 }
 
 impl SignalWords {
+    /// [`Self::describe`], or why the words could not be read.
+    fn line(&self) -> String {
+        self.describe().unwrap_or_else(|err| err.to_string())
+    }
+
     /// The words as one line (device reads; only after a failure).
     fn describe(&self) -> Result<String> {
         let _context = self.device.bind()?;
@@ -480,16 +485,10 @@ impl Monitor for GpuMonitor {
     fn async_error(&self) -> Result<()> {
         let status = self.status.read(0);
         if status.code == abi::STATUS_TIMEOUT && !self.logged.swap(true, Ordering::Relaxed) {
-            match self.signals.describe() {
-                Ok(words) => log::warning!("after a device timeout: {words}"),
-                Err(err) => log::warning!("after a device timeout: {err}"),
-            }
+            log::warning!("after a device timeout: {}", self.signals.line());
         } else if log::enabled(log::Level::Debug) {
             // At DEBUG, the words at every look (a device read each time).
-            match self.signals.describe() {
-                Ok(words) => log::debug!("async status {}: {words}", status.code),
-                Err(err) => log::debug!("async status {}: {err}", status.code),
-            }
+            log::debug!("async status {}: {}", status.code, self.signals.line());
         }
         status.to_result()
     }
