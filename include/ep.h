@@ -603,10 +603,18 @@ ep_status_t ep_get_unique_id(struct ep_unique_id_t *id);
 // rank must pass its own stream to every call (the legacy default stream,
 // NULL, is refused with `EP_ERR_INVALID_ARGUMENT`: it would run their
 // kernels one after the other), and while a collective call is in flight
-// no rank thread may wait for the whole device (free device memory,
-// destroy a handle or context, synchronize the device or use the legacy
-// default stream) before it has made its own part of that call: that wait
-// would not end before the peers' kernels time out. Ranks in different
+// no thread of the process may wait for the whole device (allocate or free
+// device or pinned memory, destroy a context, synchronize the device, use
+// the legacy default stream, or launch a kernel for the first time, which
+// CUDA's lazy loading turns into such a wait), nor copy between the device
+// and pageable host memory on a stream with unfinished work (the copy
+// holds the driver's staging buffers while it waits; synchronize the
+// stream first or use pinned memory): such a wait also holds the other
+// threads' launches or copies, so a peer could not make its part of the call
+// before the kernels waiting for it time out. ep loads its kernels when the
+// context is created and handles need no such wait (see
+// `ep_handle_create`); make buffers and run each of your own kernels once
+// before the calls, or set `CUDA_MODULE_LOADING=EAGER`. Ranks in different
 // processes cannot share a GPU (their kernels do not run at once without
 // MPS): every rank's `ep_ctx_create` then fails with `EP_ERR_UNSUPPORTED`.
 //
@@ -756,6 +764,12 @@ ep_status_t ep_ll_combine_args_init(struct ep_ll_combine_args_t *args);
 ep_status_t ep_mega_args_init(struct ep_mega_args_t *args);
 
 // Creates a routing handle for `ctx`; free it with `ep_handle_destroy`.
+// On the GPU backend a handle's device arrays come from its context, which
+// makes two sets when it is created and keeps those of destroyed handles
+// for the next ones: creating and destroying handles then neither
+// allocates nor frees device memory (which, where ranks share a GPU, must
+// not happen while a call is in flight, see `ep_ctx_create`). A third
+// handle held at once allocates a set, freed with the context.
 // Pointers: `ctx` and `handle` are required.
 ep_status_t ep_handle_create(struct ep_ctx_t *ctx,
                              struct ep_handle_t **handle);

@@ -12,7 +12,10 @@
 # failed and of the parts they skipped (lines "skipped ...": too few GPUs or
 # too little memory). Never changes clocks or resets GPUs.
 # Environment: EP_GPU_TESTS_ONLY=1 stops after the tests; EP_GPU_TEST_ARGS adds
-# arguments to every test binary (e.g. "--skip leaks").
+# arguments to every test binary (e.g. "--skip leaks"); EP_TEST_WORLDS limits
+# the world sizes the tests run (on one GPU the whole suite takes longer than
+# 10 minutes: run EP_TEST_WORLDS=1,2,4 and EP_TEST_WORLDS=8 one after the
+# other).
 BUDGET="${1:-540}"
 # shellcheck source=scripts/gpu-lib.sh
 . "$(dirname "$0")/gpu-lib.sh"

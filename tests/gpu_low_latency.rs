@@ -265,6 +265,8 @@ fn fill_combine_buffer(ctx: &Ctx, y: &[bf16]) {
         "combine buffer",
     );
     assert_eq!(bytes, std::mem::size_of_val(y));
+    // An idle stream first (see `DevBuf::download`).
+    sync();
     // SAFETY: the buffer is device memory of `bytes` bytes; `y` outlives
     // the sync.
     cu(

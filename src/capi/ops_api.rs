@@ -135,6 +135,12 @@ pub unsafe extern "C" fn ep_mega_args_init(args: *mut ep_mega_args_t) -> ep_stat
 }
 
 /// Creates a routing handle for `ctx`; free it with `ep_handle_destroy`.
+/// On the GPU backend a handle's device arrays come from its context, which
+/// makes two sets when it is created and keeps those of destroyed handles
+/// for the next ones: creating and destroying handles then neither
+/// allocates nor frees device memory (which, where ranks share a GPU, must
+/// not happen while a call is in flight, see `ep_ctx_create`). A third
+/// handle held at once allocates a set, freed with the context.
 /// Pointers: `ctx` and `handle` are required.
 #[no_mangle]
 pub unsafe extern "C" fn ep_handle_create(

@@ -417,8 +417,8 @@ impl Module {
     }
 
     /// The kernel called `name` (its `extern "C"` name), which takes one
-    /// parameter of type `P`: looked up once, when a context loads its
-    /// kernels, not at every launch.
+    /// parameter of type `P`: looked up and loaded onto the device once,
+    /// when a context loads its kernels, not at every launch.
     ///
     /// Errors: `Cuda` with `CUDA_ERROR_NOT_FOUND` when there is none.
     pub fn function<P>(&self, name: &'static CStr) -> Result<Kernel<P>> {
@@ -433,6 +433,15 @@ impl Module {
             check(
                 res,
                 &format!("cuModuleGetFunction({})", name.to_string_lossy()),
+            )?;
+            // Loaded now, not at its first launch: with lazy loading (the
+            // driver's default) a first launch waits for the whole device,
+            // and where ranks share a GPU that includes a peer's kernel
+            // waiting for this very launch.
+            // SAFETY: a function handle of a loaded module.
+            check(
+                unsafe { sys::cuFuncLoad(handle) },
+                &format!("cuFuncLoad({})", name.to_string_lossy()),
             )?;
             return Ok(Kernel {
                 handle,

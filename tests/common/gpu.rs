@@ -92,6 +92,18 @@ pub fn test_worlds(gib_per_rank: usize) -> Vec<usize> {
         // NCCL refuses two ranks of one communicator on one GPU.
         worlds.retain(|&w| w <= gpus);
     }
+    if let Ok(listed) = std::env::var("EP_TEST_WORLDS") {
+        // Some worlds only, e.g. "1,2,4" and "8" in two runs where one run
+        // of all would not fit a time limit.
+        let listed: Vec<usize> = listed
+            .split(',')
+            .map(|w| w.trim().parse().expect("EP_TEST_WORLDS: sizes like 1,2,4"))
+            .collect();
+        for world in worlds.iter().filter(|w| !listed.contains(w)) {
+            println!("skipped world {world}: not in EP_TEST_WORLDS");
+        }
+        worlds.retain(|w| listed.contains(w));
+    }
     worlds
 }
 
@@ -170,6 +182,7 @@ thread_local! {
 /// process).
 fn become_rank(ordinal: usize, gate: Option<Arc<Gate>>) {
     use_device(ordinal);
+    keep_pool_memory(ordinal);
     let mut stream = null_mut();
     // SAFETY: creates one stream of the current context.
     cu(
@@ -276,6 +289,8 @@ impl DevBuf {
             self.bytes
         );
         if bytes > 0 {
+            // An idle stream first (see `download`).
+            sync();
             // SAFETY: `bytes` fit the allocation; `host` outlives the sync.
             cu(
                 unsafe {
@@ -320,6 +335,11 @@ impl DevBuf {
             self.bytes
         );
         if bytes > 0 {
+            // The stream's work first: a copy to pageable memory that waits
+            // for its stream holds the driver's staging buffers, which the
+            // copies of ranks sharing the GPU need too, and this stream's
+            // kernels may be waiting for such a rank.
+            sync();
             // SAFETY: `bytes` fit both sides; `out` outlives the sync.
             cu(
                 unsafe {
@@ -360,6 +380,32 @@ impl Drop for DevBuf {
                 sys::cuMemFree_v2(self.ptr);
             }
         }
+    }
+}
+
+/// Lets the device's default pool keep the memory of freed buffers (the
+/// rank threads' `DevBuf`s) until [`trim_pool`]: a pool that gives memory
+/// back at every synchronization maps it again at the next allocation, and
+/// mapping may wait for the whole device, which on a GPU that ranks share
+/// could wait for a peer's kernel that waits for this rank.
+fn keep_pool_memory(ordinal: usize) {
+    let mut pool = null_mut();
+    let mut keep = u64::MAX;
+    // SAFETY: plain driver calls on the device's default pool; the
+    // attribute is a u64.
+    unsafe {
+        cu(
+            sys::cuDeviceGetDefaultMemPool(&mut pool, ordinal as i32),
+            "cuDeviceGetDefaultMemPool",
+        );
+        cu(
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut keep as *mut u64).cast(),
+            ),
+            "cuMemPoolSetAttribute",
+        );
     }
 }
 

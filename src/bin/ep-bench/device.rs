@@ -374,24 +374,29 @@ impl Buf {
     }
 
     /// Copies `data` to byte offset `offset`, ordered after all earlier work.
-    pub fn upload<T: Copy>(&self, _dev: &Dev, data: &[T], offset: usize) {
+    pub fn upload<T: Copy>(&self, dev: &Dev, data: &[T], offset: usize) {
         let n = std::mem::size_of_val(data);
         assert!(offset + n <= self.bytes.max(8));
         if self.gpu {
-            // SAFETY: in bounds; the context is synchronized around the copy
-            // because our stream does not order with the legacy stream.
+            // The stream is idle before the copy: a copy from pageable memory
+            // may hold the driver's staging buffers while it waits for its
+            // stream, and ranks sharing the GPU copy through them too. The
+            // whole device is never waited for (a peer's kernel may be
+            // waiting for this rank).
+            dev.sync();
+            // SAFETY: in bounds; `data` outlives the sync after the copy.
             unsafe {
-                cu(sys::cuCtxSynchronize(), "cuCtxSynchronize");
                 cu(
-                    sys::cuMemcpyHtoD_v2(
+                    sys::cuMemcpyHtoDAsync_v2(
                         self.ptr as sys::CUdeviceptr + offset as u64,
                         data.as_ptr().cast(),
                         n,
+                        dev.stream,
                     ),
-                    "cuMemcpyHtoD",
+                    "cuMemcpyHtoDAsync",
                 );
-                cu(sys::cuCtxSynchronize(), "cuCtxSynchronize");
             }
+            dev.sync();
         } else {
             // SAFETY: in bounds, distinct allocations.
             unsafe {
@@ -410,18 +415,21 @@ impl Buf {
         let bytes = std::mem::size_of_val(out.as_slice());
         assert!(bytes <= self.bytes.max(8));
         if self.gpu {
+            // Idle stream first, as in `upload`.
             dev.sync();
-            // SAFETY: in bounds; synchronous copy after the stream finished.
+            // SAFETY: in bounds; `out` outlives the sync after the copy.
             unsafe {
                 cu(
-                    sys::cuMemcpyDtoH_v2(
+                    sys::cuMemcpyDtoHAsync_v2(
                         out.as_mut_ptr().cast(),
                         self.ptr as sys::CUdeviceptr,
                         bytes,
+                        dev.stream,
                     ),
-                    "cuMemcpyDtoH",
+                    "cuMemcpyDtoHAsync",
                 );
             }
+            dev.sync();
         } else {
             // SAFETY: in bounds.
             unsafe {

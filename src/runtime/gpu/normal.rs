@@ -19,6 +19,9 @@ use crate::runtime::config::Config;
 use crate::runtime::cuda::{DeviceBuffer, MappedHost};
 use crate::runtime::ops::{CombineOp, DispatchOp, LayoutOp, Received};
 use crate::runtime::sequence::Call;
+use std::mem::ManuallyDrop;
+use std::ops::Deref;
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// Warps per block of the count kernel (`EP_CHUNK_WARPS`).
 const CHUNK_WARPS: usize = CHUNK_TOKENS / 32;
@@ -120,7 +123,7 @@ pub fn buffer_bytes(cfg: &Config) -> usize {
 
 /// What a dispatch leaves in its handle: device arrays the combine reads,
 /// sized for the worst case so one handle serves any dispatch.
-pub(super) struct GpuHandle {
+pub(super) struct HandleArrays {
     /// `[W * T, 2]` (source rank, token) of each received row.
     row_src: DeviceBuffer,
     /// `[W * T, topk]` expert-major row of each (row, slot), or -1.
@@ -136,8 +139,77 @@ pub(super) struct GpuHandle {
     pub(super) expert_layout: DeviceBuffer,
     /// The hierarchy's part, with several nodes.
     hier: Option<HierHandle>,
+}
+
+impl HandleArrays {
+    fn new(rt: &Runtime, hier: Option<&Hierarchy>) -> Result<HandleArrays> {
+        let cfg = &rt.cfg;
+        let (rows, _) = worst_case_rows(cfg.topo, cfg.max_tokens, 1);
+        let slots = rows * cfg.topo.topk;
+        Ok(HandleArrays {
+            row_src: DeviceBuffer::new(&rt.device, rows * 2 * 4)?,
+            row_expert_pos: DeviceBuffer::new(&rt.device, slots * 4)?,
+            row_weights: DeviceBuffer::new(&rt.device, slots * 4)?,
+            num_rows: DeviceBuffer::new(&rt.device, 4)?,
+            in_rank: DeviceBuffer::new(&rt.device, cfg.max_tokens * cfg.world())?,
+            expert_layout: DeviceBuffer::new(&rt.device, (2 * cfg.local_experts() + 1) * 4)?,
+            hier: hier.map(|h| h.new_handle(rt)).transpose()?,
+        })
+    }
+}
+
+/// The device arrays of handles not in use, kept for the next handles.
+///
+/// Freeing device memory (`cuMemFree`) waits for the whole device, and an
+/// allocation may: where ranks share a GPU, a handle freed or made while a
+/// peer's kernel waits for this rank would hold this rank's next launch
+/// until that wait timed out. So the context makes [`SPARE_HANDLES`] sets
+/// of arrays when it is created, a handle takes a set and gives it back when
+/// destroyed (after its work, API rule), and the sets are freed with the
+/// context, when no call of it runs.
+#[derive(Clone, Default)]
+struct SpareArrays(Arc<Mutex<Vec<HandleArrays>>>);
+
+/// Handles a context can hold at once without allocating device memory: a
+/// dispatch/combine pair in flight while the next batch's dispatch starts.
+const SPARE_HANDLES: usize = 2;
+
+impl SpareArrays {
+    fn take(&self) -> Option<HandleArrays> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).pop()
+    }
+
+    fn give_back(&self, arrays: HandleArrays) {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(arrays);
+    }
+}
+
+/// A routing handle on the GPU: a set of arrays, lent by the context's
+/// spares, and the dispatch they hold.
+pub(super) struct GpuHandle {
+    arrays: ManuallyDrop<HandleArrays>,
+    spares: SpareArrays,
     /// The last dispatch recorded here, if it succeeded.
     pub(super) dispatched: Option<Dispatched>,
+}
+
+impl Deref for GpuHandle {
+    type Target = HandleArrays;
+
+    fn deref(&self) -> &HandleArrays {
+        &self.arrays
+    }
+}
+
+impl Drop for GpuHandle {
+    fn drop(&mut self) {
+        // SAFETY: `arrays` is not used again; this is its only take.
+        let arrays = unsafe { ManuallyDrop::take(&mut self.arrays) };
+        self.spares.give_back(arrays);
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -171,6 +243,8 @@ pub struct NormalMode {
     /// With several nodes: the hierarchical exchange, which replaces the
     /// single-node one.
     hier: Option<Hierarchy>,
+    /// Arrays for the handles (made here, not per handle).
+    spares: SpareArrays,
 }
 
 impl NormalMode {
@@ -189,11 +263,16 @@ impl NormalMode {
         } else {
             None
         };
+        let spares = SpareArrays::default();
+        for _ in 0..SPARE_HANDLES {
+            spares.give_back(HandleArrays::new(rt, hier.as_ref())?);
+        }
         Ok(NormalMode {
             offset,
             area,
             host_counts: MappedHost::new(&rt.device, 1 + rt.cfg.local_experts())?,
             hier,
+            spares,
         })
     }
 
@@ -225,17 +304,13 @@ impl NormalMode {
     }
 
     pub fn new_handle_state(&mut self, rt: &Runtime) -> Result<HandleState> {
-        let cfg = &rt.cfg;
-        let (rows, _) = worst_case_rows(cfg.topo, cfg.max_tokens, 1);
-        let slots = rows * cfg.topo.topk;
+        let arrays = match self.spares.take() {
+            Some(arrays) => arrays,
+            None => HandleArrays::new(rt, self.hier.as_ref())?,
+        };
         Ok(Box::new(GpuHandle {
-            row_src: DeviceBuffer::new(&rt.device, rows * 2 * 4)?,
-            row_expert_pos: DeviceBuffer::new(&rt.device, slots * 4)?,
-            row_weights: DeviceBuffer::new(&rt.device, slots * 4)?,
-            num_rows: DeviceBuffer::new(&rt.device, 4)?,
-            in_rank: DeviceBuffer::new(&rt.device, cfg.max_tokens * cfg.world())?,
-            expert_layout: DeviceBuffer::new(&rt.device, (2 * cfg.local_experts() + 1) * 4)?,
-            hier: self.hier.as_ref().map(|h| h.new_handle(rt)).transpose()?,
+            arrays: ManuallyDrop::new(arrays),
+            spares: self.spares.clone(),
             dispatched: None,
         }))
     }
