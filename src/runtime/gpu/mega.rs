@@ -110,11 +110,15 @@ impl MegaMode {
                         kernel.max_active_clusters(&bound, cluster, MEGA_THREADS as u32, shared)
                     })
                     .collect::<Result<Vec<u32>>>()?;
-                let fit = clusters.into_iter().min().unwrap_or(0);
+                // Ranks sharing the GPU split the clusters that fit, so
+                // that all their persistent grids are resident at once.
+                let ranks = rt.placement.sharing.len() as u32;
+                let fit = clusters.into_iter().min().unwrap_or(0) / ranks;
                 if fit == 0 {
-                    return Err(Error::internal(
-                        "no cluster of the fused kernels fits on this GPU",
-                    ));
+                    return Err(Error::unsupported(format!(
+                        "no cluster of the fused kernels fits on this GPU for each of its {ranks} \
+                         ranks",
+                    )));
                 }
                 max_blocks = max_blocks.min(fit * cluster);
             }
