@@ -851,6 +851,63 @@ impl Drop for DeviceBuffer {
     }
 }
 
+/// A stream of the library's own on a device, non-blocking (it never waits
+/// for the legacy default stream), destroyed on drop.
+pub struct OwnedStream {
+    device: Device,
+    stream: CUstream,
+}
+
+// SAFETY: a stream handle is not tied to a thread; its users serialise
+// their work on it.
+unsafe impl Send for OwnedStream {}
+unsafe impl Sync for OwnedStream {}
+
+impl OwnedStream {
+    pub fn new(device: &Device) -> Result<OwnedStream> {
+        let _context = device.bind()?;
+        let mut stream = ptr::null_mut();
+        // SAFETY: writes one stream handle; destroyed in drop.
+        check(
+            unsafe {
+                sys::cuStreamCreate(
+                    &mut stream,
+                    sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                )
+            },
+            "cuStreamCreate",
+        )?;
+        Ok(OwnedStream {
+            device: device.clone(),
+            stream,
+        })
+    }
+
+    pub fn raw(&self) -> CUstream {
+        self.stream
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Waits for the work queued on this stream (only).
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: a live stream of this device.
+        unsafe { self.device.stream_synchronize(self.stream) }
+    }
+}
+
+impl Drop for OwnedStream {
+    fn drop(&mut self) {
+        if let Ok(_context) = self.device.bind() {
+            // SAFETY: created in new, destroyed once; its owner queues
+            // nothing after its last wait.
+            unsafe { sys::cuStreamDestroy_v2(self.stream) };
+        }
+    }
+}
+
 /// Pinned host memory that the device reads and writes directly
 /// (`cuMemHostAlloc` with `DEVICEMAP | PORTABLE`): `len` values of `T`,
 /// zeroed. For small words both sides poll while a kernel runs, such as

@@ -11,7 +11,7 @@
 //!   context, waited for with the context's timeout).
 
 use super::bootstrap::Bootstrap;
-use super::cuda::{check, Device, DeviceBuffer};
+use super::cuda::{check, Device, DeviceBuffer, OwnedStream};
 use super::nccl::CommHandle;
 use crate::error::{Error, ErrorKind, Result};
 use cudarc::driver::sys;
@@ -51,7 +51,7 @@ impl HostGroup for Bootstrap {
 pub struct NcclGroup {
     comm: Arc<CommHandle>,
     device: Device,
-    stream: sys::CUstream,
+    stream: OwnedStream,
     rank: usize,
     world: usize,
     timeout: Duration,
@@ -73,19 +73,10 @@ impl NcclGroup {
         timeout: Duration,
         aborted: Arc<AtomicBool>,
     ) -> Result<NcclGroup> {
-        let _context = device.bind()?;
-        let mut stream = std::ptr::null_mut();
-        check(
-            sys::cuStreamCreate(
-                &mut stream,
-                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-            ),
-            "cuStreamCreate",
-        )?;
         Ok(NcclGroup {
             comm,
             device: device.clone(),
-            stream,
+            stream: OwnedStream::new(device)?,
             rank,
             world,
             timeout,
@@ -99,7 +90,7 @@ impl NcclGroup {
         let _context = self.device.bind()?;
         loop {
             // SAFETY: our own live stream.
-            let res = unsafe { sys::cuStreamQuery(self.stream) };
+            let res = unsafe { sys::cuStreamQuery(self.stream.raw()) };
             if res != sys::CUresult::CUDA_ERROR_NOT_READY {
                 return check(res, what);
             }
@@ -130,14 +121,14 @@ impl NcclGroup {
         // SAFETY: the buffers outlive the synchronous waits below, or are
         // leaked when a wait gives up with NCCL's work still queued.
         unsafe {
-            send.copy_from_host_async(&padded, self.stream)?;
+            send.copy_from_host_async(&padded, self.stream.raw())?;
             let _context = self.device.bind()?;
             self.comm.nccl.all_gather(
                 self.comm.comm,
                 send.ptr(),
                 recv.ptr(),
                 len,
-                self.stream.cast(),
+                self.stream.raw().cast(),
             )?;
         }
         if let Err(e) = self.wait("ncclAllGather") {
@@ -146,7 +137,7 @@ impl NcclGroup {
             return Err(e);
         }
         // SAFETY: as above; the stream is idle.
-        unsafe { recv.copy_to_host_async(&mut all, self.stream)? };
+        unsafe { recv.copy_to_host_async(&mut all, self.stream.raw())? };
         self.wait("copying the gathered bytes")?;
         Ok(all)
     }
@@ -182,14 +173,5 @@ impl HostGroup for NcclGroup {
 
     fn barrier(&self) -> Result<()> {
         self.gather_fixed(&[0]).map(|_| ())
-    }
-}
-
-impl Drop for NcclGroup {
-    fn drop(&mut self) {
-        if let Ok(_context) = self.device.bind() {
-            // SAFETY: our own stream; nothing is queued on it after a wait.
-            unsafe { sys::cuStreamDestroy_v2(self.stream) };
-        }
     }
 }

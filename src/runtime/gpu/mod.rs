@@ -31,8 +31,8 @@ use super::bootstrap::Bootstrap;
 use super::config::{agree_on_config, Config};
 use super::contract::{Field, Memory, PointerCheck};
 use super::cuda::{
-    self, ContextGuard, Device, DeviceStatus, Kernel, MappedHost, Module, KERNEL_IMAGES,
-    STREAM_LEGACY,
+    self, ContextGuard, Device, DeviceStatus, Kernel, MappedHost, Module, OwnedStream,
+    KERNEL_IMAGES, STREAM_LEGACY,
 };
 use super::group::{HostGroup, NcclGroup};
 use super::log;
@@ -55,7 +55,7 @@ use placement::Placement;
 use std::ffi::c_void;
 use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use symmetric::{NativeMemory, NcclMemory, SymmetricMemory};
 
 /// Bytes at the start of every rank's buffer for cross-rank signals of the
@@ -286,12 +286,7 @@ fn finish(
         status: MappedHost::new(&device, 1)?,
         abort_flag: MappedHost::new(&device, 1)?,
         aborted,
-        signals: SignalWords {
-            device: device.clone(),
-            own_base: memory.own_base(),
-            table: memory.peer_bases(),
-            world: cfg.world(),
-        },
+        signals: SignalWords::new(&device, memory.own_base(), memory.peer_bases(), cfg.world())?,
         logged: AtomicBool::new(false),
     });
     let rt = Runtime {
@@ -428,37 +423,74 @@ pub struct GpuMonitor {
 /// This rank's barrier slots, barrier and call words, and its table of
 /// peer buffers: logged when a wait timed out, to tell a signal that never
 /// came from one that came late.
+///
+/// Read on a stream of their own into pinned memory made with the context:
+/// the read waits for no other stream and for no staging buffer, so it
+/// cannot hold up a peer sharing the GPU (see `ep_ctx_create`).
 struct SignalWords {
-    device: Device,
     own_base: u64,
     table: u64,
     world: usize,
+    stream: OwnedStream,
+    /// The copies' destination: the words up to the call words, then the
+    /// table. Locked while read, since any thread may ask.
+    copy: Mutex<MappedHost<u64>>,
 }
 
 impl SignalWords {
+    /// Words of the own buffer that [`Self::describe`] reads: the slots up
+    /// to the barrier and call words.
+    const HEAD_WORDS: usize = BARRIER_COUNTER_OFFSET / 8 + 2;
+
+    fn new(device: &Device, own_base: u64, table: u64, world: usize) -> Result<SignalWords> {
+        Ok(SignalWords {
+            own_base,
+            table,
+            world,
+            stream: OwnedStream::new(device)?,
+            copy: Mutex::new(MappedHost::new(device, Self::HEAD_WORDS + world)?),
+        })
+    }
+
     /// [`Self::describe`], or why the words could not be read.
     fn line(&self) -> String {
         self.describe().unwrap_or_else(|err| err.to_string())
     }
 
-    /// The words as one line (device reads; only after a failure).
+    /// The words as one line (device reads; after a failure, or at DEBUG).
     fn describe(&self) -> Result<String> {
-        let _context = self.device.bind()?;
+        let copy = self.copy.lock().unwrap_or_else(PoisonError::into_inner);
         let words_at = BARRIER_COUNTER_OFFSET / 8;
-        let mut head = vec![0u64; words_at + 2];
-        let mut table = vec![0u64; self.world];
-        // SAFETY: reads the rank's own buffer (slots, then the four words)
-        // and its table, both at least this long.
+        let head_bytes = Self::HEAD_WORDS * 8;
+        // SAFETY: reads the rank's own buffer (slots, then the words) and
+        // its table, both at least this long, into the pinned buffer, which
+        // has room for both and is read only after the stream's wait.
         unsafe {
+            let _context = self.stream.device().bind()?;
             cuda::check(
-                sys::cuMemcpyDtoH_v2(head.as_mut_ptr().cast(), self.own_base, head.len() * 8),
-                "cuMemcpyDtoH",
+                sys::cuMemcpyDtoHAsync_v2(
+                    copy.host_ptr().cast(),
+                    self.own_base,
+                    head_bytes,
+                    self.stream.raw(),
+                ),
+                "cuMemcpyDtoHAsync",
             )?;
             cuda::check(
-                sys::cuMemcpyDtoH_v2(table.as_mut_ptr().cast(), self.table, table.len() * 8),
-                "cuMemcpyDtoH",
+                sys::cuMemcpyDtoHAsync_v2(
+                    copy.host_ptr().add(Self::HEAD_WORDS).cast(),
+                    self.table,
+                    self.world * 8,
+                    self.stream.raw(),
+                ),
+                "cuMemcpyDtoHAsync",
             )?;
         }
+        self.stream.synchronize()?;
+        let head: Vec<u64> = (0..Self::HEAD_WORDS).map(|i| copy.read(i)).collect();
+        let table: Vec<u64> = (0..self.world)
+            .map(|i| copy.read(Self::HEAD_WORDS + i))
+            .collect();
         let slots: Vec<String> = head[..self.world]
             .iter()
             .map(|s| format!("{}@{:#x}", *s as u32, s >> 32))
