@@ -50,7 +50,7 @@ impl HostGroup for Bootstrap {
 /// Host collectives over an NCCL communicator the context does not own.
 pub struct NcclGroup {
     comm: Arc<CommHandle>,
-    device: Device,
+    /// The context's own stream (on its device) for the collectives.
     stream: OwnedStream,
     rank: usize,
     world: usize,
@@ -75,7 +75,6 @@ impl NcclGroup {
     ) -> Result<NcclGroup> {
         Ok(NcclGroup {
             comm,
-            device: device.clone(),
             stream: OwnedStream::new(device)?,
             rank,
             world,
@@ -87,7 +86,7 @@ impl NcclGroup {
     /// Waits for the stream, giving up after the timeout or on abort.
     fn wait(&self, what: &str) -> Result<()> {
         let start = Instant::now();
-        let _context = self.device.bind()?;
+        let _context = self.stream.device().bind()?;
         loop {
             // SAFETY: our own live stream.
             let res = unsafe { sys::cuStreamQuery(self.stream.raw()) };
@@ -113,8 +112,8 @@ impl NcclGroup {
     /// Every rank's `bytes` bytes, all ranks passing the same length.
     fn gather_fixed(&self, mine: &[u8]) -> Result<Vec<u8>> {
         let len = mine.len().max(1);
-        let send = DeviceBuffer::new(&self.device, len)?;
-        let recv = DeviceBuffer::new(&self.device, len * self.world)?;
+        let send = DeviceBuffer::new(self.stream.device(), len)?;
+        let recv = DeviceBuffer::new(self.stream.device(), len * self.world)?;
         let mut padded = mine.to_vec();
         padded.resize(len, 0);
         let mut all = vec![0u8; len * self.world];
@@ -122,7 +121,7 @@ impl NcclGroup {
         // leaked when a wait gives up with NCCL's work still queued.
         unsafe {
             send.copy_from_host_async(&padded, self.stream.raw())?;
-            let _context = self.device.bind()?;
+            let _context = self.stream.device().bind()?;
             self.comm.nccl.all_gather(
                 self.comm.comm,
                 send.ptr(),

@@ -389,37 +389,39 @@ impl Drop for DevBuf {
 /// mapping may wait for the whole device, which on a GPU that ranks share
 /// could wait for a peer's kernel that waits for this rank.
 fn keep_pool_memory(ordinal: usize) {
-    let mut pool = null_mut();
     let mut keep = u64::MAX;
-    // SAFETY: plain driver calls on the device's default pool; the
-    // attribute is a u64.
-    unsafe {
-        cu(
-            sys::cuDeviceGetDefaultMemPool(&mut pool, ordinal as i32),
-            "cuDeviceGetDefaultMemPool",
-        );
-        cu(
+    // SAFETY: the attribute is a u64.
+    cu(
+        unsafe {
             sys::cuMemPoolSetAttribute(
-                pool,
+                default_pool(ordinal),
                 sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
                 (&mut keep as *mut u64).cast(),
-            ),
-            "cuMemPoolSetAttribute",
-        );
-    }
+            )
+        },
+        "cuMemPoolSetAttribute",
+    );
+}
+
+/// The default memory pool of device `ordinal` (what `cuMemAllocAsync`
+/// takes from).
+fn default_pool(ordinal: usize) -> sys::CUmemoryPool {
+    let mut pool = null_mut();
+    // SAFETY: writes one pool handle.
+    cu(
+        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ordinal as i32) },
+        "cuDeviceGetDefaultMemPool",
+    );
+    pool
 }
 
 /// Returns the memory that the device's default pool keeps for later
 /// allocations (the rank threads' `DevBuf`s) to the device.
 pub fn trim_pool(ordinal: usize) {
     use_device(ordinal);
-    let mut pool = null_mut();
-    // SAFETY: plain driver calls on the device's default pool.
+    let pool = default_pool(ordinal);
+    // SAFETY: plain driver calls on the current context and its pool.
     unsafe {
-        cu(
-            sys::cuDeviceGetDefaultMemPool(&mut pool, ordinal as i32),
-            "cuDeviceGetDefaultMemPool",
-        );
         cu(sys::cuCtxSynchronize(), "cuCtxSynchronize");
         cu(sys::cuMemPoolTrimTo(pool, 0), "cuMemPoolTrimTo");
     }

@@ -438,9 +438,11 @@ struct SignalWords {
 }
 
 impl SignalWords {
+    /// Index of the barrier word in the own buffer (the call word follows).
+    const WORDS_AT: usize = BARRIER_COUNTER_OFFSET / 8;
     /// Words of the own buffer that [`Self::describe`] reads: the slots up
     /// to the barrier and call words.
-    const HEAD_WORDS: usize = BARRIER_COUNTER_OFFSET / 8 + 2;
+    const HEAD_WORDS: usize = Self::WORDS_AT + 2;
 
     fn new(device: &Device, own_base: u64, table: u64, world: usize) -> Result<SignalWords> {
         Ok(SignalWords {
@@ -460,7 +462,6 @@ impl SignalWords {
     /// The words as one line (device reads; after a failure, or at DEBUG).
     fn describe(&self) -> Result<String> {
         let copy = self.copy.lock().unwrap_or_else(PoisonError::into_inner);
-        let words_at = BARRIER_COUNTER_OFFSET / 8;
         let head_bytes = Self::HEAD_WORDS * 8;
         // SAFETY: reads the rank's own buffer (slots, then the words) and
         // its table, both at least this long, into the pinned buffer, which
@@ -496,8 +497,8 @@ impl SignalWords {
             .map(|s| format!("{}@{:#x}", *s as u32, s >> 32))
             .collect();
         let words = |w: u64| (w as u32, (w >> 32) as u32);
-        let barrier = words(head[words_at]);
-        let calls = words(head[words_at + 1]);
+        let barrier = words(head[Self::WORDS_AT]);
+        let calls = words(head[Self::WORDS_AT + 1]);
         let table: Vec<String> = table.iter().map(|b| format!("{b:#x}")).collect();
         Ok(format!(
             "barrier slots (epoch@call) [{}], barriers entered {} passed {}, calls started {} \
