@@ -176,7 +176,9 @@ typedef struct ep_config_t {
   // single-node modes run. With several, `ep_dispatch` sends each token
   // across the network once per destination node (to the rank of the
   // source's rail there), which forwards it inside its node, and
-  // `ep_combine` sums inside each node first (see `ep_combine_args_t`).
+  // `ep_combine` sums inside each node first (see `ep_combine_args_t`);
+  // the low-latency calls put each (token, destination rank) across the
+  // network directly, with the same results as on one node.
   // A value below a host's rank count splits the host into virtual nodes
   // joined by an emulated network leg, to run the multi-node path on one
   // host. Every rank passes the same value.
@@ -848,7 +850,10 @@ ep_status_t ep_ll_combine(struct ep_ctx_t *ctx,
 // The library's low-latency combine send buffer, `[local_experts, W * M,
 // hidden]` BF16 (`*bytes` long): expert outputs written there in the masked
 // layout need no copy when combined with `EP_LL_ZERO_COPY`. Owned by the
-// context; valid until it is destroyed; written by the next `ep_ll_combine`.
+// context; valid until it is destroyed; read by the next `ep_ll_combine`
+// with `EP_LL_ZERO_COPY`. With several nodes (`ranks_per_node`), an
+// `ep_ll_combine` without it stages there the rows it returns to ranks of
+// other nodes (its contents are then overwritten).
 //
 // Pointers: `ctx` and `buffer` are required; `bytes` may be NULL (then not
 // written).

@@ -154,6 +154,7 @@ __device__ __forceinline__ EpNet net_of(const HierParams& p) {
     net.signals = p.hier_signals;
     net.comm = static_cast<const ncclDevComm*>(p.dev_comm);
     net.window = static_cast<ncclWindow_t>(p.window);
+    net.gin_first_signal = 0;
     return net;
 }
 

@@ -18,13 +18,16 @@
 // ---------------------------------------------------------------------------
 // Written by peers (the sets alternate between calls: set = seq & 1):
 //   dispatch_flags  [2][W] int    source s announces call `seq` here, after
-//   dispatch_counts [2][W][L+1]   ...its rows for each local expert of THIS
-//                                 rank, then its token count (entry L)
+//   dispatch_counts [2][W][S]     ...its rows for each local expert of THIS
+//                                 rank, then its token count (entry L), then
+//                                 (from another node only) the mask of the
+//                                 tokens it sent here; S = counts_stride
 //   dispatch_tags   [2][W][M] int token t of source s has arrived (= seq)
 //   dispatch_msgs   [2][W][M] messages, `msg_bytes` each:
-//       int   route[16]   per slot: local expert of THIS rank | position of
-//                         the (token, slot) among the source's rows for that
-//                         expert << 16; -1 when the slot's expert is elsewhere
+//       int   route[16]   per slot: the slot's expert | position of the
+//                         (token, slot) among the source's rows for that
+//                         expert << 16; -1 for no expert (the same header
+//                         goes to every rank, each keeps its experts)
 //       float weight[16]  per slot: the routing weight (0 without weights)
 //       data              FP8: H codes then H/128 fp32 scales; BF16: 2H bytes
 //   dispatch_acks   [W] int       rank d has finished receiving its dispatch
@@ -46,7 +49,12 @@
 //                                 token, slot), or -1: what the combine sends
 //   token_weights   [W][M][K] f32 the weight of that row
 //   combine_buffer  [L][W*M][H]   BF16, for EP_LL_ZERO_COPY (only the caller
-//                                 writes it)
+//                                 writes it, but across nodes)
+// Across nodes only (see below; empty with one node):
+//   net_signals     [8][W] u64    the emulated network signals
+//   net_counts      [W][S] int    staged counts for each rank
+//   net_msgs        [M]           staged message of each token
+//   net_partials    [W][M][H]     staged partial sums (weights at dispatch)
 //
 // ---------------------------------------------------------------------------
 // Dispatch, call number `seq` (seq = counters.dispatch_seq + 1 when the send
@@ -65,9 +73,9 @@
 //   4. per token t (a block per token, from block W on): the position of each (t, slot) among
 //      this rank's rows for its expert (the number of earlier tokens routed
 //      to that expert, one warp per slot); the header into slot
-//      [set][rank][t] of EVERY rank, and the quantized row (or BF16 copy)
-//      into the ranks that hold at least one of its experts: a token crosses
-//      NVLink once per destination rank, not once per expert. Then
+//      [set][rank][t] of EVERY rank of the node, and the quantized row (or
+//      BF16 copy) into the ranks that hold at least one of its experts: a
+//      token crosses NVLink once per destination rank, not once per expert. Then
 //      __syncthreads, and thread d RELEASE-stores seq into rank d's
 //      dispatch_tags[set][rank][t] (a release is cumulative: it publishes
 //      the other threads' stores the barrier ordered before it).
@@ -130,6 +138,37 @@
 // and finishes, after which the grid is resident. Waits are bounded all the
 // same (ep_wait_until_ge); kernels never trap.
 //
+// Across nodes: with several nodes (ranks_per_node), what goes to a rank of
+// another node (bit r of net_mask) takes the network leg of
+// kernels/include/ep_net.cuh instead of stores: a put from this rank's
+// buffer into the peer's, over GIN where the peer is not mapped here and
+// emulated over NVLink where it is (virtual nodes), with the same buffers,
+// order and signals. A put's data is staged first (net_counts, net_msgs,
+// the combine buffer's row, net_partials), lands where a store would have
+// put it, and the tags and flags become signals (rows EP_LL_SIGNAL_*,
+// one per peer):
+//   - counts: step 3 puts [S] ints with the mask of the tokens that have an
+//     expert on d and adds 1 to d's counts signal of the set; the receiver
+//     waits for the set's call count instead of the flag;
+//   - tokens: step 4 stages each token's message once and puts it to every
+//     network destination with an expert there, each put adding 1 to that
+//     rank's tokens signal of the set; step 3 adds the rest of
+//     EP_LL_NET_CALL_UNIT (unit - tokens sent). The receiver skips tokens
+//     not in the mask and, instead of a token's tag, waits until the signal
+//     reaches calls on the set * unit: all of that source's tokens are in;
+//   - combine: a chunk's put adds 1 to the source's combine signal of the
+//     set, a closing add the rest of the unit (from token_rows, what the
+//     puts will be); the source waits for that instead of the chunk's tag;
+//   - acknowledgements: begin_call adds 1 to d's acknowledgement signal
+//     from call 2 on, so it counts like the int (seq - 1).
+// Only this rank writes a peer's signal of its column, values only grow, and
+// a call's data signal stays below the next multiple of the unit until all
+// of its puts have landed (GIN makes a put's add visible after its
+// payload; the emulation fences at system scope before the add). A set is
+// rewritten only two calls later, after the acknowledgement, as in one node.
+// A send phase ends with NCCL's flush, so the staging may be rewritten by
+// the next launch.
+//
 // Expert ids: an id outside [0, E) other than -1, or one repeated within a
 // token, counts as -1 everywhere and the dispatch reports
 // EP_STATUS_INVALID_EXPERT (the reference rejects such routing).
@@ -141,7 +180,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
-#include "ep_device.cuh"
+#include "ep_net.cuh"
 
 // Warps of both kernels' blocks (EP_LL_THREADS threads, ep_abi.h).
 #define EP_LL_WARPS (EP_LL_THREADS / 32)
@@ -199,17 +238,35 @@ __device__ __forceinline__ LlCounters* counters(const LlParams& p) {
     return ll_at<LlCounters>(p, p.rank, p.off_counters);
 }
 
-// Source `source`'s counts [L + 1] of set `set` in `rank`'s buffer.
+// Offset in the area of source `source`'s counts of set `set`: [L] rows per
+// local expert, [L] the token count, then (from a rank on another node) the
+// mask of the tokens it sent.
+__device__ __forceinline__ int64_t counts_offset(const LlParams& p, int set, int source) {
+    return p.off_dispatch_counts +
+           (static_cast<int64_t>(set) * p.world + source) * p.counts_stride * sizeof(int);
+}
+
 __device__ __forceinline__ int* dispatch_counts(const LlParams& p, int rank, int set, int source) {
-    return ll_at<int>(p, rank, p.off_dispatch_counts) +
-           (static_cast<int64_t>(set) * p.world + source) * (local_experts(p) + 1);
+    return ll_at<int>(p, rank, counts_offset(p, set, source));
+}
+
+// Offset in the area of message slot [set][source][token].
+__device__ __forceinline__ int64_t msg_offset(const LlParams& p, int set, int source, int token) {
+    const int64_t slot = (static_cast<int64_t>(set) * p.world + source) * p.max_tokens + token;
+    return p.off_dispatch_msgs + slot * p.msg_bytes;
 }
 
 // Message slot [set][source][token] in `rank`'s buffer.
 __device__ __forceinline__ uint8_t* dispatch_msg(const LlParams& p, int rank, int set, int source,
                                                  int token) {
-    const int64_t slot = (static_cast<int64_t>(set) * p.world + source) * p.max_tokens + token;
-    return ll_at<uint8_t>(p, rank, p.off_dispatch_msgs) + slot * p.msg_bytes;
+    return ll_at<uint8_t>(p, rank, msg_offset(p, set, source, token));
+}
+
+// Bytes of a message that carry data: the header, then the FP8 codes and
+// scales or the BF16 row.
+__device__ __forceinline__ int msg_used_bytes(const LlParams& p) {
+    const int row = p.fp8 ? p.hidden + p.hidden / EP_HIDDEN_ALIGNMENT * 4 : 2 * p.hidden;
+    return EP_LL_HEADER_BYTES + row;
 }
 
 __device__ __forceinline__ int* dispatch_tag(const LlParams& p, int rank, int set, int source,
@@ -247,6 +304,52 @@ __device__ __forceinline__ int* combine_tag(const LlParams& p, int rank, int set
 __device__ __forceinline__ int64_t token_entry(const LlParams& p, int source, int token,
                                                int slot) {
     return (static_cast<int64_t>(source) * p.max_tokens + token) * p.topk + slot;
+}
+
+// ---------------------------------------------------------------------------
+// Across nodes (see "Across nodes" in the header)
+// ---------------------------------------------------------------------------
+
+// Whether `rank` is on another node: what goes to it takes the network leg.
+__device__ __forceinline__ bool on_net(const LlParams& p, int rank) {
+    return (p.net_mask >> rank & 1) != 0;
+}
+
+__device__ __forceinline__ EpNet net_of(const LlParams& p) {
+    EpNet net;
+    net.peer_bases = p.peer_bases;
+    net.own_base = reinterpret_cast<uint8_t*>(p.peer_bases[p.rank]);
+    net.signals = p.area + p.off_net_signals;
+    net.comm = static_cast<const ncclDevComm*>(p.dev_comm);
+    net.window = static_cast<ncclWindow_t>(p.window);
+    net.gin_first_signal = p.gin_first_signal;
+    return net;
+}
+
+// The signal of row `row` (EP_LL_SIGNAL_*, plus the set where it has one)
+// for peer `peer`.
+__device__ __forceinline__ int net_signal(const LlParams& p, int row, int peer) {
+    return row * p.world + peer;
+}
+
+// Calls up to call `seq` that used its buffer set (the sets alternate).
+__device__ __forceinline__ uint64_t calls_on_set(int seq) {
+    return static_cast<uint64_t>((seq + 1) / 2);
+}
+
+// The value a data signal of call `seq`'s set reaches once everything a
+// peer put in that call has arrived.
+__device__ __forceinline__ uint64_t all_data_of(int seq) {
+    return calls_on_set(seq) * static_cast<uint64_t>(EP_LL_NET_CALL_UNIT);
+}
+
+// Whether source `source` (on another node) sent token `token` of set `set`
+// here: bit `token` of the mask after its counts.
+__device__ __forceinline__ bool token_sent(const LlParams& p, int set, int source, int token) {
+    const unsigned* mask =
+        reinterpret_cast<const unsigned*>(dispatch_counts(p, p.rank, set, source) +
+                                          local_experts(p) + 1);
+    return (mask[token / 32] >> (token % 32) & 1) != 0;
 }
 
 // ---------------------------------------------------------------------------
@@ -315,32 +418,63 @@ struct LlCall {
     uint64_t deadline;
 };
 
+// What a wait for rank `peer` in `call` compares against (ep_peer_call):
+// the peer's call word where its buffer is mapped here. A rank reached only
+// by GIN cannot be read: its waits end on the clock, the abort or the
+// status (this rank's own word, read again, is never elsewhere).
+__device__ __forceinline__ EpPeerCall ll_peer_call(const LlParams& p, int peer,
+                                                   const LlCall& call) {
+    const uint64_t base = p.peer_bases[peer];
+    if (base != 0) {
+        return ep_peer_call(base, call.word);
+    }
+    const uint64_t own = p.peer_bases[p.rank];
+    return ep_peer_call(own, ep_current_call(own));
+}
+
 // Waits until the int at `addr`, written by rank `from`, reaches `target`,
 // for `call` (ep_wait_until_ge: bounded, and ended at once by a peer in
 // another call).
 __device__ __forceinline__ bool wait_for(const LlParams& p, const int* addr, int target,
                                          const LlCall& call, int from, int phase) {
     return ep_wait_until_ge(addr, target, call.deadline, p.abort_flag, p.status, from, phase,
-                            ep_peer_call(p.peer_bases[from], call.word));
+                            ll_peer_call(p, from, call));
 }
 
-// Block-wide: waits until every rank d has acknowledged call seq - 2 in
-// `acks[d]` (the set this call writes is then free on d). Returns false in
-// every thread when a wait failed (the error is recorded).
-__device__ bool wait_for_acks(const LlParams& p, const int* acks, const LlCall& call, int phase) {
+// Waits until this rank's network signal `id`, which rank `from` adds to,
+// reaches `target` (ACQUIRE: what `from` put before its adds is visible).
+__device__ __forceinline__ bool wait_for_signal(const LlParams& p, int id, uint64_t target,
+                                                const LlCall& call, int from, int phase) {
+    return ep_net_wait_signal(net_of(p), id, target, call.deadline, p.abort_flag, p.status, from,
+                              phase, ll_peer_call(p, from, call));
+}
+
+// Block-wide: waits until every rank d has acknowledged call seq - 2 (the
+// set this call writes is then free on d): in `acks[d]`, or for a rank on
+// another node in its acknowledgement signal `ack_row` (which counts the
+// same). Returns false in every thread when a wait failed (the error is
+// recorded).
+__device__ bool wait_for_acks(const LlParams& p, const int* acks, int ack_row, const LlCall& call,
+                              int phase) {
     const int d = threadIdx.x;
-    const bool failed = d < p.world && !wait_for(p, acks + d, call.seq - 2, call, d, phase);
+    bool failed = false;
+    if (d < p.world) {
+        failed = on_net(p, d)
+                     ? !wait_for_signal(p, net_signal(p, ack_row, d),
+                                        static_cast<uint64_t>(call.seq - 2), call, d, phase)
+                     : !wait_for(p, acks + d, call.seq - 2, call, d, phase);
+    }
     return !__syncthreads_or(failed);
 }
 
-// Warp-wide: lane 0 ACQUIRE-waits `*tag >= seq`; true in every lane when it
-// arrived. The warp barrier orders the other lanes' later reads after the
-// acquire (a shuffle alone orders no memory).
-__device__ __forceinline__ bool warp_wait_tag(const LlParams& p, const int* tag, const LlCall& call,
-                                              int from_rank, int phase) {
+// Warp-wide: lane 0 runs `wait` (an ACQUIRE wait); true in every lane when
+// it succeeded. The warp barrier orders the other lanes' later reads after
+// the acquire (a shuffle alone orders no memory).
+template <typename Wait>
+__device__ __forceinline__ bool warp_wait(Wait wait) {
     bool arrived = true;
     if (threadIdx.x % 32 == 0) {
-        arrived = wait_for(p, tag, call.seq, call, from_rank, phase);
+        arrived = wait();
     }
     __syncwarp();
     return __shfl_sync(0xffffffffu, arrived, 0);
@@ -357,7 +491,7 @@ __device__ __forceinline__ bool warp_wait_tag(const LlParams& p, const int* tag,
 // context are ordered). All of it happens at the start so that nothing
 // waits at the end of the kernel.
 __device__ LlCall begin_call(const LlParams& p, int* seq_counter, int* arrivals, int* call_store,
-                             int64_t off_acks) {
+                             int64_t off_acks, int ack_row) {
     __shared__ int s_seq, s_word;
     const uint64_t deadline = ep_deadline_after(p.timeout_ns);
     if (threadIdx.x == 0) {
@@ -376,8 +510,14 @@ __device__ LlCall begin_call(const LlParams& p, int* seq_counter, int* arrivals,
     }
     __syncthreads();
     const LlCall call{s_seq, s_word, deadline};
-    if (p.do_send && blockIdx.x == gridDim.x - 1 && threadIdx.x < p.world) {
-        ep_st_release_sys(ll_at<int>(p, threadIdx.x, off_acks) + p.rank, call.seq - 1);
+    const int d = threadIdx.x;
+    if (p.do_send && blockIdx.x == gridDim.x - 1 && d < p.world) {
+        if (!on_net(p, d)) {
+            ep_st_release_sys(ll_at<int>(p, d, off_acks) + p.rank, call.seq - 1);
+        } else if (call.seq > 1) {
+            // The signal counts acknowledged calls: seq - 1 after this add.
+            ep_net_signal(net_of(p), d, net_signal(p, ack_row, p.rank));
+        }
     }
     return call;
 }
@@ -402,31 +542,86 @@ __device__ void load_routing(const LlParams& p, int n, int16_t* experts) {
     }
 }
 
+// Words of the mask of tokens sent in a counts message.
+__device__ __forceinline__ int mask_words(const LlParams& p) {
+    return (p.max_tokens + 31) / 32;
+}
+
 // Block-wide (step 3) for destination rank d: this rank's row count for
-// each of d's local experts, then the token count `n`, then the flag.
-__device__ void send_counts(const LlParams& p, int seq, int d, int n, const int16_t* experts,
-                            int* counts) {
+// each of d's local experts into `counts`, then the token count `n`, then
+// (for a rank on another node) the mask of the tokens with an expert on d;
+// returns how many those are.
+__device__ int count_rows_for(const LlParams& p, int d, int n, const int16_t* experts,
+                              int* counts) {
+    __shared__ int s_sent;
     const int L = local_experts(p);
     const int entries = n * p.topk;
-    for (int le = threadIdx.x; le < L; le += blockDim.x) {
-        counts[le] = 0;
+    const bool with_mask = on_net(p, d);
+    unsigned* mask = reinterpret_cast<unsigned*>(counts + L + 1);
+    for (int i = threadIdx.x; i < L + 1 + mask_words(p); i += blockDim.x) {
+        counts[i] = i == L ? n : 0;
     }
     __syncthreads();
     for (int i = threadIdx.x; i < entries; i += blockDim.x) {
         const int e = experts[i];
         if (e >= 0 && e / L == d) {
             atomicAdd(&counts[e - d * L], 1);
+            if (with_mask) {
+                const int t = i / p.topk;
+                atomicOr(&mask[t / 32], 1u << (t % 32));
+            }
         }
     }
     __syncthreads();
-    int* dst = dispatch_counts(p, d, seq & 1, p.rank);
-    for (int le = threadIdx.x; le <= L; le += blockDim.x) {
-        dst[le] = le < L ? counts[le] : n;
+    if (threadIdx.x == 0) {
+        int sent = 0;
+        for (int w = 0; w < mask_words(p); ++w) {
+            sent += __popc(mask[w]);
+        }
+        s_sent = sent;
     }
+    __syncthreads();
+    return s_sent;
+}
+
+// Block-wide (step 3) to a rank of this node: the counts into its
+// dispatch_counts, then the flag.
+__device__ void send_counts_direct(const LlParams& p, int seq, int d, const int* counts) {
+    int* dst = dispatch_counts(p, d, seq & 1, p.rank);
+    for (int i = threadIdx.x; i <= local_experts(p); i += blockDim.x) {
+        dst[i] = counts[i];
+    }
+    // The barrier orders every thread's stores before thread 0's release.
     __syncthreads();
     if (threadIdx.x == 0) {
         ep_st_release_sys(ll_at<int>(p, d, p.off_dispatch_flags) + (seq & 1) * p.world + p.rank,
                           seq);
+    }
+}
+
+// Block-wide (step 3) to a rank on another node: the counts and the mask
+// staged in this rank's net_counts[d], put to d with an add to its counts
+// signal; then the closing add to its tokens signal (the puts of the
+// `sent` tokens add the rest of EP_LL_NET_CALL_UNIT).
+__device__ void send_counts_net(const LlParams& p, int seq, int d, const int* counts, int sent) {
+    const int set = seq & 1;
+    const int words = static_cast<int>(p.counts_stride);
+    const int64_t staged = p.off_net_counts + static_cast<int64_t>(d) * words * sizeof(int);
+    int* stage = ll_at<int>(p, p.rank, staged);
+    for (int i = threadIdx.x; i < words; i += blockDim.x) {
+        stage[i] = counts[i];
+    }
+    // The barrier orders the staging before warp 0's put.
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const EpNet net = net_of(p);
+        ep_net_put_signal_warp(net, d, p.area + counts_offset(p, set, p.rank), p.area + staged,
+                               words * static_cast<int64_t>(sizeof(int)),
+                               net_signal(p, EP_LL_SIGNAL_DISPATCH_COUNTS + set, p.rank), 1);
+        if (threadIdx.x == 0) {
+            ep_net_signal_add(net, d, net_signal(p, EP_LL_SIGNAL_DISPATCH_TOKENS + set, p.rank),
+                              static_cast<uint64_t>(EP_LL_NET_CALL_UNIT - sent));
+        }
     }
 }
 
@@ -468,11 +663,34 @@ __device__ void send_token_row(const LlParams& p, int t, uint64_t dest_mask, uin
     }
 }
 
+// Offset in the area of this rank's staging slot for token t's message.
+__device__ __forceinline__ int64_t net_msg_offset(const LlParams& p, int t) {
+    return p.off_net_msgs + static_cast<int64_t>(t) * p.msg_bytes;
+}
+
+// Block-wide (step 4 across nodes): puts token t's staged message to each
+// rank of `dests` (ranks on other nodes, a warp each), each put adding 1 to
+// the rank's tokens signal of set `set`.
+__device__ void put_token(const LlParams& p, int set, int t, uint64_t dests) {
+    const int warp = threadIdx.x / 32;
+    int i = 0;
+    for (uint64_t m = dests; m != 0; m &= m - 1, ++i) {
+        if (i % EP_LL_WARPS != warp) {
+            continue;
+        }
+        const int d = __ffsll(static_cast<long long>(m)) - 1;
+        ep_net_put_signal_warp(net_of(p), d, p.area + msg_offset(p, set, p.rank, t),
+                               p.area + net_msg_offset(p, t), msg_used_bytes(p),
+                               net_signal(p, EP_LL_SIGNAL_DISPATCH_TOKENS + set, p.rank), 1);
+    }
+}
+
 // Block-wide send phase of dispatch call `call` (steps 1-4 of the header).
 __device__ bool dispatch_send(const LlParams& p, const LlCall& call) {
     __shared__ int16_t s_experts[EP_LL_MAX_TOKENS * EP_MAX_TOPK];
-    __shared__ int s_counts[EP_MAX_EXPERTS];
-    __shared__ int s_route[EP_MAX_TOPK];  // as in the header, for rank e / L
+    // Counts of one destination: [L] rows, the token count, the sent mask.
+    __shared__ int s_counts[EP_MAX_EXPERTS + 1 + EP_LL_MAX_TOKENS / 32];
+    __shared__ int s_route[EP_MAX_TOPK];  // as in the header
     __shared__ int s_expert[EP_MAX_TOPK];
     __shared__ float s_weight[EP_MAX_TOPK];
     __shared__ uint8_t* s_slot[EP_MAX_WORLD_SIZE];
@@ -483,12 +701,17 @@ __device__ bool dispatch_send(const LlParams& p, const LlCall& call) {
     // barrier also orders it for the whole block).
     const int n = call_tokens(p, EP_PHASE_LL_DISPATCH);
     load_routing(p, n, s_experts);
-    if (!wait_for_acks(p, ll_at<int>(p, p.rank, p.off_dispatch_acks), call,
-                       EP_PHASE_LL_DISPATCH)) {
+    if (!wait_for_acks(p, ll_at<int>(p, p.rank, p.off_dispatch_acks), EP_LL_SIGNAL_DISPATCH_ACK,
+                       call, EP_PHASE_LL_DISPATCH)) {
         return false;
     }
     for (int d = blockIdx.x; d < p.world; d += gridDim.x) {
-        send_counts(p, seq, d, n, s_experts, s_counts);
+        const int sent = count_rows_for(p, d, n, s_experts, s_counts);
+        if (on_net(p, d)) {
+            send_counts_net(p, seq, d, s_counts, sent);
+        } else {
+            send_counts_direct(p, seq, d, s_counts);
+        }
     }
     // Tokens start at block W, so the first tokens do not wait for the
     // blocks that send the counts.
@@ -515,12 +738,15 @@ __device__ bool dispatch_send(const LlParams& p, const LlCall& call) {
             earlier = __reduce_add_sync(0xffffffffu, earlier);
             if (lane == 0) {
                 s_expert[warp] = expert;
-                s_route[warp] = expert >= 0 ? expert % L | earlier << 16 : -1;
+                s_route[warp] = expert >= 0 ? expert | earlier << 16 : -1;
                 s_weight[warp] = weight;
             }
         }
+        // A rank of this node gets the message in its slot; the ranks on
+        // other nodes get it from this rank's staging slot for the token.
         if (tid < p.world) {
-            s_slot[tid] = dispatch_msg(p, tid, set, p.rank, t);
+            s_slot[tid] = on_net(p, tid) ? ll_at<uint8_t>(p, p.rank, net_msg_offset(p, t))
+                                         : dispatch_msg(p, tid, set, p.rank, t);
         }
         __syncthreads();
         uint64_t dest_mask = 0;
@@ -529,24 +755,40 @@ __device__ bool dispatch_send(const LlParams& p, const LlCall& call) {
                 dest_mask |= 1ull << (s_expert[k] / L);
             }
         }
-        // Header for every rank (those without an expert read all -1).
+        const uint64_t net_dests = dest_mask & p.net_mask;
+        // The staging slot is written once, as the lowest network
+        // destination's.
+        const uint64_t staged = net_dests & (~net_dests + 1);
+        const uint64_t in_node = ~p.net_mask & (p.world == 64 ? ~0ull : (1ull << p.world) - 1);
+        // The header (the same for every rank) to every rank of this node
+        // (those without an expert see only other ranks' experts) and the
+        // staging slot.
+        const uint64_t header_mask = in_node | staged;
         for (int i = tid; i < p.world * 32; i += blockDim.x) {
             const int d = i / 32, j = i % 32;
+            if ((header_mask >> d & 1) == 0) {
+                continue;
+            }
             int word;
             if (j < EP_MAX_TOPK) {
-                word = j < K && s_expert[j] >= 0 && s_expert[j] / L == d ? s_route[j] : -1;
+                word = j < K ? s_route[j] : -1;
             } else {
                 word = __float_as_int(j - 16 < K ? s_weight[j - 16] : 0.0f);
             }
             reinterpret_cast<int*>(s_slot[d])[j] = word;
         }
-        send_token_row(p, t, dest_mask, s_slot);
+        send_token_row(p, t, (dest_mask & in_node) | staged, s_slot);
         // The barrier orders every thread's header and row stores before
-        // thread d's release store, which (being cumulative) publishes them.
+        // thread d's release store, which (being cumulative) publishes them,
+        // and before the puts.
         __syncthreads();
-        if (tid < p.world) {
+        if (tid < p.world && !on_net(p, tid)) {
             ep_st_release_sys(dispatch_tag(p, tid, set, p.rank, t), seq);
         }
+        put_token(p, set, t, net_dests);
+    }
+    if (p.net_mask != 0) {
+        ep_net_flush_warp(net_of(p));
     }
     return true;
 }
@@ -591,11 +833,17 @@ __device__ void dispatch_receive(const LlParams& p, const LlCall& call) {
     const int W = p.world, M = p.max_tokens, K = p.topk, L = local_experts(p);
     const int capacity = W * M;
 
-    // Step 5.
-    const bool failed =
-        threadIdx.x < W &&
-        !wait_for(p, ll_at<int>(p, p.rank, p.off_dispatch_flags) + set * W + threadIdx.x, seq, call,
-                  threadIdx.x, EP_PHASE_LL_DISPATCH);
+    // Step 5: the flag of a source of this node, the counts signal of one
+    // on another node (one add per call, so the set's calls).
+    const int source = threadIdx.x;
+    bool failed = false;
+    if (source < W) {
+        failed = on_net(p, source)
+                     ? !wait_for_signal(p, net_signal(p, EP_LL_SIGNAL_DISPATCH_COUNTS + set, source),
+                                        calls_on_set(seq), call, source, EP_PHASE_LL_DISPATCH)
+                     : !wait_for(p, ll_at<int>(p, p.rank, p.off_dispatch_flags) + set * W + source,
+                                 seq, call, source, EP_PHASE_LL_DISPATCH);
+    }
     if (__syncthreads_or(failed)) {
         return;
     }
@@ -638,7 +886,23 @@ __device__ void dispatch_receive(const LlParams& p, const LlCall& call) {
         if (t >= s_tokens[s]) {
             continue;
         }
-        if (!warp_wait_tag(p, dispatch_tag(p, p.rank, set, s, t), call, s, EP_PHASE_LL_DISPATCH)) {
+        const bool net = on_net(p, s);
+        if (net && !token_sent(p, set, s, t)) {
+            // No expert here: nothing was put, and the token has no rows.
+            if (c == 0 && lane < K) {
+                token_rows[token_entry(p, s, t, lane)] = -1;
+            }
+            continue;
+        }
+        // A source of this node tags each token; one on another node has
+        // put all of its tokens when its tokens signal reaches the unit.
+        const bool arrived = warp_wait([&] {
+            return net ? wait_for_signal(p, net_signal(p, EP_LL_SIGNAL_DISPATCH_TOKENS + set, s),
+                                         all_data_of(seq), call, s, EP_PHASE_LL_DISPATCH)
+                       : wait_for(p, dispatch_tag(p, p.rank, set, s, t), seq, call, s,
+                                  EP_PHASE_LL_DISPATCH);
+        });
+        if (!arrived) {
             return;
         }
         const uint8_t* msg = dispatch_msg(p, p.rank, set, s, t);
@@ -660,11 +924,13 @@ __device__ void dispatch_receive(const LlParams& p, const LlCall& call) {
         }
         int row = -1;
         if (lane < K) {
+            // The slot's expert, if it is one of this rank's (the header is
+            // the same for every rank).
             const int route = reinterpret_cast<const int*>(msg)[lane];
-            const int le = route & 0xffff, pos = route >> 16;
+            const int le = (route & 0xffff) - p.rank * L, pos = route >> 16;
             // A position past the expert's segment cannot come from a peer
             // with this configuration; guard the caller's arrays anyway.
-            if (route >= 0 && le < L && s_first[le * W + s] + pos < capacity) {
+            if (route >= 0 && le >= 0 && le < L && s_first[le * W + s] + pos < capacity) {
                 row = le * capacity + s_first[le * W + s] + pos;
             }
             // The first chunk's warp keeps the token's bookkeeping.
@@ -766,10 +1032,73 @@ __device__ __forceinline__ void pack_chunk(int4 (&v)[EP_LL_LANE_VECS],
     }
 }
 
+// Warp-wide, for a source s on another node: adds to s's combine signal
+// of set `set` what this call's puts to it will not (each adds 1): one put
+// per chunk of every row returned (weights at combine) or of every partial
+// sum (weights at dispatch, one per token with rows here).
+__device__ void close_combine(const LlParams& p, int set, int s) {
+    const int lane = threadIdx.x % 32;
+    const int* token_rows = ll_at<int>(p, p.rank, p.off_token_rows);
+    const int tokens = ll_at<int>(p, p.rank, p.off_dispatch_tokens)[s];
+    int puts = 0;
+    for (int t = lane; t < tokens; t += 32) {
+        int rows = 0;
+        for (int k = 0; k < p.topk; ++k) {
+            rows += token_rows[token_entry(p, s, t, k)] >= 0;
+        }
+        puts += p.weighted ? rows : rows > 0;
+    }
+    puts = __reduce_add_sync(0xffffffffu, puts) * chunks_per_row(p);
+    if (lane == 0) {
+        ep_net_signal_add(net_of(p), s, net_signal(p, EP_LL_SIGNAL_COMBINE + set, p.rank),
+                          static_cast<uint64_t>(EP_LL_NET_CALL_UNIT - puts));
+    }
+}
+
+// Offsets in the area of chunk `first_vec` of BF16 row `row` of the array
+// at `off`, and its bytes (the last chunk of a row may be short).
+__device__ __forceinline__ int64_t chunk_offset(const LlParams& p, int64_t off, int64_t row,
+                                                int first_vec) {
+    return off + (row * p.hidden + first_vec * 8) * static_cast<int64_t>(sizeof(__nv_bfloat16));
+}
+
+__device__ __forceinline__ int64_t chunk_bytes(const LlParams& p, int first_vec) {
+    return static_cast<int64_t>(min(EP_LL_CHUNK_VECS, row_vecs(p) - first_vec)) * 16;
+}
+
+// Warp-wide: puts the staged chunk at `first_vec` of what token t of
+// source s (on another node) gets from this rank: the chunk of each row of
+// `valid` (weights at combine; lane k holds slot k's row) or of the partial
+// sum, each put adding 1 to s's combine signal of set `set`.
+__device__ void put_chunks(const LlParams& p, const EpNet& net, int set, int s, int t,
+                           int first_vec, int row, unsigned valid) {
+    const int K = p.topk;
+    const int id = net_signal(p, EP_LL_SIGNAL_COMBINE + set, p.rank);
+    const int64_t bytes = chunk_bytes(p, first_vec);
+    if (!p.weighted) {
+        const int64_t partial = static_cast<int64_t>(s) * p.max_tokens + t;
+        ep_net_put_signal_warp(
+            net, s, p.area + chunk_offset(p, p.off_combine_rows, combine_slot(p, set, t, K + p.rank),
+                                          first_vec),
+            p.area + chunk_offset(p, p.off_net_partials, partial, first_vec), bytes, id, 1);
+        return;
+    }
+    for (unsigned m = valid; m != 0; m &= m - 1) {
+        const int k = __ffs(m) - 1;
+        const int r = __shfl_sync(0xffffffffu, row, k);
+        ep_net_put_signal_warp(
+            net, s, p.area + chunk_offset(p, p.off_combine_rows, combine_slot(p, set, t, k), first_vec),
+            p.area + chunk_offset(p, p.off_combine_buffer, r, first_vec), bytes, id, 1);
+    }
+}
+
 // Block-wide send phase (expert side) of combine call `call`: a warp per
-// (source, token, chunk) of the last dispatch.
+// (source, token, chunk) of the last dispatch. To a source on another node
+// the chunks are staged in this rank's buffer (an expert row in its row of
+// the zero-copy combine buffer, a partial sum in net_partials) and put.
 __device__ bool combine_send(const LlParams& p, const LlCall& call) {
-    if (!wait_for_acks(p, ll_at<int>(p, p.rank, p.off_combine_acks), call, EP_PHASE_LL_COMBINE)) {
+    if (!wait_for_acks(p, ll_at<int>(p, p.rank, p.off_combine_acks), EP_LL_SIGNAL_COMBINE_ACK,
+                       call, EP_PHASE_LL_COMBINE)) {
         return false;
     }
     const int seq = call.seq, set = seq & 1;
@@ -778,6 +1107,14 @@ __device__ bool combine_send(const LlParams& p, const LlCall& call) {
     const int* dispatched = ll_at<int>(p, p.rank, p.off_dispatch_tokens);
     const int* token_rows = ll_at<int>(p, p.rank, p.off_token_rows);
     const float* token_weights = ll_at<float>(p, p.rank, p.off_token_weights);
+    if (threadIdx.x < 32) {
+        for (int s = blockIdx.x; s < p.world; s += gridDim.x) {
+            if (on_net(p, s)) {
+                close_combine(p, set, s);
+            }
+        }
+    }
+    const EpNet net = net_of(p);
     for (int item = blockIdx.x * EP_LL_WARPS + threadIdx.x / 32; item < p.world * M * C;
          item += gridDim.x * EP_LL_WARPS) {
         const int c = item % C, t = item / C % M, s = item / (C * M);
@@ -791,8 +1128,20 @@ __device__ bool combine_send(const LlParams& p, const LlCall& call) {
             continue;  // no expert of this rank: the source expects nothing
         }
         const int first_vec = c * EP_LL_CHUNK_VECS;
+        const bool to_net = on_net(p, s);
         __nv_bfloat16* rows = ll_at<__nv_bfloat16>(p, s, p.off_combine_rows);
         const auto expert_row = [&](int r) { return p.x + static_cast<int64_t>(r) * p.hidden; };
+        // Where the chunk of the row returned as row j of the token goes:
+        // the source's combine_rows, or this rank's staging.
+        const int64_t partial = static_cast<int64_t>(s) * M + t;
+        const auto target = [&](int j, int r) {
+            if (!to_net) {
+                return rows + combine_slot(p, set, t, j) * p.hidden;
+            }
+            const int64_t off = j < K ? chunk_offset(p, p.off_combine_buffer, r, 0)
+                                      : chunk_offset(p, p.off_net_partials, partial, 0);
+            return ll_at<__nv_bfloat16>(p, p.rank, off);
+        };
         if (p.weighted) {
             // The chunk of each of the token's rows, to return row j = slot.
             for (uint64_t slots = valid; slots != 0;) {
@@ -804,7 +1153,7 @@ __device__ bool combine_send(const LlParams& p, const LlCall& call) {
 #pragma unroll
                 for (int g = 0; g < EP_LL_ROWS_IN_FLIGHT; ++g) {
                     if (slot[g] >= 0) {
-                        store_chunk(rows + combine_slot(p, set, t, slot[g]) * p.hidden, y[g],
+                        store_chunk(target(slot[g], __shfl_sync(0xffffffffu, row, slot[g])), y[g],
                                     first_vec, vecs);
                     }
                 }
@@ -827,19 +1176,23 @@ __device__ bool combine_send(const LlParams& p, const LlCall& call) {
                 acc, terms, true, first_vec, vecs,
                 [&](int i) { return expert_row(__shfl_sync(0xffffffffu, row, lane_of(i))); },
                 [&](int i) { return __shfl_sync(0xffffffffu, w, lane_of(i)); });
-            int4 partial[EP_LL_LANE_VECS];
-            pack_chunk(partial, acc);
-            store_chunk(rows + combine_slot(p, set, t, K + p.rank) * p.hidden, partial, first_vec,
-                        vecs);
+            int4 sum[EP_LL_LANE_VECS];
+            pack_chunk(sum, acc);
+            store_chunk(target(K + p.rank, -1), sum, first_vec, vecs);
         }
         // The warp barrier orders every lane's row stores before the
-        // release stores, which publish them.
+        // release stores, which publish them, or before the puts.
         __syncwarp();
-        if (p.weighted && row >= 0) {
+        if (to_net) {
+            put_chunks(p, net, set, s, t, first_vec, row, valid);
+        } else if (p.weighted && row >= 0) {
             ep_st_release_sys(combine_tag(p, s, set, t, lane, c), seq);
         } else if (!p.weighted && lane == 0) {
             ep_st_release_sys(combine_tag(p, s, set, t, K + p.rank, c), seq);
         }
+    }
+    if (p.net_mask != 0) {
+        ep_net_flush_warp(net);
     }
     return true;
 }
@@ -880,9 +1233,16 @@ __device__ void combine_receive(const LlParams& p, const LlCall& call) {
         bool arrived = true;
         for (int i = lane; i < 64 && arrived; i += 32) {
             if (terms >> i & 1) {
+                // A rank of this node tags each chunk; one on another node
+                // has put everything when its combine signal reaches the
+                // unit.
                 const int from = p.weighted ? expert / L : i;
-                arrived = wait_for(p, combine_tag(p, p.rank, set, t, return_row(i), c), call.seq,
-                                   call, from, EP_PHASE_LL_COMBINE);
+                arrived = on_net(p, from)
+                              ? wait_for_signal(p, net_signal(p, EP_LL_SIGNAL_COMBINE + set, from),
+                                                all_data_of(call.seq), call, from,
+                                                EP_PHASE_LL_COMBINE)
+                              : wait_for(p, combine_tag(p, p.rank, set, t, return_row(i), c),
+                                         call.seq, call, from, EP_PHASE_LL_COMBINE);
             }
         }
         // The warp barrier orders every lane's reads of the rows after the
@@ -915,7 +1275,7 @@ extern "C" __global__ void __launch_bounds__(EP_LL_THREADS, 1)
     ep_ll_dispatch_kernel(const LlParams p) {
     LlCounters* c = counters(p);
     const LlCall call = begin_call(p, &c->dispatch_seq, &c->dispatch_arrivals, &c->dispatch_call,
-                                   p.off_dispatch_acks);
+                                   p.off_dispatch_acks, EP_LL_SIGNAL_DISPATCH_ACK);
     const bool sent = !p.do_send || dispatch_send(p, call);
     if (p.do_recv && sent) {
         dispatch_receive(p, call);
@@ -926,7 +1286,7 @@ extern "C" __global__ void __launch_bounds__(EP_LL_THREADS, 1)
     ep_ll_combine_kernel(const LlParams p) {
     LlCounters* c = counters(p);
     const LlCall call = begin_call(p, &c->combine_seq, &c->combine_arrivals, &c->combine_call,
-                                   p.off_combine_acks);
+                                   p.off_combine_acks, EP_LL_SIGNAL_COMBINE_ACK);
     const bool sent = !p.do_send || combine_send(p, call);
     if (p.do_recv && sent) {
         combine_receive(p, call);

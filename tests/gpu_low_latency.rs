@@ -45,6 +45,9 @@ struct Case {
     /// Pass the token count in device memory (`device_num_tokens`), with
     /// `num_tokens` = `max_tokens` as its bound.
     count_in_memory: bool,
+    /// `ranks_per_node` (0: one node): below the world size, the ranks of
+    /// other nodes are reached over the network leg's NVLink emulation.
+    ranks_per_node: usize,
     seed: u64,
 }
 
@@ -63,6 +66,7 @@ impl Case {
             split: false,
             skewed: false,
             count_in_memory: false,
+            ranks_per_node: 0,
             seed: 1,
         }
     }
@@ -85,14 +89,17 @@ impl Case {
     }
 
     fn config(&self, timeout_ms: u32) -> ep_config_t {
-        gpu_config(
-            self.hidden as i32,
-            self.topk as i32,
-            self.experts as i32,
-            16,
-            self.max_tokens as i32,
-            timeout_ms,
-        )
+        ep_config_t {
+            ranks_per_node: self.ranks_per_node as i32,
+            ..gpu_config(
+                self.hidden as i32,
+                self.topk as i32,
+                self.experts as i32,
+                16,
+                self.max_tokens as i32,
+                timeout_ms,
+            )
+        }
     }
 }
 
@@ -625,13 +632,14 @@ fn rounds_alternate(world: usize) {
 #[ignore = "needs CUDA GPUs"]
 fn a_rank_far_ahead_waits_and_every_call_is_right() {
     for world in worlds().into_iter().filter(|&w| w > 1) {
-        far_ahead(world);
+        far_ahead(world, 0);
     }
 }
 
-fn far_ahead(world: usize) {
+fn far_ahead(world: usize, ranks_per_node: usize) {
     let case = Case {
         weights_at_dispatch: true,
+        ranks_per_node,
         ..Case::new(world, 1024, 8, 64, 64)
     };
     let rounds = 6;
@@ -721,6 +729,67 @@ fn graph_replays(world: usize, replays: u64) {
     });
 }
 
+/// Several nodes on one host (`ranks_per_node` below the world size): what
+/// goes to a rank of another node takes the network leg's NVLink emulation
+/// (staged puts, signals in place of flags and tags; the GIN leg has the
+/// same protocol). Every node shape of each world: the variants, two rounds
+/// over both buffer sets with 0 and 1 tokens, a rank far ahead, and a rank
+/// of another node that never calls.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn virtual_nodes_match_the_reference() {
+    for world in worlds().into_iter().filter(|&w| w > 1) {
+        for rpn in (1..world).filter(|r| world.is_multiple_of(*r)) {
+            let base = Case {
+                ranks_per_node: rpn,
+                seed: 7000 + 10 * world as u64 + rpn as u64,
+                ..Case::new(world, 2048, 8, 64, 64)
+            };
+            let cases = [
+                base,
+                Case { fp8: false, ..base },
+                Case {
+                    weights_at_dispatch: true,
+                    zero_copy: true,
+                    ..base
+                },
+                Case {
+                    zero_copy: true,
+                    ue8m0: true,
+                    ..base
+                },
+                Case {
+                    split: true,
+                    count_in_memory: true,
+                    ..base
+                },
+                Case {
+                    skewed: true,
+                    weights_at_dispatch: true,
+                    topk: 16,
+                    ..base
+                },
+                Case {
+                    ranks_per_node: rpn,
+                    ..Case::new(world, 7168, 8, 256, 128)
+                },
+                Case {
+                    ranks_per_node: rpn,
+                    weights_at_dispatch: true,
+                    ..Case::new(world, 128, 1, 8, 17)
+                },
+            ];
+            for case in cases {
+                let m = case.max_tokens;
+                let counts = [[m, 1, 0, m / 2 + 1], [0, m, m / 2 + 1, 1]];
+                run_case(case, 2, |round, r| counts[round as usize][r % 4]);
+            }
+            far_ahead(world, rpn);
+        }
+        missing_peer(world, 1);
+    }
+}
+
 /// A device token count outside `[0, num_tokens]` is an asynchronous
 /// invalid argument on its rank, whose call sends or writes nothing; the
 /// peers complete their calls or time out. Rank 0 gives the dispatch a count
@@ -796,12 +865,15 @@ fn token_count_out_of_range(world: usize) {
 #[ignore = "needs CUDA GPUs"]
 fn a_missing_peer_times_out() {
     for world in [2, 4] {
-        missing_peer(world);
+        missing_peer(world, 0);
     }
 }
 
-fn missing_peer(world: usize) {
-    let case = Case::new(world, 128, 2, 8, 8);
+fn missing_peer(world: usize, ranks_per_node: usize) {
+    let case = Case {
+        ranks_per_node,
+        ..Case::new(world, 128, 2, 8, 8)
+    };
     let timeout_ms = 2000;
     run_gpu_world(world, &case.config(timeout_ms), |rank, ctx| {
         if rank == 0 {

@@ -46,6 +46,7 @@ struct EpNet {
     int64_t signals;             // offset of the signal words in every buffer
     const ncclDevComm* comm;     // nullptr without GIN
     ncclWindow_t window;         // this buffer's window (GIN)
+    int gin_first_signal;        // GIN signal of id 0 (modes share the comm's signals)
 };
 
 // Warp-wide copy of `bytes` (a multiple of 4, both ends 4-byte aligned):
@@ -66,6 +67,68 @@ __device__ __forceinline__ void ep_warp_copy_words(uint8_t* to, const uint8_t* f
     }
 }
 
+// ---------------------------------------------------------------------------
+// GIN operations, one thread each. Not inlined: NCCL's device code for every
+// network backend is large, and a kernel that puts from several places
+// would otherwise carry a copy of it at each (the network leg is not where
+// a call costs).
+// ---------------------------------------------------------------------------
+
+// The GIN signal of signal `id`.
+__device__ __forceinline__ ncclGinSignal_t ep_net_gin_signal(const EpNet& net, int id) {
+    return static_cast<ncclGinSignal_t>(net.gin_first_signal + id);
+}
+
+// Puts `bytes` from offset `src` of this rank's window to offset `dst` of
+// rank `peer`'s.
+__device__ __noinline__ void ep_gin_put(const EpNet& net, int peer, int64_t dst, int64_t src,
+                                        int64_t bytes) {
+    ncclGin gin(*net.comm, 0);
+    gin.put(ncclTeamWorld(*net.comm), peer, net.window, static_cast<size_t>(dst), net.window,
+            static_cast<size_t>(src), static_cast<size_t>(bytes));
+}
+
+// The same put, adding `value` to the peer's signal `id` once the payload
+// has settled.
+__device__ __noinline__ void ep_gin_put_signal(const EpNet& net, int peer, int64_t dst,
+                                               int64_t src, int64_t bytes, int id,
+                                               uint64_t value) {
+    ncclGin gin(*net.comm, 0);
+    gin.put(ncclTeamWorld(*net.comm), peer, net.window, static_cast<size_t>(dst), net.window,
+            static_cast<size_t>(src), static_cast<size_t>(bytes),
+            ncclGin_SignalAdd{ep_net_gin_signal(net, id), value});
+}
+
+// Adds `value` to signal `id` of rank `peer`, after this context's earlier
+// puts to it.
+__device__ __noinline__ void ep_gin_signal_add(const EpNet& net, int peer, int id,
+                                               uint64_t value) {
+    ncclGin gin(*net.comm, 0);
+    gin.signal(ncclTeamWorld(*net.comm), peer,
+               ncclGin_SignalAdd{ep_net_gin_signal(net, id), value});
+}
+
+// This rank's GIN signal `id` (acquire).
+__device__ __noinline__ uint64_t ep_gin_read_signal(const EpNet& net, int id) {
+    ncclGin gin(*net.comm, 0);
+    return gin.readSignal(ep_net_gin_signal(net, id));
+}
+
+// Returns once the sources of this thread's puts have been read.
+__device__ __noinline__ void ep_gin_flush(const EpNet& net) {
+    ncclGin gin(*net.comm, 0);
+    gin.flush(ncclCoopThread());
+}
+
+// Whether this rank's device communicator has GIN.
+__device__ __forceinline__ bool ep_net_has_gin(const EpNet& net) {
+    return net.comm != nullptr && net.comm->ginContextCount > 0;
+}
+
+// ---------------------------------------------------------------------------
+// The network leg: NVLink emulation where the peer is mapped, else GIN
+// ---------------------------------------------------------------------------
+
 // Warp-wide: copies `bytes` (a multiple of 4, offsets 4-byte aligned) from
 // offset `src` of this rank's buffer to offset `dst` of rank `peer`'s.
 // Every lane must call it.
@@ -78,41 +141,87 @@ __device__ __forceinline__ void ep_net_put_warp(const EpNet& net, int peer, int6
     } else if (lane == 0) {
         // The source was written before this call by this warp (ordered by
         // the caller's __syncwarp) or by earlier kernels.
-        ncclGin gin(*net.comm, 0);
-        gin.put(ncclTeamWorld(*net.comm), peer, net.window, static_cast<size_t>(dst), net.window,
-                static_cast<size_t>(src), static_cast<size_t>(bytes));
+        ep_gin_put(net, peer, dst, src, bytes);
     }
 }
 
-// Adds 1 to signal `id` of rank `peer`, after every put the calling
+// The emulated signal word `id` of the buffer at `base`.
+__device__ __forceinline__ uint64_t* ep_net_signal_word(const EpNet& net, uint64_t base, int id) {
+    return reinterpret_cast<uint64_t*>(base + net.signals) + id;
+}
+
+// Emulation: publishes everything the calling thread has observed (its
+// block's or warp's copies, ordered before it by the caller's barrier, and
+// what was published to it through an acquire) at system scope, then adds
+// `value` to the word with release semantics.
+__device__ __forceinline__ void ep_net_release_add(uint64_t* word, uint64_t value) {
+    __threadfence_system();
+    asm volatile("red.release.sys.global.add.u64 [%0], %1;" : : "l"(word), "l"(value) : "memory");
+}
+
+// Adds `value` to signal `id` of rank `peer`, after every put the calling
 // thread has observed (its block's, ordered by a __syncthreads, and those
-// published to it through an acquire).
-__device__ __forceinline__ void ep_net_signal(const EpNet& net, int peer, int id) {
+// published to it through an acquire; for GIN, NCCL orders it after this
+// context's earlier puts to `peer`).
+__device__ __forceinline__ void ep_net_signal_add(const EpNet& net, int peer, int id,
+                                                  uint64_t value) {
     const uint64_t base = net.peer_bases[peer];
     if (base != 0) {
-        // Publishes the block's copies (ordered before this thread by the
-        // caller's __syncthreads) before the add.
-        __threadfence_system();
-        uint64_t* word = reinterpret_cast<uint64_t*>(base + net.signals) + id;
-        asm volatile("red.release.sys.global.add.u64 [%0], %1;"
-                     :
-                     : "l"(word), "l"(static_cast<uint64_t>(1))
-                     : "memory");
+        ep_net_release_add(ep_net_signal_word(net, base, id), value);
     } else {
-        ncclGin gin(*net.comm, 0);
-        gin.signal(ncclTeamWorld(*net.comm), peer, ncclGin_SignalAdd{static_cast<ncclGinSignal_t>(id), 1});
+        ep_gin_signal_add(net, peer, id, value);
     }
+}
+
+// Adds 1 to signal `id` of rank `peer` (see ep_net_signal_add).
+__device__ __forceinline__ void ep_net_signal(const EpNet& net, int peer, int id) {
+    ep_net_signal_add(net, peer, id, 1);
+}
+
+// Warp-wide: puts `bytes` (a multiple of 4, offsets 4-byte aligned) from
+// offset `src` of this rank's buffer to offset `dst` of rank `peer`'s, and
+// adds `value` to the peer's signal `id` once these bytes have arrived: the
+// copy, a warp barrier and lane 0's ep_net_release_add over NVLink; one GIN
+// put with a SignalAdd action (NCCL makes the add visible only after the
+// payload) on the network. The source was written before the call (by
+// this warp, ordered by the caller's __syncwarp, or by the block, ordered
+// by its __syncthreads). Every lane must call it.
+__device__ __forceinline__ void ep_net_put_signal_warp(const EpNet& net, int peer, int64_t dst,
+                                                       int64_t src, int64_t bytes, int id,
+                                                       uint64_t value) {
+    const uint64_t base = net.peer_bases[peer];
+    const int lane = threadIdx.x % 32;
+    if (base != 0) {
+        ep_warp_copy_words(reinterpret_cast<uint8_t*>(base + dst), net.own_base + src, bytes);
+        __syncwarp();
+        if (lane == 0) {
+            ep_net_release_add(ep_net_signal_word(net, base, id), value);
+        }
+    } else if (lane == 0) {
+        ep_gin_put_signal(net, peer, dst, src, bytes, id, value);
+    }
+}
+
+// Warp-wide, after a warp's last put of a launch: returns once the sources
+// of this warp's GIN puts have been read (NCCL's flush), so that the next
+// launch may write them again. Nothing to wait for over NVLink, where a put
+// is a copy. Every lane must call it.
+__device__ __forceinline__ void ep_net_flush_warp(const EpNet& net) {
+    if (threadIdx.x % 32 == 0 && ep_net_has_gin(net)) {
+        ep_gin_flush(net);
+    }
+    __syncwarp();
 }
 
 // This rank's signal `id`: its emulated word plus its GIN signal, with
 // acquire semantics (what the senders put before their adds is visible).
 __device__ __forceinline__ uint64_t ep_net_read_signal(const EpNet& net, int id) {
-    const uint64_t* word = reinterpret_cast<const uint64_t*>(net.own_base + net.signals) + id;
+    const uint64_t* word =
+        ep_net_signal_word(net, reinterpret_cast<uint64_t>(net.own_base), id);
     uint64_t value;
     asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(word) : "memory");
-    if (net.comm != nullptr && net.comm->ginContextCount > 0) {
-        ncclGin gin(*net.comm, 0);
-        value += gin.readSignal(static_cast<ncclGinSignal_t>(id));
+    if (ep_net_has_gin(net)) {
+        value += ep_gin_read_signal(net, id);
     }
     return value;
 }

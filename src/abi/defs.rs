@@ -54,6 +54,23 @@ abi_consts! {
     /// Low-latency combine: channels of a return-row chunk, each chunk with
     /// its own arrival tag (64 vectors of 8 BF16 values).
     LL_CHUNK_CHANNELS: usize = 512;
+    /// Low-latency mode across nodes: rows of `world` network signals each
+    /// rank owns (kernels/low_latency.cu, "Across nodes"); signal
+    /// `row * world + peer`. Dispatch counts and dispatch tokens, and the
+    /// combine's return chunks, have a row per buffer set (row + set); the
+    /// acknowledgements one row each.
+    LL_SIGNAL_DISPATCH_COUNTS: i32 = 0;
+    LL_SIGNAL_DISPATCH_TOKENS: i32 = 2;
+    LL_SIGNAL_COMBINE: i32 = 4;
+    LL_SIGNAL_DISPATCH_ACK: i32 = 6;
+    LL_SIGNAL_COMBINE_ACK: i32 = 7;
+    LL_SIGNAL_ROWS: usize = 8;
+    /// Low-latency mode across nodes: what the puts of one call from one
+    /// rank to another add to a data signal in all (each put adds 1, a
+    /// closing signal the rest), so a call's data has all arrived when the
+    /// signal reaches `calls * LL_NET_CALL_UNIT`. Above the most puts of a
+    /// call: `LL_MAX_TOKENS * MAX_TOPK * MAX_HIDDEN / LL_CHUNK_CHANNELS`.
+    LL_NET_CALL_UNIT: i32 = 1 << 20;
 
     /// Fused kernels: threads of a block (3 warpgroups: the producer and
     /// communication warps, then two consumer warpgroups).
@@ -382,6 +399,28 @@ abi_struct! {
         off_token_rows: i64,
         off_token_weights: i64,
         msg_bytes: i64,
+        /// Across nodes (0 with one node): the network signal words
+        /// `[LL_SIGNAL_ROWS, W]` u64, and this rank's staging of what it
+        /// puts: `[W, counts_stride]` counts, `[M]` messages, `[W, M, H]`
+        /// BF16 partial sums; the zero-copy combine buffer stages expert
+        /// rows.
+        off_net_signals: i64,
+        off_net_counts: i64,
+        off_net_msgs: i64,
+        off_net_partials: i64,
+        off_combine_buffer: i64,
+        /// Ints per (set, source) of dispatch_counts: `L + 1` counts, then
+        /// `ceil(M / 32)` words of the mask of tokens sent (network only).
+        counts_stride: i64,
+        /// Ranks on other nodes (bit r for rank r): their data takes the
+        /// network leg (kernels/include/ep_net.cuh); 0 with one node.
+        net_mask: u64,
+        /// The device communicator (`ncclDevComm`) and the buffer's window
+        /// (`ncclWindow_t`), or 0 without NCCL; the first GIN signal of
+        /// this mode (the hierarchical mode's come first).
+        dev_comm: u64 => "const void*",
+        window: u64 => "void*",
+        gin_first_signal: i32,
         num_tokens: i32,
         rank: i32,
         world: i32,

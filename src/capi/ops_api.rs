@@ -392,7 +392,10 @@ pub unsafe extern "C" fn ep_ll_combine(
 /// The library's low-latency combine send buffer, `[local_experts, W * M,
 /// hidden]` BF16 (`*bytes` long): expert outputs written there in the masked
 /// layout need no copy when combined with `EP_LL_ZERO_COPY`. Owned by the
-/// context; valid until it is destroyed; written by the next `ep_ll_combine`.
+/// context; valid until it is destroyed; read by the next `ep_ll_combine`
+/// with `EP_LL_ZERO_COPY`. With several nodes (`ranks_per_node`), an
+/// `ep_ll_combine` without it stages there the rows it returns to ranks of
+/// other nodes (its contents are then overwritten).
 ///
 /// Pointers: `ctx` and `buffer` are required; `bytes` may be NULL (then not
 /// written).

@@ -241,7 +241,9 @@ pub struct ep_config_t {
     /// single-node modes run. With several, `ep_dispatch` sends each token
     /// across the network once per destination node (to the rank of the
     /// source's rail there), which forwards it inside its node, and
-    /// `ep_combine` sums inside each node first (see `ep_combine_args_t`).
+    /// `ep_combine` sums inside each node first (see `ep_combine_args_t`);
+    /// the low-latency calls put each (token, destination rank) across the
+    /// network directly, with the same results as on one node.
     /// A value below a host's rank count splits the host into virtual nodes
     /// joined by an emulated network leg, to run the multi-node path on one
     /// host. Every rank passes the same value.

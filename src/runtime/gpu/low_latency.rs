@@ -19,6 +19,13 @@
 //! not keep up (or never calls) ends in `EP_ERR_TIMEOUT` from the async error
 //! status, never in rows of another call.
 //!
+//! # Across nodes
+//! With several nodes (`ranks_per_node`), what goes to a rank of another
+//! node is put over the network leg (GIN, or its NVLink emulation on
+//! virtual nodes) with signals in place of the flags and tags; the area
+//! then has the signal words and this rank's staging of what it puts
+//! (kernels/low_latency.cu, "Across nodes").
+//!
 //! # The combine's view of the dispatch
 //! The combine returns the rows of this context's LAST dispatch: which rows
 //! belong to which (source, token, slot), and the weights given at dispatch,
@@ -27,8 +34,11 @@
 //! dispatch had weights); if ranks disagree, those that expect rows no peer
 //! sends time out.
 
-use super::{ptr, Bound, Runtime};
-use crate::abi::{LlCounters, LlParams, LL_CHUNK_CHANNELS, LL_HEADER_BYTES, LL_THREADS};
+use super::{hierarchical, ptr, Bound, Runtime};
+use crate::abi::{
+    LlCounters, LlParams, LL_CHUNK_CHANNELS, LL_HEADER_BYTES, LL_MAX_TOKENS, LL_NET_CALL_UNIT,
+    LL_SIGNAL_ROWS, LL_THREADS, MAX_HIDDEN, MAX_TOPK,
+};
 use crate::error::{Error, Result};
 use crate::reference::Dtype;
 use crate::runtime::backend::Stream;
@@ -45,10 +55,13 @@ use crate::runtime::sequence::Call;
 struct Area {
     /// `LlCounters`: sequence numbers and arrival counts (this rank only).
     counters: usize,
-    /// `[2, W]` announce flags the sources write, after their `[2, W, L + 1]`
-    /// row counts per local expert and token counts.
+    /// `[2, W]` announce flags the sources write, after their `[2, W, S]`
+    /// row counts per local expert, token counts and (across nodes) masks of
+    /// the tokens sent.
     dispatch_flags: usize,
     dispatch_counts: usize,
+    /// `S`: ints of one counts entry, `L + 1 + ceil(M / 32)`.
+    counts_stride: usize,
     /// `[2, W, M]` per-token arrival tags.
     dispatch_tags: usize,
     /// `[2, W, M]` messages of `msg_bytes`.
@@ -69,6 +82,13 @@ struct Area {
     /// `[L, W * M, H]` BF16 zero-copy combine buffer.
     combine_buffer: usize,
     combine_buffer_bytes: usize,
+    /// Across nodes (empty otherwise): `[LL_SIGNAL_ROWS, W]` u64 signal
+    /// words, and the staging of what this rank puts: `[W, S]` counts, `[M]`
+    /// messages, `[W, M, H]` BF16 partial sums.
+    net_signals: usize,
+    net_counts: usize,
+    net_msgs: usize,
+    net_partials: usize,
     /// Header, then the larger of a BF16 row and an FP8 row with scales.
     msg_bytes: usize,
     /// Bytes of the whole area.
@@ -82,6 +102,15 @@ impl Area {
         let local = t.local_experts();
         let msg_bytes = LL_HEADER_BYTES + 2 * hidden;
         let combine_buffer_bytes = local * world * m * hidden * 2;
+        let counts_stride = local + 1 + m.div_ceil(32);
+        // The network leg's pieces, with several nodes only.
+        let net = |bytes: usize| {
+            if cfg.nodes().is_hierarchical() {
+                bytes
+            } else {
+                0
+            }
+        };
         let mut next = 0;
         // 256-byte aligned pieces: rows are moved as 16-byte vectors.
         let mut take = |bytes: usize| {
@@ -92,7 +121,8 @@ impl Area {
         Area {
             counters: take(std::mem::size_of::<LlCounters>()),
             dispatch_flags: take(2 * world * 4),
-            dispatch_counts: take(2 * world * (local + 1) * 4),
+            dispatch_counts: take(2 * world * counts_stride * 4),
+            counts_stride,
             dispatch_tags: take(2 * world * m * 4),
             dispatch_msgs: take(2 * world * m * msg_bytes),
             dispatch_acks: take(world * 4),
@@ -104,6 +134,10 @@ impl Area {
             token_weights: take(world * m * topk * 4),
             combine_buffer: take(combine_buffer_bytes),
             combine_buffer_bytes,
+            net_signals: take(net(LL_SIGNAL_ROWS * world * 8)),
+            net_counts: take(net(world * counts_stride * 4)),
+            net_msgs: take(net(m * msg_bytes)),
+            net_partials: take(net(world * m * hidden * 2)),
             msg_bytes,
             bytes: next,
         }
@@ -117,6 +151,30 @@ pub fn buffer_bytes(cfg: &Config) -> usize {
         return 0;
     }
     Area::new(cfg).bytes
+}
+
+// A call's puts to one rank must stay below the unit of its data signals
+// (kernels/low_latency.cu, "Across nodes").
+const _: () = assert!(
+    LL_MAX_TOKENS * MAX_TOPK * MAX_HIDDEN.div_ceil(LL_CHUNK_CHANNELS) < LL_NET_CALL_UNIT as usize
+);
+
+/// GIN signals the mode needs for `cfg` (after the hierarchical mode's):
+/// a row of `world` per kind across nodes, none otherwise.
+pub fn gin_signals(cfg: &Config) -> usize {
+    if cfg.ll_max_tokens == 0 || !cfg.nodes().is_hierarchical() {
+        return 0;
+    }
+    LL_SIGNAL_ROWS * cfg.world()
+}
+
+/// The ranks on other nodes than `cfg.rank` (bit r for rank r).
+fn net_mask(cfg: &Config) -> u64 {
+    let nodes = cfg.nodes();
+    let home = nodes.node_of(cfg.rank);
+    (0..cfg.world())
+        .filter(|&r| nodes.node_of(r) != home)
+        .fold(0, |mask, r| mask | 1 << r)
 }
 
 pub struct LlMode {
@@ -157,6 +215,7 @@ impl LlMode {
     fn params(&self, rt: &Bound) -> LlParams {
         let (cfg, a) = (&rt.cfg, &self.area);
         let topo = cfg.topo;
+        let nccl = rt.memory.nccl();
         LlParams {
             peer_bases: rt.memory.peer_bases(),
             status: rt.status_ptr(),
@@ -176,6 +235,16 @@ impl LlMode {
             off_token_rows: a.token_rows as i64,
             off_token_weights: a.token_weights as i64,
             msg_bytes: a.msg_bytes as i64,
+            off_net_signals: a.net_signals as i64,
+            off_net_counts: a.net_counts as i64,
+            off_net_msgs: a.net_msgs as i64,
+            off_net_partials: a.net_partials as i64,
+            off_combine_buffer: a.combine_buffer as i64,
+            counts_stride: a.counts_stride as i64,
+            net_mask: net_mask(cfg),
+            dev_comm: nccl.as_ref().map_or(0, |n| n.dev_comm),
+            window: nccl.as_ref().map_or(0, |n| n.window),
+            gin_first_signal: hierarchical::gin_signals(cfg.nodes()) as i32,
             rank: cfg.rank as i32,
             world: topo.world as i32,
             num_experts: topo.num_experts as i32,
@@ -275,5 +344,56 @@ impl LlMode {
     pub fn combine_buffer(&mut self, rt: &Runtime) -> Result<(*mut u8, usize)> {
         let at = rt.memory.own_base() + (self.offset + self.area.combine_buffer) as u64;
         Ok((at as *mut u8, self.area.combine_buffer_bytes))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reference::Dtype;
+    use crate::runtime::config::{BackendKind, ConfigRequest};
+
+    fn config(world: usize, rank: usize, rpn: usize) -> Config {
+        Config::new(&ConfigRequest {
+            world: world as i32,
+            rank: rank as i32,
+            device: 0,
+            max_tokens_per_rank: 100,
+            hidden: 256,
+            topk: 4,
+            num_experts: 24,
+            token_dtype: Dtype::Bf16,
+            backend: BackendKind::Gpu,
+            num_sms: 8,
+            timeout_ms: 1000,
+            ll_max_tokens_per_rank: 40,
+            ranks_per_node: rpn as i32,
+        })
+        .unwrap()
+    }
+
+    /// With one node the network pieces take no room and no rank is on the
+    /// network; with several, the ranks of the other nodes are, and the
+    /// signals and staging are sized for the world (and counted by
+    /// `buffer_bytes`, which `ep_get_buffer_size_hint` reports).
+    #[test]
+    fn network_pieces_exist_only_across_nodes() {
+        let one = Area::new(&config(4, 1, 0));
+        assert_eq!(net_mask(&config(4, 1, 0)), 0);
+        assert_eq!(one.net_partials, one.bytes);
+        assert_eq!(gin_signals(&config(4, 1, 0)), 0);
+        for (world, rpn, rank, mask) in [(2, 1, 0, 0b10), (4, 2, 1, 0b1100), (4, 1, 2, 0b1011)] {
+            let cfg = config(world, rank, rpn);
+            assert_eq!(net_mask(&cfg), mask, "world {world} rpn {rpn} rank {rank}");
+            let a = Area::new(&cfg);
+            let stride = 24 / world + 1 + 40usize.div_ceil(32);
+            assert_eq!(a.counts_stride, stride);
+            assert!(a.net_counts - a.net_signals >= LL_SIGNAL_ROWS * world * 8);
+            assert!(a.net_msgs - a.net_counts >= world * stride * 4);
+            assert!(a.net_partials - a.net_msgs >= 40 * a.msg_bytes);
+            assert!(a.bytes - a.net_partials >= world * 40 * 256 * 2);
+            assert!(buffer_bytes(&cfg) > buffer_bytes(&config(world, rank, 0)));
+            assert_eq!(gin_signals(&cfg), LL_SIGNAL_ROWS * world);
+        }
     }
 }

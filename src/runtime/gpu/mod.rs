@@ -168,16 +168,16 @@ pub fn create(
     )
 }
 
-/// GIN signals the device communicator needs: the network leg's, when the
-/// context has several nodes and some rank is outside this rank's NVLink
-/// domain (NCCL's LSA team); none otherwise (the leg is emulated over
-/// NVLink).
+/// GIN signals the device communicator needs: the network legs' (the
+/// hierarchical mode's, then the low-latency mode's), when the context has
+/// several nodes and some rank is outside this rank's NVLink domain (NCCL's
+/// LSA team); none otherwise (the legs are emulated over NVLink).
 fn gin_signals(cfg: &Config, comm: &CommHandle) -> usize {
     // SAFETY: a live communicator.
     let lsa = unsafe { comm.nccl.team_lsa(comm.comm) };
     let nodes = cfg.nodes();
     if nodes.is_hierarchical() && (lsa.ranks as usize) < cfg.world() {
-        hierarchical::gin_signals(nodes)
+        hierarchical::gin_signals(nodes) + low_latency::gin_signals(cfg)
     } else {
         0
     }
@@ -766,15 +766,12 @@ impl Backend for GpuBackend {
 
     fn check_supported(&self, op: Collective) -> Result<()> {
         match op {
-            Collective::Dispatch | Collective::Combine => Ok(()),
-            Collective::LlDispatch | Collective::LlCombine => {
-                if self.all_reachable {
-                    return Ok(());
-                }
-                Err(Error::unsupported(
-                    "the low-latency mode across NVLink domains needs a GIN network leg, which this release does not have (it runs on virtual nodes of one NVLink domain)",
-                ))
-            }
+            // Across nodes both modes take the network leg (checked at
+            // create: every rank out of reach is on another node, with GIN).
+            Collective::Dispatch
+            | Collective::Combine
+            | Collective::LlDispatch
+            | Collective::LlCombine => Ok(()),
             Collective::MegaDispatch | Collective::MegaCombine => {
                 self.mega.check_supported()?;
                 if self.normal.hierarchical() || !self.all_reachable {
