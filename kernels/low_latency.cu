@@ -311,8 +311,11 @@ __device__ __forceinline__ int64_t token_entry(const LlParams& p, int source, in
 // ---------------------------------------------------------------------------
 
 // Whether `rank` is on another node: what goes to it takes the network leg.
+// Each kernel has two instantiations (see the kernels at the end): kNet
+// false for contexts of one node, which then carry no network code at all.
+template <bool kNet>
 __device__ __forceinline__ bool on_net(const LlParams& p, int rank) {
-    return (p.net_mask >> rank & 1) != 0;
+    return kNet && (p.net_mask >> rank & 1) != 0;
 }
 
 __device__ __forceinline__ EpNet net_of(const LlParams& p) {
@@ -350,6 +353,28 @@ __device__ __forceinline__ bool token_sent(const LlParams& p, int set, int sourc
         reinterpret_cast<const unsigned*>(dispatch_counts(p, p.rank, set, source) +
                                           local_experts(p) + 1);
     return (mask[token / 32] >> (token % 32) & 1) != 0;
+}
+
+// ---------------------------------------------------------------------------
+// Device timestamps (LlParams::timeline, for ep-bench's per-phase breakdown)
+// ---------------------------------------------------------------------------
+
+// Thread 0 notes the global timer at `point` (EP_LL_TIME_*) of this block's
+// timeline; nothing when the launch keeps none.
+__device__ __forceinline__ void note_time(const LlParams& p, int point) {
+    if (p.timeline != nullptr && threadIdx.x == 0) {
+        p.timeline[blockIdx.x * EP_LL_TIME_POINTS + point] = ep_globaltimer_ns();
+    }
+}
+
+// At the start of a launch: clears the block's points, then notes the start.
+__device__ __forceinline__ void start_timeline(const LlParams& p) {
+    if (p.timeline != nullptr && threadIdx.x == 0) {
+        for (int point = 0; point < EP_LL_TIME_POINTS; ++point) {
+            p.timeline[blockIdx.x * EP_LL_TIME_POINTS + point] = 0;
+        }
+    }
+    note_time(p, EP_LL_TIME_START);
 }
 
 // ---------------------------------------------------------------------------
@@ -454,12 +479,13 @@ __device__ __forceinline__ bool wait_for_signal(const LlParams& p, int id, uint6
 // another node in its acknowledgement signal `ack_row` (which counts the
 // same). Returns false in every thread when a wait failed (the error is
 // recorded).
+template <bool kNet>
 __device__ bool wait_for_acks(const LlParams& p, const int* acks, int ack_row, const LlCall& call,
                               int phase) {
     const int d = threadIdx.x;
     bool failed = false;
     if (d < p.world) {
-        failed = on_net(p, d)
+        failed = on_net<kNet>(p, d)
                      ? !wait_for_signal(p, net_signal(p, ack_row, d),
                                         static_cast<uint64_t>(call.seq - 2), call, d, phase)
                      : !wait_for(p, acks + d, call.seq - 2, call, d, phase);
@@ -490,6 +516,7 @@ __device__ __forceinline__ bool warp_wait(Wait wait) {
 // phase to every rank (it ended before this launch started: the calls of a
 // context are ordered). All of it happens at the start so that nothing
 // waits at the end of the kernel.
+template <bool kNet>
 __device__ LlCall begin_call(const LlParams& p, int* seq_counter, int* arrivals, int* call_store,
                              int64_t off_acks, int ack_row) {
     __shared__ int s_seq, s_word;
@@ -512,7 +539,7 @@ __device__ LlCall begin_call(const LlParams& p, int* seq_counter, int* arrivals,
     const LlCall call{s_seq, s_word, deadline};
     const int d = threadIdx.x;
     if (p.do_send && blockIdx.x == gridDim.x - 1 && d < p.world) {
-        if (!on_net(p, d)) {
+        if (!on_net<kNet>(p, d)) {
             ep_st_release_sys(ll_at<int>(p, d, off_acks) + p.rank, call.seq - 1);
         } else if (call.seq > 1) {
             // The signal counts acknowledged calls: seq - 1 after this add.
@@ -551,12 +578,13 @@ __device__ __forceinline__ int mask_words(const LlParams& p) {
 // each of d's local experts into `counts`, then the token count `n`, then
 // (for a rank on another node) the mask of the tokens with an expert on d;
 // returns how many those are.
+template <bool kNet>
 __device__ int count_rows_for(const LlParams& p, int d, int n, const int16_t* experts,
                               int* counts) {
     __shared__ int s_sent;
     const int L = local_experts(p);
     const int entries = n * p.topk;
-    const bool with_mask = on_net(p, d);
+    const bool with_mask = on_net<kNet>(p, d);
     unsigned* mask = reinterpret_cast<unsigned*>(counts + L + 1);
     for (int i = threadIdx.x; i < L + 1 + mask_words(p); i += blockDim.x) {
         counts[i] = i == L ? n : 0;
@@ -686,6 +714,7 @@ __device__ void put_token(const LlParams& p, int set, int t, uint64_t dests) {
 }
 
 // Block-wide send phase of dispatch call `call` (steps 1-4 of the header).
+template <bool kNet>
 __device__ bool dispatch_send(const LlParams& p, const LlCall& call) {
     __shared__ int16_t s_experts[EP_LL_MAX_TOKENS * EP_MAX_TOPK];
     // Counts of one destination: [L] rows, the token count, the sent mask.
@@ -701,18 +730,20 @@ __device__ bool dispatch_send(const LlParams& p, const LlCall& call) {
     // barrier also orders it for the whole block).
     const int n = call_tokens(p, EP_PHASE_LL_DISPATCH);
     load_routing(p, n, s_experts);
-    if (!wait_for_acks(p, ll_at<int>(p, p.rank, p.off_dispatch_acks), EP_LL_SIGNAL_DISPATCH_ACK,
+    if (!wait_for_acks<kNet>(p, ll_at<int>(p, p.rank, p.off_dispatch_acks), EP_LL_SIGNAL_DISPATCH_ACK,
                        call, EP_PHASE_LL_DISPATCH)) {
         return false;
     }
+    note_time(p, EP_LL_TIME_ACKED);
     for (int d = blockIdx.x; d < p.world; d += gridDim.x) {
-        const int sent = count_rows_for(p, d, n, s_experts, s_counts);
-        if (on_net(p, d)) {
+        const int sent = count_rows_for<kNet>(p, d, n, s_experts, s_counts);
+        if (on_net<kNet>(p, d)) {
             send_counts_net(p, seq, d, s_counts, sent);
         } else {
             send_counts_direct(p, seq, d, s_counts);
         }
     }
+    note_time(p, EP_LL_TIME_ANNOUNCED);
     // Tokens start at block W, so the first tokens do not wait for the
     // blocks that send the counts.
     const int first_token = (blockIdx.x + gridDim.x - p.world % gridDim.x) % gridDim.x;
@@ -745,7 +776,7 @@ __device__ bool dispatch_send(const LlParams& p, const LlCall& call) {
         // A rank of this node gets the message in its slot; the ranks on
         // other nodes get it from this rank's staging slot for the token.
         if (tid < p.world) {
-            s_slot[tid] = on_net(p, tid) ? ll_at<uint8_t>(p, p.rank, net_msg_offset(p, t))
+            s_slot[tid] = on_net<kNet>(p, tid) ? ll_at<uint8_t>(p, p.rank, net_msg_offset(p, t))
                                          : dispatch_msg(p, tid, set, p.rank, t);
         }
         __syncthreads();
@@ -782,14 +813,17 @@ __device__ bool dispatch_send(const LlParams& p, const LlCall& call) {
         // thread d's release store, which (being cumulative) publishes them,
         // and before the puts.
         __syncthreads();
-        if (tid < p.world && !on_net(p, tid)) {
+        if (tid < p.world && !on_net<kNet>(p, tid)) {
             ep_st_release_sys(dispatch_tag(p, tid, set, p.rank, t), seq);
         }
-        put_token(p, set, t, net_dests);
+        if constexpr (kNet) {
+            put_token(p, set, t, net_dests);
+        }
     }
-    if (p.net_mask != 0) {
+    if constexpr (kNet) {
         ep_net_flush_warp(net_of(p));
     }
+    note_time(p, EP_LL_TIME_SENT);
     return true;
 }
 
@@ -824,6 +858,7 @@ __device__ __forceinline__ void store_chunk(void* row, const int4 (&v)[EP_LL_LAN
 
 // Block-wide receive phase of dispatch call `call` (steps 5-6 of the
 // header). Returns early when a wait failed (the error is recorded).
+template <bool kNet>
 __device__ void dispatch_receive(const LlParams& p, const LlCall& call) {
     // First row of (local expert le, source s) at [le * W + s]; tokens of s.
     __shared__ int s_first[EP_MAX_EXPERTS];
@@ -838,7 +873,7 @@ __device__ void dispatch_receive(const LlParams& p, const LlCall& call) {
     const int source = threadIdx.x;
     bool failed = false;
     if (source < W) {
-        failed = on_net(p, source)
+        failed = on_net<kNet>(p, source)
                      ? !wait_for_signal(p, net_signal(p, EP_LL_SIGNAL_DISPATCH_COUNTS + set, source),
                                         calls_on_set(seq), call, source, EP_PHASE_LL_DISPATCH)
                      : !wait_for(p, ll_at<int>(p, p.rank, p.off_dispatch_flags) + set * W + source,
@@ -847,6 +882,7 @@ __device__ void dispatch_receive(const LlParams& p, const LlCall& call) {
     if (__syncthreads_or(failed)) {
         return;
     }
+    note_time(p, EP_LL_TIME_COUNTS_IN);
     // The flags were acquired by threads 0..W-1; the barrier above orders
     // every thread's reads of the counts after those acquires.
     for (int le = threadIdx.x; le < L; le += blockDim.x) {
@@ -886,7 +922,7 @@ __device__ void dispatch_receive(const LlParams& p, const LlCall& call) {
         if (t >= s_tokens[s]) {
             continue;
         }
-        const bool net = on_net(p, s);
+        const bool net = on_net<kNet>(p, s);
         if (net && !token_sent(p, set, s, t)) {
             // No expert here: nothing was put, and the token has no rows.
             if (c == 0 && lane < K) {
@@ -1096,8 +1132,9 @@ __device__ void put_chunks(const LlParams& p, const EpNet& net, int set, int s, 
 // (source, token, chunk) of the last dispatch. To a source on another node
 // the chunks are staged in this rank's buffer (an expert row in its row of
 // the zero-copy combine buffer, a partial sum in net_partials) and put.
+template <bool kNet>
 __device__ bool combine_send(const LlParams& p, const LlCall& call) {
-    if (!wait_for_acks(p, ll_at<int>(p, p.rank, p.off_combine_acks), EP_LL_SIGNAL_COMBINE_ACK,
+    if (!wait_for_acks<kNet>(p, ll_at<int>(p, p.rank, p.off_combine_acks), EP_LL_SIGNAL_COMBINE_ACK,
                        call, EP_PHASE_LL_COMBINE)) {
         return false;
     }
@@ -1107,13 +1144,15 @@ __device__ bool combine_send(const LlParams& p, const LlCall& call) {
     const int* dispatched = ll_at<int>(p, p.rank, p.off_dispatch_tokens);
     const int* token_rows = ll_at<int>(p, p.rank, p.off_token_rows);
     const float* token_weights = ll_at<float>(p, p.rank, p.off_token_weights);
+    note_time(p, EP_LL_TIME_ACKED);
     if (threadIdx.x < 32) {
         for (int s = blockIdx.x; s < p.world; s += gridDim.x) {
-            if (on_net(p, s)) {
+            if (on_net<kNet>(p, s)) {
                 close_combine(p, set, s);
             }
         }
     }
+    note_time(p, EP_LL_TIME_ANNOUNCED);
     const EpNet net = net_of(p);
     for (int item = blockIdx.x * EP_LL_WARPS + threadIdx.x / 32; item < p.world * M * C;
          item += gridDim.x * EP_LL_WARPS) {
@@ -1128,7 +1167,7 @@ __device__ bool combine_send(const LlParams& p, const LlCall& call) {
             continue;  // no expert of this rank: the source expects nothing
         }
         const int first_vec = c * EP_LL_CHUNK_VECS;
-        const bool to_net = on_net(p, s);
+        const bool to_net = on_net<kNet>(p, s);
         __nv_bfloat16* rows = ll_at<__nv_bfloat16>(p, s, p.off_combine_rows);
         const auto expert_row = [&](int r) { return p.x + static_cast<int64_t>(r) * p.hidden; };
         // Where the chunk of the row returned as row j of the token goes:
@@ -1191,14 +1230,16 @@ __device__ bool combine_send(const LlParams& p, const LlCall& call) {
             ep_st_release_sys(combine_tag(p, s, set, t, K + p.rank, c), seq);
         }
     }
-    if (p.net_mask != 0) {
+    if constexpr (kNet) {
         ep_net_flush_warp(net);
     }
+    note_time(p, EP_LL_TIME_SENT);
     return true;
 }
 
 // Block-wide receive phase (source side) of combine call `call`: a warp per
 // (token, chunk). Returns early when a wait failed (the error is recorded).
+template <bool kNet>
 __device__ void combine_receive(const LlParams& p, const LlCall& call) {
     const int set = call.seq & 1;
     const int lane = threadIdx.x % 32;
@@ -1237,7 +1278,7 @@ __device__ void combine_receive(const LlParams& p, const LlCall& call) {
                 // has put everything when its combine signal reaches the
                 // unit.
                 const int from = p.weighted ? expert / L : i;
-                arrived = on_net(p, from)
+                arrived = on_net<kNet>(p, from)
                               ? wait_for_signal(p, net_signal(p, EP_LL_SIGNAL_COMBINE + set, from),
                                                 all_data_of(call.seq), call, from,
                                                 EP_PHASE_LL_COMBINE)
@@ -1263,32 +1304,65 @@ __device__ void combine_receive(const LlParams& p, const LlCall& call) {
     }
 }
 
+// One launch of the dispatch: the send phase, the receive phase, or both.
+template <bool kNet>
+__device__ void ll_dispatch(const LlParams& p) {
+    start_timeline(p);
+    LlCounters* c = counters(p);
+    const LlCall call = begin_call<kNet>(p, &c->dispatch_seq, &c->dispatch_arrivals,
+                                         &c->dispatch_call, p.off_dispatch_acks,
+                                         EP_LL_SIGNAL_DISPATCH_ACK);
+    note_time(p, EP_LL_TIME_NUMBERED);
+    const bool sent = !p.do_send || dispatch_send<kNet>(p, call);
+    if (p.do_recv && sent) {
+        dispatch_receive<kNet>(p, call);
+        note_time(p, EP_LL_TIME_RECEIVED);
+    }
+}
+
+// One launch of the combine, likewise.
+template <bool kNet>
+__device__ void ll_combine(const LlParams& p) {
+    start_timeline(p);
+    LlCounters* c = counters(p);
+    const LlCall call = begin_call<kNet>(p, &c->combine_seq, &c->combine_arrivals,
+                                         &c->combine_call, p.off_combine_acks,
+                                         EP_LL_SIGNAL_COMBINE_ACK);
+    note_time(p, EP_LL_TIME_NUMBERED);
+    const bool sent = !p.do_send || combine_send<kNet>(p, call);
+    if (p.do_recv && sent) {
+        combine_receive<kNet>(p, call);
+        note_time(p, EP_LL_TIME_RECEIVED);
+    }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
 // Kernels: grid = one block per SM of the rank's share of the GPU (see
 // "Co-residency"), launched cooperatively; EP_LL_THREADS threads, no dynamic
 // shared memory. One launch runs the send phase, the receive phase, or both.
+// The `_net` kernels are the same with the network leg, for contexts of
+// several nodes (LlParams::net_mask != 0); the others have none of its code
+// (fewer registers, no stack).
 // ---------------------------------------------------------------------------
 
 extern "C" __global__ void __launch_bounds__(EP_LL_THREADS, 1)
     ep_ll_dispatch_kernel(const LlParams p) {
-    LlCounters* c = counters(p);
-    const LlCall call = begin_call(p, &c->dispatch_seq, &c->dispatch_arrivals, &c->dispatch_call,
-                                   p.off_dispatch_acks, EP_LL_SIGNAL_DISPATCH_ACK);
-    const bool sent = !p.do_send || dispatch_send(p, call);
-    if (p.do_recv && sent) {
-        dispatch_receive(p, call);
-    }
+    ll_dispatch<false>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(EP_LL_THREADS, 1)
     ep_ll_combine_kernel(const LlParams p) {
-    LlCounters* c = counters(p);
-    const LlCall call = begin_call(p, &c->combine_seq, &c->combine_arrivals, &c->combine_call,
-                                   p.off_combine_acks, EP_LL_SIGNAL_COMBINE_ACK);
-    const bool sent = !p.do_send || combine_send(p, call);
-    if (p.do_recv && sent) {
-        combine_receive(p, call);
-    }
+    ll_combine<false>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(EP_LL_THREADS, 1)
+    ep_ll_dispatch_net_kernel(const LlParams p) {
+    ll_dispatch<true>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(EP_LL_THREADS, 1)
+    ep_ll_combine_net_kernel(const LlParams p) {
+    ll_combine<true>(p);
 }

@@ -120,6 +120,8 @@ if has checks; then
       dispatch_and_combine_match_the_reference
     step "nccl low-latency" 20 120 env EP_TEST_NCCL=1 "$T/gpu_low_latency" --ignored \
       --test-threads=1 dispatch_and_combine_match_the_reference variants_match_the_reference
+    [ -x "$T/gpu_mega" ] && step "nccl fused" 20 120 env EP_TEST_NCCL=1 "$T/gpu_mega" \
+      --ignored --test-threads=1 small_and_uneven_cases_match_the_reference
     step "nccl hierarchical" 20 120 env EP_TEST_NCCL=1 "$T/gpu_hierarchical" --ignored \
       --test-threads=1 virtual_nodes_match_the_reference
     step "nccl example $NGPU ranks" 10 60 "$G/nccl_context" "$NGPU"

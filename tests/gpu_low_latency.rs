@@ -790,6 +790,69 @@ fn virtual_nodes_match_the_reference() {
     }
 }
 
+/// ep-bench's per-phase breakdown: with timestamps kept, every block of
+/// both kernels notes its points in launch order, the results stay right,
+/// and with them off again the next launches note nothing new.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn device_timestamps_follow_the_phases() {
+    use ep::abi::*;
+    for world in [1, 2] {
+        let case = Case::new(world, 2048, 8, 64, 32);
+        run_gpu_world(world, &case.config(20_000), |rank, ctx| {
+            let all = inputs(&case, 0, &vec![32; world]);
+            let bufs = Bufs::new(&case, &all[rank]);
+            // SAFETY: a live context.
+            unsafe { ep::capi::ll_keep_timeline(ctx.0, true) }.unwrap();
+            gate();
+            run_ops(ctx, &case, &bufs, 32, stream());
+            sync();
+            assert_eq!(async_status(ctx), EP_SUCCESS);
+            check(
+                &case,
+                rank,
+                &all,
+                &bufs,
+                &format!("rank {rank} with timestamps"),
+            );
+            // SAFETY: as above; the stream is synchronised.
+            let t = unsafe { ep::capi::ll_timeline(ctx.0) }.unwrap();
+            assert_eq!(t.ns.len(), 2 * t.blocks * LL_TIME_POINTS);
+            for op in 0..2 {
+                for block in 0..t.blocks {
+                    let at = |point: usize| t.ns[(op * t.blocks + block) * LL_TIME_POINTS + point];
+                    let mut order = vec![
+                        LL_TIME_START,
+                        LL_TIME_NUMBERED,
+                        LL_TIME_ACKED,
+                        LL_TIME_ANNOUNCED,
+                        LL_TIME_SENT,
+                    ];
+                    if op == 0 {
+                        order.push(LL_TIME_COUNTS_IN);
+                    } else {
+                        assert_eq!(at(LL_TIME_COUNTS_IN), 0, "combine has no counts point");
+                    }
+                    order.push(LL_TIME_RECEIVED);
+                    let times: Vec<u64> = order.iter().map(|&p| at(p)).collect();
+                    assert!(
+                        times[0] > 0 && times.windows(2).all(|w| w[0] <= w[1]),
+                        "rank {rank} op {op} block {block}: {times:?}"
+                    );
+                }
+            }
+            // SAFETY: as above.
+            unsafe { ep::capi::ll_keep_timeline(ctx.0, false) }.unwrap();
+            run_ops(ctx, &case, &bufs, 32, stream());
+            sync();
+            // SAFETY: as above.
+            let after = unsafe { ep::capi::ll_timeline(ctx.0) }.unwrap();
+            assert_eq!(after, t, "rank {rank}: timestamps noted while off");
+            gate();
+        });
+    }
+}
+
 /// A device token count outside `[0, num_tokens]` is an asynchronous
 /// invalid argument on its rank, whose call sends or writes nothing; the
 /// peers complete their calls or time out. Rank 0 gives the dispatch a count

@@ -960,6 +960,27 @@ fn low_latency_and_normal_mode_interleave() {
     });
 }
 
+/// ep-bench's device timestamps exist on GPUs only: the host backend says
+/// so instead of returning an empty timeline.
+#[test]
+fn device_timestamps_are_refused_on_the_host_backend() {
+    let shape = Shape {
+        world: 1,
+        hidden: 128,
+        topk: 4,
+        experts: 8,
+    };
+    let cfg = shape.config(EP_DTYPE_BF16, LL_MAX);
+    run_world(1, &cfg, |_, ctx| {
+        // SAFETY: a live context.
+        let keep = unsafe { ll_keep_timeline(ctx.0, true) }.unwrap_err();
+        assert_eq!(keep.kind, ep::error::ErrorKind::Unsupported, "{keep:?}");
+        // SAFETY: as above.
+        let read = unsafe { ll_timeline(ctx.0) }.unwrap_err();
+        assert!(read.message.contains("GPU backend only"), "{read:?}");
+    });
+}
+
 #[test]
 fn low_latency_count_in_memory_out_of_range_is_an_error_and_sends_nothing() {
     let shape = Shape {

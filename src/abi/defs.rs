@@ -71,6 +71,22 @@ abi_consts! {
     /// signal reaches `calls * LL_NET_CALL_UNIT`. Above the most puts of a
     /// call: `LL_MAX_TOKENS * MAX_TOPK * MAX_HIDDEN / LL_CHUNK_CHANNELS`.
     LL_NET_CALL_UNIT: i32 = 1 << 20;
+    /// Low-latency mode, device timestamps (ep-bench's per-phase
+    /// breakdown): the points of a launch at which thread 0 of each block
+    /// notes the global timer (ns) in `LlParams::timeline`, `[blocks,
+    /// LL_TIME_POINTS]`; 0 where a launch has no such point. The block
+    /// started; its call was numbered (begin_call); the peers had
+    /// acknowledged the set (send); the counts and flags were out (dispatch)
+    /// or the closing signals (combine); the send phase ended; every
+    /// source's counts were in (dispatch receive); the receive phase ended.
+    LL_TIME_START: usize = 0;
+    LL_TIME_NUMBERED: usize = 1;
+    LL_TIME_ACKED: usize = 2;
+    LL_TIME_ANNOUNCED: usize = 3;
+    LL_TIME_SENT: usize = 4;
+    LL_TIME_COUNTS_IN: usize = 5;
+    LL_TIME_RECEIVED: usize = 6;
+    LL_TIME_POINTS: usize = 7;
 
     /// Fused kernels: threads of a block (3 warpgroups: the producer and
     /// communication warps, then two consumer warpgroups).
@@ -421,6 +437,9 @@ abi_struct! {
         dev_comm: u64 => "const void*",
         window: u64 => "void*",
         gin_first_signal: i32,
+        /// `[blocks, LL_TIME_POINTS]` device timestamps of this launch, or
+        /// nullptr (kept only when ep-bench asks).
+        timeline: u64 => "unsigned long long*",
         num_tokens: i32,
         rank: i32,
         world: i32,

@@ -7,6 +7,7 @@ use super::entry::{deref, read_versioned, run};
 use super::types::*;
 use crate::error::{Error, Result};
 use crate::reference::normal::worst_case_rows;
+use crate::runtime::backend::LlTimeline;
 use crate::runtime::context::Context;
 use crate::runtime::contract;
 use crate::runtime::log;
@@ -417,6 +418,28 @@ pub unsafe extern "C" fn ep_ll_get_combine_buffer(
         }
         Ok(())
     })
+}
+
+/// For ep-bench's per-phase breakdown, not part of the C API: from now on
+/// the low-latency kernels of `ctx` note device timestamps, or no longer
+/// (GPU backend; `ll_timeline` reads them).
+///
+/// # Safety
+/// `ctx` is NULL or a live context.
+#[doc(hidden)]
+pub unsafe fn ll_keep_timeline(ctx: *mut ep_ctx_t, keep: bool) -> Result<()> {
+    context(ctx)?.ll_keep_timeline(keep)
+}
+
+/// The device timestamps of `ctx`'s last low-latency dispatch and combine
+/// launches, after the caller has synchronised their stream (see
+/// `LlTimeline`). Not part of the C API.
+///
+/// # Safety
+/// `ctx` is NULL or a live context.
+#[doc(hidden)]
+pub unsafe fn ll_timeline(ctx: *mut ep_ctx_t) -> Result<LlTimeline> {
+    context(ctx)?.ll_timeline()
 }
 
 /// The GEMM half of a fused call's arguments (its own values and pointers).

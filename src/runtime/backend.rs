@@ -8,7 +8,7 @@ use super::ops::{
     Received,
 };
 use super::sequence::{Call, Collective};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use std::any::Any;
 use std::os::raw::c_void;
 
@@ -92,6 +92,31 @@ pub trait Backend: PointerCheck + Send {
     /// The buffer a caller may fill with expert outputs in the masked layout
     /// and pass to `ll_combine` with `zero_copy`: (pointer, bytes).
     fn ll_combine_buffer(&mut self) -> Result<(*mut u8, usize)>;
+    /// From now on the low-latency kernels note device timestamps (for
+    /// ep-bench's per-phase breakdown), or no longer do; a GPU backend's
+    /// only.
+    fn ll_keep_timeline(&mut self, _keep: bool) -> Result<()> {
+        Err(Error::unsupported(
+            "device timestamps exist on the GPU backend only",
+        ))
+    }
+    /// The timestamps of the last low-latency dispatch and combine launches
+    /// since `ll_keep_timeline`.
+    fn ll_timeline(&mut self) -> Result<LlTimeline> {
+        Err(Error::unsupported(
+            "device timestamps exist on the GPU backend only",
+        ))
+    }
+}
+
+/// Device timestamps (global timer, ns) of the last low-latency dispatch
+/// and combine launches: `ns[(op * blocks + block) * LL_TIME_POINTS +
+/// point]`, op 0 the dispatch and 1 the combine, points
+/// `crate::abi::LL_TIME_*`; 0 where a launch did not pass a point.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlTimeline {
+    pub blocks: usize,
+    pub ns: Vec<u64>,
 }
 
 /// The part of a backend that any thread may use while another thread is

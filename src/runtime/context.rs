@@ -11,7 +11,7 @@
 //! collective call that passes them takes the next call number
 //! (`super::sequence`) and runs.
 
-use super::backend::{Backend, Inputs, Monitor, Stream};
+use super::backend::{Backend, Inputs, LlTimeline, Monitor, Stream};
 use super::config::{BackendKind, Config};
 use super::contract::{self, check_pointers, Facts};
 use super::handle::{DispatchRecord, Handle};
@@ -352,6 +352,22 @@ impl Context {
         let mut inner = self.lock()?;
         check_ll_enabled(&self.cfg)?;
         inner.backend.ll_combine_buffer()
+    }
+
+    /// ep-bench's per-phase breakdown: the low-latency kernels note device
+    /// timestamps from now on, or no longer (GPU backend).
+    pub fn ll_keep_timeline(&self, keep: bool) -> Result<()> {
+        let mut inner = self.lock()?;
+        check_ll_enabled(&self.cfg)?;
+        inner.backend.ll_keep_timeline(keep)
+    }
+
+    /// The timestamps of the last low-latency launches (see `LlTimeline`).
+    /// The caller has waited for them (the stream is synchronised).
+    pub fn ll_timeline(&self) -> Result<LlTimeline> {
+        let mut inner = self.lock()?;
+        check_ll_enabled(&self.cfg)?;
+        inner.backend.ll_timeline()
     }
 
     /// `ep_mega_dispatch_gemm`: checked as a dispatch (values, the

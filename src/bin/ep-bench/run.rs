@@ -6,7 +6,12 @@ use std::ptr;
 use std::sync::Arc;
 use std::time::Instant;
 
+use ep::abi::{
+    LL_TIME_ACKED, LL_TIME_ANNOUNCED, LL_TIME_COUNTS_IN, LL_TIME_NUMBERED, LL_TIME_POINTS,
+    LL_TIME_RECEIVED, LL_TIME_SENT, LL_TIME_START,
+};
 use ep::capi::*;
+use ep::runtime::backend::LlTimeline;
 
 use crate::device::{
     capture_graph, destroy_graph, epc, fail, launch_graph, Buf, Dev, Gate, HostWord,
@@ -17,6 +22,56 @@ use crate::{Opts, Shared};
 
 /// Expert-major segment alignment used by the expert-major dispatch.
 const EXPERT_ALIGNMENT: i32 = 128;
+
+/// The points of a low-latency launch that the per-phase breakdown names
+/// (`ep::abi::LL_TIME_*`, noted by each block's first thread).
+const LL_PHASES: [(usize, &str); 6] = [
+    (LL_TIME_NUMBERED, "call numbered (begin_call)"),
+    (LL_TIME_ACKED, "send: peers acknowledged the set"),
+    (
+        LL_TIME_ANNOUNCED,
+        "send: counts and flags out (combine: closing signals)",
+    ),
+    (LL_TIME_SENT, "send phase done"),
+    (LL_TIME_COUNTS_IN, "receive: every source's counts in"),
+    (LL_TIME_RECEIVED, "receive phase done"),
+];
+
+/// For each operation (dispatch, combine) and each of `LL_PHASES`: when
+/// the first and the last block passed the point, in us after the
+/// operation's first block started (NaN where no block passed it).
+fn phase_times(t: &LlTimeline) -> Vec<f64> {
+    let mut out = Vec::new();
+    for op in 0..2 {
+        let at =
+            |block: usize, point: usize| t.ns[(op * t.blocks + block) * LL_TIME_POINTS + point];
+        let start = (0..t.blocks)
+            .map(|b| at(b, LL_TIME_START))
+            .min()
+            .unwrap_or(0);
+        for &(point, _) in &LL_PHASES {
+            let passed: Vec<f64> = (0..t.blocks)
+                .map(|b| at(b, point))
+                .filter(|&ns| ns != 0)
+                .map(|ns| ns.saturating_sub(start) as f64 / 1e3)
+                .collect();
+            out.push(passed.iter().copied().fold(f64::NAN, f64::min));
+            out.push(passed.iter().copied().fold(f64::NAN, f64::max));
+        }
+    }
+    out
+}
+
+/// The median of the samples that are numbers, or NaN.
+fn median_of(samples: &[f64]) -> f64 {
+    let mut v: Vec<f64> = samples.iter().copied().filter(|x| !x.is_nan()).collect();
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        percentile(&v, 0.5)
+    }
+}
 
 /// splitmix64: small, fast, seeded per rank.
 pub(crate) struct Rng(pub(crate) u64);
@@ -290,6 +345,67 @@ impl Rank {
             println!(
                 "| {} | {tokens} | {sms} | {:.1} | {:.1} | {:.1} | {gbps} | {nccl} |",
                 row.op, stats.median, stats.p10, stats.p90
+            );
+        }
+    }
+
+    /// Runs the dispatch+combine pair `iters` times (gated) with the
+    /// low-latency kernels' device timestamps on: the samples of
+    /// `phase_times`, one column per (op, phase, first/last block).
+    fn ll_phases(
+        &self,
+        ctx: *mut ep_ctx_t,
+        iters: usize,
+        dispatch: &dyn Fn(),
+        combine: &dyn Fn(),
+    ) -> Samples {
+        // SAFETY: a live context of this rank.
+        let keep = |on: bool| {
+            if let Err(e) = unsafe { ll_keep_timeline(ctx, on) } {
+                fail(&format!("device timestamps: {}", e.message));
+            }
+        };
+        keep(true);
+        let samples = self.iterate(iters, |_, gate| {
+            self.time_ops(gate, [dispatch, combine]);
+            // SAFETY: as above; time_ops waited for both launches.
+            match unsafe { ll_timeline(ctx) } {
+                Ok(t) => phase_times(&t),
+                Err(e) => fail(&format!("device timestamps: {}", e.message)),
+            }
+        });
+        keep(false);
+        samples
+    }
+
+    /// Rank 0 prints its per-phase breakdown (`ll_phases`) of `tokens`.
+    fn print_phases(&self, tokens: usize, iters: usize, samples: &Samples) {
+        if self.r != 0 {
+            return;
+        }
+        println!(
+            "\n**low-latency phases of rank 0 from device timestamps, {tokens} token(s), weights \
+             at dispatch: us after the op's first block started, first and last block to \
+             pass, median of {iters}**\n"
+        );
+        println!("| point | dispatch first | dispatch last | combine first | combine last |");
+        println!("| --- | ---: | ---: | ---: | ---: |");
+        let cell = |column: usize| {
+            let m = median_of(&samples[column]);
+            if m.is_nan() {
+                "-".to_string()
+            } else {
+                format!("{m:.1}")
+            }
+        };
+        let per_op = 2 * LL_PHASES.len();
+        for (i, (_, name)) in LL_PHASES.iter().enumerate() {
+            println!(
+                "| {name} | {} | {} | {} | {} |",
+                cell(2 * i),
+                cell(2 * i + 1),
+                cell(per_op + 2 * i),
+                cell(per_op + 2 * i + 1)
             );
         }
     }
@@ -979,6 +1095,11 @@ impl Rank {
         };
         let graph_wd = graph(wd);
         let graph_wc = graph(wc);
+        // Where the microseconds go: the pair (weights at dispatch) again,
+        // gated, with the kernels' device timestamps on.
+        let phases = o
+            .gpu
+            .then(|| self.ll_phases(ctx, iters, &|| dispatch(0, wd), &|| combine(0, wd)));
 
         // NCCL: FP8 rows (+ scales) for every (token, expert) pair out; BF16
         // back, one row per (token, expert) pair with weights at combine,
@@ -1035,6 +1156,9 @@ impl Rank {
             rows.push(row(op(GRAPH_OP, wc), &gc[0], both_wc, nc_wc));
         }
         self.print_rows(t, None, rows);
+        if let Some(phases) = phases {
+            self.print_phases(t, iters, &phases);
+        }
         if !o.gpu && r == 0 {
             for at in [wd, wc] {
                 println!("| {GRAPH_OP} ({at}) | {t} | - | n/a (host backend) | | | | |");

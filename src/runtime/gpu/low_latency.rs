@@ -37,13 +37,15 @@
 use super::{hierarchical, ptr, Bound, Runtime};
 use crate::abi::{
     LlCounters, LlParams, LL_CHUNK_CHANNELS, LL_HEADER_BYTES, LL_MAX_TOKENS, LL_NET_CALL_UNIT,
-    LL_SIGNAL_ROWS, LL_THREADS, MAX_HIDDEN, MAX_TOPK,
+    LL_SIGNAL_ROWS, LL_THREADS, LL_TIME_POINTS, MAX_HIDDEN, MAX_TOPK,
 };
 use crate::error::{Error, Result};
 use crate::reference::Dtype;
+use crate::runtime::backend::LlTimeline;
 use crate::runtime::backend::Stream;
 use crate::runtime::config::Config;
 use crate::runtime::cuda::Kernel;
+use crate::runtime::cuda::MappedHost;
 use crate::runtime::ops::{LlCombineOp, LlDispatchOp};
 use crate::runtime::sequence::Call;
 
@@ -183,6 +185,11 @@ pub struct LlMode {
     area: Area,
     /// Blocks per launch: one per SM of this rank's share of the GPU.
     grid: u32,
+    /// `[2, grid, LL_TIME_POINTS]` device timestamps of the last dispatch
+    /// and combine launches (`LlParams::timeline`), made when ep-bench
+    /// first asks for them; launches note them while `keep_timeline`.
+    timeline: Option<MappedHost<u64>>,
+    keep_timeline: bool,
 }
 
 impl LlMode {
@@ -196,7 +203,13 @@ impl LlMode {
     /// `LL_THREADS` threads does not fit on an SM.
     pub fn new(rt: &Runtime, offset: usize) -> Result<LlMode> {
         let bound = rt.device.bind()?;
-        for kernel in [&rt.kernels.ll_dispatch, &rt.kernels.ll_combine] {
+        let k = &rt.kernels;
+        for kernel in [
+            &k.ll_dispatch,
+            &k.ll_combine,
+            &k.ll_dispatch_net,
+            &k.ll_combine_net,
+        ] {
             if kernel.max_blocks_per_sm(&bound, LL_THREADS as u32, 0)? == 0 {
                 return Err(Error::unsupported(format!(
                     "{}: a block of {LL_THREADS} threads does not fit on an SM of this GPU",
@@ -208,7 +221,43 @@ impl LlMode {
             offset,
             area: Area::new(&rt.cfg),
             grid: rt.placement.sm_share(),
+            timeline: None,
+            keep_timeline: false,
         })
+    }
+
+    /// From now on every launch notes device timestamps in host-mapped
+    /// memory (a few stores per block), or no longer does.
+    pub fn keep_timeline(&mut self, rt: &Runtime, keep: bool) -> Result<()> {
+        if keep && self.timeline.is_none() {
+            let points = 2 * self.grid as usize * LL_TIME_POINTS;
+            self.timeline = Some(MappedHost::new(&rt.device, points)?);
+        }
+        self.keep_timeline = keep;
+        Ok(())
+    }
+
+    /// The timestamps of the last launches (their stream has been waited
+    /// for by the caller).
+    pub fn timeline(&self) -> Result<LlTimeline> {
+        let kept = self.timeline.as_ref().ok_or_else(|| {
+            Error::invalid("no device timestamps: ll_keep_timeline was never called")
+        })?;
+        Ok(LlTimeline {
+            blocks: self.grid as usize,
+            ns: (0..kept.len()).map(|i| kept.read(i)).collect(),
+        })
+    }
+
+    /// Where launches of operation `op` (0 dispatch, 1 combine) note their
+    /// timestamps, or 0.
+    fn timeline_of(&self, op: usize) -> u64 {
+        match &self.timeline {
+            Some(t) if self.keep_timeline => {
+                t.device_ptr() + (op * self.grid as usize * LL_TIME_POINTS * 8) as u64
+            }
+            _ => 0,
+        }
     }
 
     /// Parameters every launch shares; the caller fills in the operation's.
@@ -303,9 +352,15 @@ impl LlMode {
             do_send: phases.send as i32,
             do_recv: phases.recv as i32,
             collective: call.op.code() as i32,
+            timeline: self.timeline_of(0),
             ..self.params(rt)
         };
-        self.launch(rt, &rt.kernels.ll_dispatch, &params, stream)
+        let kernel = if params.net_mask != 0 {
+            &rt.kernels.ll_dispatch_net
+        } else {
+            &rt.kernels.ll_dispatch
+        };
+        self.launch(rt, kernel, &params, stream)
     }
 
     pub fn combine(
@@ -333,9 +388,15 @@ impl LlMode {
             do_send: phases.send as i32,
             do_recv: phases.recv as i32,
             collective: call.op.code() as i32,
+            timeline: self.timeline_of(1),
             ..self.params(rt)
         };
-        self.launch(rt, &rt.kernels.ll_combine, &params, stream)
+        let kernel = if params.net_mask != 0 {
+            &rt.kernels.ll_combine_net
+        } else {
+            &rt.kernels.ll_combine
+        };
+        self.launch(rt, kernel, &params, stream)
     }
 
     /// This rank's BF16 `[L, W * M, hidden]` zero-copy combine buffer. Only

@@ -26,7 +26,7 @@ mod normal;
 mod placement;
 mod symmetric;
 
-use super::backend::{Backend, HandleState, Inputs, Monitor, Stream};
+use super::backend::{Backend, HandleState, Inputs, LlTimeline, Monitor, Stream};
 use super::bootstrap::Bootstrap;
 use super::config::{agree_on_config, Config};
 use super::contract::{Field, Memory, PointerCheck};
@@ -77,6 +77,9 @@ pub struct Kernels {
     pub combine_reduce: Kernel<CombineParams>,
     pub ll_dispatch: Kernel<LlParams>,
     pub ll_combine: Kernel<LlParams>,
+    /// The same with the network leg (contexts of several nodes).
+    pub ll_dispatch_net: Kernel<LlParams>,
+    pub ll_combine_net: Kernel<LlParams>,
     pub mega_bf16: Kernel<MegaParams>,
     pub mega_fp8: Kernel<MegaParams>,
     pub mega_bf16_pair: Kernel<MegaParams>,
@@ -102,6 +105,8 @@ impl Kernels {
             combine_reduce: module.function(c"ep_combine_reduce_kernel")?,
             ll_dispatch: module.function(c"ep_ll_dispatch_kernel")?,
             ll_combine: module.function(c"ep_ll_combine_kernel")?,
+            ll_dispatch_net: module.function(c"ep_ll_dispatch_net_kernel")?,
+            ll_combine_net: module.function(c"ep_ll_combine_net_kernel")?,
             mega_bf16: module.function(c"ep_mega_bf16_kernel")?,
             mega_fp8: module.function(c"ep_mega_fp8_kernel")?,
             mega_bf16_pair: module.function(c"ep_mega_bf16_pair_kernel")?,
@@ -857,5 +862,13 @@ impl Backend for GpuBackend {
 
     fn ll_combine_buffer(&mut self) -> Result<(*mut u8, usize)> {
         self.ll.combine_buffer(&self.rt)
+    }
+
+    fn ll_keep_timeline(&mut self, keep: bool) -> Result<()> {
+        self.ll.keep_timeline(&self.rt, keep)
+    }
+
+    fn ll_timeline(&mut self) -> Result<LlTimeline> {
+        self.ll.timeline()
     }
 }
