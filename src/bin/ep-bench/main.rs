@@ -29,7 +29,9 @@ USAGE: ep-bench [OPTIONS]
                          bytes each rank sends over the network and over NVLink
                          in one dispatch + combine, hierarchical (--ranks-per-node)
                          next to single-node paths, from the plans (no GPU needed)
-  --ranks-per-node R     traffic: ranks per node (default: all ranks one node)
+  --ranks-per-node R     ranks per node (default: all ranks one node); below the rank
+                         count the timed modes take the network legs (emulated over
+                         NVLink on one host), traffic counts their bytes
   --tokens T             tokens per rank (default 4096 normal, 128 ll)
   --hidden H             elements per token, multiple of 128 (default 7168)
   --topk K               experts per token (default 8)
@@ -325,8 +327,12 @@ fn main() {
         "std::time::Instant wall clock (host backend)"
     };
     let date = now_utc();
+    let nodes = match opts.ranks_per_node {
+        Some(rpn) if rpn < world => format!(" in {} nodes of {rpn}", world / rpn.max(1)),
+        _ => String::new(),
+    };
     let header = format!(
-        "{date}, {device_desc}, {world} ranks, timing: {timing}, {nccl_note}, command: `{command}`"
+        "{date}, {device_desc}, {world} ranks{nodes}, timing: {timing}, {nccl_note}, command: `{command}`"
     );
     let report = Report {
         header: vec![

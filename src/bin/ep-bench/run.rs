@@ -552,6 +552,8 @@ impl Rank {
             cfg.num_sms = sms;
             cfg.timeout_ms = self.o.timeout_ms;
             cfg.ll_max_tokens_per_rank = ll_tokens as i32;
+            // Several nodes (virtual ones on one host): the network legs.
+            cfg.ranks_per_node = self.o.ranks_per_node.unwrap_or(0) as i32;
             if self.r == 0 {
                 let mut id = ep_unique_id_t {
                     internal: [0; EP_UNIQUE_ID_BYTES],
