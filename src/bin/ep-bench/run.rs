@@ -925,14 +925,23 @@ impl Rank {
             None,
             iters,
         );
-        for &t in token_list {
-            self.low_latency_rows(ctx, inp, &bufs, t, iters);
+        // The per-phase breakdowns follow the table, one per token count.
+        let phases: Vec<(usize, Samples)> = token_list
+            .iter()
+            .filter_map(|&t| {
+                self.low_latency_rows(ctx, inp, &bufs, t, iters)
+                    .map(|p| (t, p))
+            })
+            .collect();
+        for (t, samples) in &phases {
+            self.print_phases(*t, iters, samples);
         }
         drop(bufs);
         self.destroy_ctx(ctx, ptr::null_mut());
     }
 
-    /// Times and prints the low-latency rows of one token count.
+    /// Times and prints the low-latency rows of one token count; returns
+    /// its per-phase samples (`ll_phases`) on GPUs.
     fn low_latency_rows(
         &self,
         ctx: *mut ep_ctx_t,
@@ -940,7 +949,7 @@ impl Rank {
         b: &LlBuffers,
         t: usize,
         iters: usize,
-    ) {
+    ) -> Option<Samples> {
         let o = &*self.o;
         let (w, h, r) = (self.world, o.hidden, self.r);
         let local = o.experts / w;
@@ -1158,14 +1167,12 @@ impl Rank {
             rows.push(row(op(GRAPH_OP, wc), &gc[0], both_wc, nc_wc));
         }
         self.print_rows(t, None, rows);
-        if let Some(phases) = phases {
-            self.print_phases(t, iters, &phases);
-        }
         if !o.gpu && r == 0 {
             for at in [wd, wc] {
                 println!("| {GRAPH_OP} ({at}) | {t} | - | n/a (host backend) | | | | |");
             }
         }
+        phases
     }
 }
 
