@@ -1304,36 +1304,38 @@ __device__ void combine_receive(const LlParams& p, const LlCall& call) {
     }
 }
 
-// One launch of the dispatch: the send phase, the receive phase, or both.
-template <bool kNet>
-__device__ void ll_dispatch(const LlParams& p) {
+// One launch of an operation: its call numbered (begin_call on the
+// operation's counters and acknowledgements), then its send phase, its
+// receive phase, or both; `send(call)` returns false when a wait failed.
+template <bool kNet, typename Send, typename Receive>
+__device__ void run_launch(const LlParams& p, int* seq_counter, int* arrivals, int* call_store,
+                           int64_t off_acks, int ack_row, Send send, Receive receive) {
     start_timeline(p);
-    LlCounters* c = counters(p);
-    const LlCall call = begin_call<kNet>(p, &c->dispatch_seq, &c->dispatch_arrivals,
-                                         &c->dispatch_call, p.off_dispatch_acks,
-                                         EP_LL_SIGNAL_DISPATCH_ACK);
+    const LlCall call = begin_call<kNet>(p, seq_counter, arrivals, call_store, off_acks, ack_row);
     note_time(p, EP_LL_TIME_NUMBERED);
-    const bool sent = !p.do_send || dispatch_send<kNet>(p, call);
+    const bool sent = !p.do_send || send(call);
     if (p.do_recv && sent) {
-        dispatch_receive<kNet>(p, call);
+        receive(call);
         note_time(p, EP_LL_TIME_RECEIVED);
     }
 }
 
-// One launch of the combine, likewise.
+template <bool kNet>
+__device__ void ll_dispatch(const LlParams& p) {
+    LlCounters* c = counters(p);
+    run_launch<kNet>(
+        p, &c->dispatch_seq, &c->dispatch_arrivals, &c->dispatch_call, p.off_dispatch_acks,
+        EP_LL_SIGNAL_DISPATCH_ACK, [&](const LlCall& call) { return dispatch_send<kNet>(p, call); },
+        [&](const LlCall& call) { dispatch_receive<kNet>(p, call); });
+}
+
 template <bool kNet>
 __device__ void ll_combine(const LlParams& p) {
-    start_timeline(p);
     LlCounters* c = counters(p);
-    const LlCall call = begin_call<kNet>(p, &c->combine_seq, &c->combine_arrivals,
-                                         &c->combine_call, p.off_combine_acks,
-                                         EP_LL_SIGNAL_COMBINE_ACK);
-    note_time(p, EP_LL_TIME_NUMBERED);
-    const bool sent = !p.do_send || combine_send<kNet>(p, call);
-    if (p.do_recv && sent) {
-        combine_receive<kNet>(p, call);
-        note_time(p, EP_LL_TIME_RECEIVED);
-    }
+    run_launch<kNet>(
+        p, &c->combine_seq, &c->combine_arrivals, &c->combine_call, p.off_combine_acks,
+        EP_LL_SIGNAL_COMBINE_ACK, [&](const LlCall& call) { return combine_send<kNet>(p, call); },
+        [&](const LlCall& call) { combine_receive<kNet>(p, call); });
 }
 
 }  // namespace

@@ -407,26 +407,9 @@ impl Hierarchy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::reference::Dtype;
-    use crate::runtime::config::{BackendKind, ConfigRequest};
 
     fn config(world: usize, rank: usize, rpn: usize) -> Config {
-        Config::new(&ConfigRequest {
-            world: world as i32,
-            rank: rank as i32,
-            device: 0,
-            max_tokens_per_rank: 100,
-            hidden: 256,
-            topk: 4,
-            num_experts: 24,
-            token_dtype: Dtype::Bf16,
-            backend: BackendKind::Gpu,
-            num_sms: 8,
-            timeout_ms: 1000,
-            ll_max_tokens_per_rank: 0,
-            ranks_per_node: rpn as i32,
-        })
-        .unwrap()
+        super::super::test_config(world, rank, rpn, 0)
     }
 
     /// The tables send every access of the single-node kernels where the

@@ -872,3 +872,28 @@ impl Backend for GpuBackend {
         self.ll.timeline()
     }
 }
+
+/// A GPU config for the unit tests of the modes' buffer layouts: `world`
+/// ranks in nodes of `rpn` (0: one node), seen from `rank`, 100 normal and
+/// `ll_tokens` low-latency tokens per rank, hidden 256, top-4 of 24 experts.
+#[cfg(test)]
+fn test_config(world: usize, rank: usize, rpn: usize, ll_tokens: usize) -> Config {
+    use crate::reference::Dtype;
+    use crate::runtime::config::{BackendKind, ConfigRequest};
+    Config::new(&ConfigRequest {
+        world: world as i32,
+        rank: rank as i32,
+        device: 0,
+        max_tokens_per_rank: 100,
+        hidden: 256,
+        topk: 4,
+        num_experts: 24,
+        token_dtype: Dtype::Bf16,
+        backend: BackendKind::Gpu,
+        num_sms: 8,
+        timeout_ms: 1000,
+        ll_max_tokens_per_rank: ll_tokens as i32,
+        ranks_per_node: rpn as i32,
+    })
+    .unwrap()
+}
