@@ -231,11 +231,17 @@ extern "C" __global__ void ep_hier_stage_kernel(const HierParams p) {
                                    static_cast<int64_t>(t) * p.topk;
             const int* rank_pos = own<int>(p, area_at(p, p.normal.off_rank_pos)) +
                                   static_cast<int64_t>(t) * p.world;
-            const int* ids = p.topk_idx + static_cast<int64_t>(t) * p.topk;
+            int ids[EP_MAX_TOPK], experts[EP_MAX_TOPK];
+            ep_effective_experts(p.topk_idx + static_cast<int64_t>(t) * p.topk, p.topk,
+                                 p.num_experts, ids, experts);
             const float* weights = p.topk_weights + static_cast<int64_t>(t) * p.topk;
             int* header = own<int>(p, header_at(p, home, t));
-            for (int k = 0; k < p.topk; ++k) {
-                const int e = ep_effective_expert(ids, k, p.num_experts);
+#pragma unroll
+            for (int k = 0; k < EP_MAX_TOPK; ++k) {
+                if (k >= p.topk) {
+                    break;
+                }
+                const int e = experts[k];
                 header[EP_HIER_HDR_EXPERTS + k] = e;
                 header[EP_HIER_HDR_WEIGHTS + k] = __float_as_int(e >= 0 ? weights[k] : 0.0f);
                 header[EP_HIER_HDR_SLOTS + k] = e >= 0 ? chunk_base[p.world + e] + slot_rank[k] : 0;

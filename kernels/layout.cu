@@ -25,7 +25,7 @@
 //
 // Expert ids: -1 means "no expert" (a dropped slot) and is skipped. A slot
 // whose id is outside [0, num_experts), or repeats an earlier slot of the
-// same token (ep_effective_expert, as the dispatch kernels route), is never
+// same token (ep_effective_experts, as the dispatch kernels route), is never
 // counted or used as an index: block 0 records EP_STATUS_INVALID_EXPERT with
 // detail = token * topk + slot (the first recorded wins; which bad entry
 // that is, when there are several, is not defined), and every block skips
@@ -70,9 +70,15 @@ extern "C" __global__ void ep_layout_kernel(const LayoutParams p) {
     int my_tokens = 0;  // tokens of this thread that go to `rank`
     for (int token = threadIdx.x; token < num_tokens; token += blockDim.x) {
         bool in_rank = false;
-        const int* ids = topk_idx + static_cast<int64_t>(token) * topk;
-        for (int slot = 0; slot < topk; ++slot) {
-            const int expert = ep_effective_expert(ids, slot, num_experts);
+        int ids[EP_MAX_TOPK], experts[EP_MAX_TOPK];
+        ep_effective_experts(topk_idx + static_cast<int64_t>(token) * topk, topk, num_experts, ids,
+                             experts);
+#pragma unroll
+        for (int slot = 0; slot < EP_MAX_TOPK; ++slot) {
+            if (slot >= topk) {
+                break;
+            }
+            const int expert = experts[slot];
             if (expert < 0) {
                 if (rank == 0 && ids[slot] != -1) {
                     ep_record_error(status, EP_STATUS_INVALID_EXPERT, -1, EP_PHASE_LAYOUT,

@@ -555,17 +555,24 @@ __device__ LlCall begin_call(const LlParams& p, int* seq_counter, int* arrivals,
 
 // Block-wide (step 2): the effective expert of every (token, slot) of this
 // rank's `n` tokens into `experts` (token-major), from the caller's
-// topk_idx. Block 0 reports ids that are neither -1 nor effective.
+// topk_idx, a thread per token (its ids in one round trip). Block 0
+// reports ids that are neither -1 nor effective.
 __device__ void load_routing(const LlParams& p, int n, int16_t* experts) {
-    const int entries = n * p.topk;
-    for (int i = threadIdx.x; i < entries; i += blockDim.x) {
-        const int* ids = p.topk_idx + static_cast<int64_t>(i / p.topk) * p.topk;
-        const int slot = i % p.topk;
-        const int expert = ep_effective_expert(ids, slot, p.num_experts);
-        if (blockIdx.x == 0 && expert < 0 && ids[slot] != -1) {
-            ep_record_error(p.status, EP_STATUS_INVALID_EXPERT, -1, EP_PHASE_LL_DISPATCH, i);
+    for (int t = threadIdx.x; t < n; t += blockDim.x) {
+        const int first = t * p.topk;
+        int ids[EP_MAX_TOPK], effective[EP_MAX_TOPK];
+        ep_effective_experts(p.topk_idx + first, p.topk, p.num_experts, ids, effective);
+#pragma unroll
+        for (int k = 0; k < EP_MAX_TOPK; ++k) {
+            if (k >= p.topk) {
+                break;
+            }
+            if (blockIdx.x == 0 && effective[k] < 0 && ids[k] != -1) {
+                ep_record_error(p.status, EP_STATUS_INVALID_EXPERT, -1, EP_PHASE_LL_DISPATCH,
+                                first + k);
+            }
+            experts[first + k] = static_cast<int16_t>(effective[k]);
         }
-        experts[i] = static_cast<int16_t>(expert);
     }
 }
 
@@ -1250,9 +1257,7 @@ __device__ void combine_receive(const LlParams& p, const LlCall& call) {
          item += gridDim.x * EP_LL_WARPS) {
         const int t = item / C, c = item % C;
         const int expert =
-            lane < K ? ep_effective_expert(p.topk_idx + static_cast<int64_t>(t) * K, lane,
-                                           p.num_experts)
-                     : -1;
+            ep_effective_expert_of_lane(p.topk_idx + static_cast<int64_t>(t) * K, K, p.num_experts);
         // Terms in summation order: slots ascending (weights at combine), or
         // the ranks holding any of the token's experts, ascending.
         uint64_t terms;

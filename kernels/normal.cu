@@ -109,9 +109,25 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
     }
     __syncthreads();
 
+    // Lane l holds the warp's token l: its ids and effective experts, loaded
+    // in one round trip; ids that are neither -1 nor effective are errors.
+    const int token = first_token + lane;
+    int token_ids[EP_MAX_TOPK], token_experts[EP_MAX_TOPK];
+    ep_effective_experts(p.topk_idx + static_cast<int64_t>(token) * p.topk,
+                         token < p.num_tokens ? p.topk : 0, p.num_experts, token_ids,
+                         token_experts);
+#pragma unroll
+    for (int k = 0; k < EP_MAX_TOPK; ++k) {
+        if (token_experts[k] < 0 && token_ids[k] != -1) {
+            ep_record_error(p.status, EP_STATUS_INVALID_EXPERT, -1, EP_PHASE_DISPATCH,
+                            token * p.topk + k);
+        }
+    }
+
     // Pairs of the warp's 32 tokens in token-major order, 32 per round: lane
-    // l of round r holds pair 32 r + l. A pair's position in its expert is
-    // the count of earlier pairs of that expert in this warp.
+    // l of round r holds pair 32 r + l, whose expert it takes from the lane
+    // of its token. A pair's position in its expert is the count of earlier
+    // pairs of that expert in this warp.
     int pair_expert[EP_MAX_TOPK];
     int pair_pos[EP_MAX_TOPK];
 #pragma unroll
@@ -121,14 +137,12 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
             continue;
         }
         const int pair = r * 32 + lane;
-        const int token = first_token + pair / p.topk;
-        const int slot = pair % p.topk;
-        if (token < p.num_tokens) {
-            const int* ids = p.topk_idx + static_cast<int64_t>(token) * p.topk;
-            pair_expert[r] = ep_effective_expert(ids, slot, p.num_experts);
-            if (pair_expert[r] < 0 && ids[slot] != -1) {
-                ep_record_error(p.status, EP_STATUS_INVALID_EXPERT, -1, EP_PHASE_DISPATCH,
-                                token * p.topk + slot);
+        const int holder = pair / p.topk, slot = pair % p.topk;
+#pragma unroll
+        for (int k = 0; k < EP_MAX_TOPK; ++k) {
+            const int expert = __shfl_sync(0xffffffffu, token_experts[k], holder);
+            if (k == slot) {
+                pair_expert[r] = expert;
             }
         }
         const int e = pair_expert[r];
@@ -145,15 +159,11 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
     }
 
     // Ranks each of the warp's tokens goes to (lane l holds token l).
-    const int token = first_token + lane;
     uint64_t rank_mask = 0;
-    if (token < p.num_tokens) {
-        const int* ids = p.topk_idx + static_cast<int64_t>(token) * p.topk;
-        for (int k = 0; k < p.topk; ++k) {
-            const int e = ep_effective_expert(ids, k, p.num_experts);
-            if (e >= 0) {
-                rank_mask |= 1ull << (e / local_experts);
-            }
+#pragma unroll
+    for (int k = 0; k < EP_MAX_TOPK; ++k) {
+        if (token_experts[k] >= 0) {
+            rank_mask |= 1ull << (token_experts[k] / local_experts);
         }
     }
     for (int r = 0; r < p.world; ++r) {
@@ -227,8 +237,17 @@ extern "C" __global__ void ep_dispatch_stage_kernel(const DispatchParams p) {
                                    static_cast<int64_t>(token) * p.topk;
             const int* rank_pos = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_rank_pos) +
                                   static_cast<int64_t>(token) * p.world;
-            const int* ids = p.topk_idx + static_cast<int64_t>(token) * p.topk;
-            const float* weights = p.topk_weights + static_cast<int64_t>(token) * p.topk;
+            // The token's effective experts, positions and weights, each
+            // loaded in one round trip.
+            int ids[EP_MAX_TOPK], experts[EP_MAX_TOPK], ranks[EP_MAX_TOPK];
+            float weights[EP_MAX_TOPK];
+            const int64_t first_pair = static_cast<int64_t>(token) * p.topk;
+            ep_effective_experts(p.topk_idx + first_pair, p.topk, p.num_experts, ids, experts);
+#pragma unroll
+            for (int k = 0; k < EP_MAX_TOPK; ++k) {
+                ranks[k] = k < p.topk ? slot_rank[k] : 0;
+                weights[k] = k < p.topk ? p.topk_weights[first_pair + k] : 0.0f;
+            }
             for (int r = 0; r < p.world; ++r) {
                 const int pos = rank_pos[r];
                 p.handle_in_rank[static_cast<int64_t>(token) * p.world + r] = pos >= 0;
@@ -242,11 +261,15 @@ extern "C" __global__ void ep_dispatch_stage_kernel(const DispatchParams p) {
                 int* in_rank = ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_rank) + record * p.topk;
                 float* in_weight =
                     ep_area<float>(p.peer_bases, r, p.normal.area, p.normal.off_in_weight) + record * p.topk;
-                for (int k = 0; k < p.topk; ++k) {
-                    const int e = ep_effective_expert(ids, k, p.num_experts);
+#pragma unroll
+                for (int k = 0; k < EP_MAX_TOPK; ++k) {
+                    if (k >= p.topk) {
+                        break;
+                    }
+                    const int e = experts[k];
                     const bool here = e >= 0 && e / local_experts == r;
                     in_local[k] = here ? e - r * local_experts : -1;
-                    in_rank[k] = here ? chunk_base[p.world + e] + slot_rank[k] : 0;
+                    in_rank[k] = here ? chunk_base[p.world + e] + ranks[k] : 0;
                     in_weight[k] = here ? weights[k] : 0.0f;
                 }
             }

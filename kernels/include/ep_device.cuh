@@ -354,21 +354,48 @@ __device__ __forceinline__ unsigned ep_lanemask_lt() {
     return mask;
 }
 
-// The expert slot `slot` of a token really uses, from the token's ids at
-// `ids`: the id, or -1 when the slot is dropped (-1), is not an expert id,
-// or repeats an earlier slot of the same token. Every kernel routes by this
-// function, so an id from the caller is never used as an address unchecked.
-__device__ __forceinline__ int ep_effective_expert(const int* ids, int slot, int num_experts) {
-    const int id = ids[slot];
-    if (id < 0 || id >= num_experts) {
-        return -1;
+// The expert each slot of a token really uses (its "effective expert"):
+// the id, or -1 when the slot is dropped (-1), is not an expert id, or
+// repeats an earlier slot of the same token. Every kernel routes by these
+// functions, so an id from the caller is never used as an address
+// unchecked.
+//
+// A thread's token: its `topk` ids at `ids` into `id` and each slot's
+// effective expert into `experts` (-1 from slot topk on). The ids are
+// loaded together, one memory round trip (checking slot by slot against
+// the earlier slots in memory would chain up to topk loads per slot).
+__device__ __forceinline__ void ep_effective_experts(const int* ids, int topk, int num_experts,
+                                                     int (&id)[EP_MAX_TOPK],
+                                                     int (&experts)[EP_MAX_TOPK]) {
+#pragma unroll
+    for (int k = 0; k < EP_MAX_TOPK; ++k) {
+        id[k] = k < topk ? ids[k] : -1;
     }
-    for (int k = 0; k < slot; ++k) {
-        if (ids[k] == id) {
-            return -1;
+#pragma unroll
+    for (int k = 0; k < EP_MAX_TOPK; ++k) {
+        bool effective = k < topk && id[k] >= 0 && id[k] < num_experts;
+#pragma unroll
+        for (int j = 0; j < k; ++j) {
+            effective = effective && id[j] != id[k];
         }
+        experts[k] = effective ? id[k] : -1;
     }
-    return id;
+}
+
+// Warp-wide, a warp's token: lane k < topk gets slot k's
+// effective expert (-1 in the other lanes), from one load per lane and
+// shuffles instead of a chain of loads. Every lane must call it.
+__device__ __forceinline__ int ep_effective_expert_of_lane(const int* ids, int topk,
+                                                           int num_experts) {
+    const int lane = threadIdx.x % 32;
+    const int id = lane < topk ? ids[lane] : -1;
+    bool effective = lane < topk && id >= 0 && id < num_experts;
+#pragma unroll
+    for (int j = 0; j < EP_MAX_TOPK; ++j) {
+        const int earlier = __shfl_sync(0xffffffffu, id, j);
+        effective = effective && !(j < lane && earlier == id);
+    }
+    return effective ? id : -1;
 }
 
 // Stores `value` at `array[index]` unless `array` is nullptr: for every
