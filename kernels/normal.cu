@@ -140,6 +140,9 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
         const int holder = pair / p.topk, slot = pair % p.topk;
 #pragma unroll
         for (int k = 0; k < EP_MAX_TOPK; ++k) {
+            if (k >= p.topk) {
+                break;
+            }
             const int expert = __shfl_sync(0xffffffffu, token_experts[k], holder);
             if (k == slot) {
                 pair_expert[r] = expert;

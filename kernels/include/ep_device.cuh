@@ -370,10 +370,16 @@ __device__ __forceinline__ void ep_effective_experts(const int* ids, int topk, i
 #pragma unroll
     for (int k = 0; k < EP_MAX_TOPK; ++k) {
         id[k] = k < topk ? ids[k] : -1;
+        experts[k] = -1;
     }
+    // Slots from topk on stay -1: the loop stops there, so a token of topk
+    // slots makes topk (topk - 1) / 2 comparisons, not those of EP_MAX_TOPK.
 #pragma unroll
     for (int k = 0; k < EP_MAX_TOPK; ++k) {
-        bool effective = k < topk && id[k] >= 0 && id[k] < num_experts;
+        if (k >= topk) {
+            break;
+        }
+        bool effective = id[k] >= 0 && id[k] < num_experts;
 #pragma unroll
         for (int j = 0; j < k; ++j) {
             effective = effective && id[j] != id[k];
