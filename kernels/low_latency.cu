@@ -584,7 +584,7 @@ __device__ __forceinline__ int mask_words(const LlParams& p) {
 // Block-wide (step 3) for destination rank d: this rank's row count for
 // each of d's local experts into `counts`, then the token count `n`, then
 // (for a rank on another node) the mask of the tokens with an expert on d;
-// returns how many those are.
+// returns how many those are (0 for a rank of this node: nothing uses it).
 template <bool kNet>
 __device__ int count_rows_for(const LlParams& p, int d, int n, const int16_t* experts,
                               int* counts) {
@@ -608,6 +608,9 @@ __device__ int count_rows_for(const LlParams& p, int d, int n, const int16_t* ex
         }
     }
     __syncthreads();
+    if (!with_mask) {
+        return 0;
+    }
     if (threadIdx.x == 0) {
         int sent = 0;
         for (int w = 0; w < mask_words(p); ++w) {
@@ -737,8 +740,8 @@ __device__ bool dispatch_send(const LlParams& p, const LlCall& call) {
     // barrier also orders it for the whole block).
     const int n = call_tokens(p, EP_PHASE_LL_DISPATCH);
     load_routing(p, n, s_experts);
-    if (!wait_for_acks<kNet>(p, ll_at<int>(p, p.rank, p.off_dispatch_acks), EP_LL_SIGNAL_DISPATCH_ACK,
-                       call, EP_PHASE_LL_DISPATCH)) {
+    if (!wait_for_acks<kNet>(p, ll_at<int>(p, p.rank, p.off_dispatch_acks),
+                             EP_LL_SIGNAL_DISPATCH_ACK, call, EP_PHASE_LL_DISPATCH)) {
         return false;
     }
     note_time(p, EP_LL_TIME_ACKED);
@@ -784,7 +787,7 @@ __device__ bool dispatch_send(const LlParams& p, const LlCall& call) {
         // other nodes get it from this rank's staging slot for the token.
         if (tid < p.world) {
             s_slot[tid] = on_net<kNet>(p, tid) ? ll_at<uint8_t>(p, p.rank, net_msg_offset(p, t))
-                                         : dispatch_msg(p, tid, set, p.rank, t);
+                                               : dispatch_msg(p, tid, set, p.rank, t);
         }
         __syncthreads();
         uint64_t dest_mask = 0;
@@ -880,9 +883,10 @@ __device__ void dispatch_receive(const LlParams& p, const LlCall& call) {
     const int source = threadIdx.x;
     bool failed = false;
     if (source < W) {
+        const int counts_signal = net_signal(p, EP_LL_SIGNAL_DISPATCH_COUNTS + set, source);
         failed = on_net<kNet>(p, source)
-                     ? !wait_for_signal(p, net_signal(p, EP_LL_SIGNAL_DISPATCH_COUNTS + set, source),
-                                        calls_on_set(seq), call, source, EP_PHASE_LL_DISPATCH)
+                     ? !wait_for_signal(p, counts_signal, calls_on_set(seq), call, source,
+                                        EP_PHASE_LL_DISPATCH)
                      : !wait_for(p, ll_at<int>(p, p.rank, p.off_dispatch_flags) + set * W + source,
                                  seq, call, source, EP_PHASE_LL_DISPATCH);
     }
@@ -1098,6 +1102,12 @@ __device__ void close_combine(const LlParams& p, int set, int s) {
     }
 }
 
+// Row of net_partials that stages this rank's partial sum for token t of
+// source s.
+__device__ __forceinline__ int64_t partial_row(const LlParams& p, int s, int t) {
+    return static_cast<int64_t>(s) * p.max_tokens + t;
+}
+
 // Offsets in the area of chunk `first_vec` of BF16 row `row` of the array
 // at `off`, and its bytes (the last chunk of a row may be short).
 __device__ __forceinline__ int64_t chunk_offset(const LlParams& p, int64_t off, int64_t row,
@@ -1118,20 +1128,20 @@ __device__ void put_chunks(const LlParams& p, const EpNet& net, int set, int s, 
     const int K = p.topk;
     const int id = net_signal(p, EP_LL_SIGNAL_COMBINE + set, p.rank);
     const int64_t bytes = chunk_bytes(p, first_vec);
+    // Where return row j of token t lands in s's combine_rows.
+    const auto dst = [&](int j) {
+        return p.area + chunk_offset(p, p.off_combine_rows, combine_slot(p, set, t, j), first_vec);
+    };
     if (!p.weighted) {
-        const int64_t partial = static_cast<int64_t>(s) * p.max_tokens + t;
-        ep_net_put_signal_warp(
-            net, s, p.area + chunk_offset(p, p.off_combine_rows, combine_slot(p, set, t, K + p.rank),
-                                          first_vec),
-            p.area + chunk_offset(p, p.off_net_partials, partial, first_vec), bytes, id, 1);
+        const int64_t src = chunk_offset(p, p.off_net_partials, partial_row(p, s, t), first_vec);
+        ep_net_put_signal_warp(net, s, dst(K + p.rank), p.area + src, bytes, id, 1);
         return;
     }
     for (unsigned m = valid; m != 0; m &= m - 1) {
         const int k = __ffs(m) - 1;
         const int r = __shfl_sync(0xffffffffu, row, k);
-        ep_net_put_signal_warp(
-            net, s, p.area + chunk_offset(p, p.off_combine_rows, combine_slot(p, set, t, k), first_vec),
-            p.area + chunk_offset(p, p.off_combine_buffer, r, first_vec), bytes, id, 1);
+        const int64_t src = chunk_offset(p, p.off_combine_buffer, r, first_vec);
+        ep_net_put_signal_warp(net, s, dst(k), p.area + src, bytes, id, 1);
     }
 }
 
@@ -1141,8 +1151,8 @@ __device__ void put_chunks(const LlParams& p, const EpNet& net, int set, int s, 
 // the zero-copy combine buffer, a partial sum in net_partials) and put.
 template <bool kNet>
 __device__ bool combine_send(const LlParams& p, const LlCall& call) {
-    if (!wait_for_acks<kNet>(p, ll_at<int>(p, p.rank, p.off_combine_acks), EP_LL_SIGNAL_COMBINE_ACK,
-                       call, EP_PHASE_LL_COMBINE)) {
+    if (!wait_for_acks<kNet>(p, ll_at<int>(p, p.rank, p.off_combine_acks),
+                             EP_LL_SIGNAL_COMBINE_ACK, call, EP_PHASE_LL_COMBINE)) {
         return false;
     }
     const int seq = call.seq, set = seq & 1;
@@ -1179,13 +1189,13 @@ __device__ bool combine_send(const LlParams& p, const LlCall& call) {
         const auto expert_row = [&](int r) { return p.x + static_cast<int64_t>(r) * p.hidden; };
         // Where the chunk of the row returned as row j of the token goes:
         // the source's combine_rows, or this rank's staging.
-        const int64_t partial = static_cast<int64_t>(s) * M + t;
         const auto target = [&](int j, int r) {
             if (!to_net) {
                 return rows + combine_slot(p, set, t, j) * p.hidden;
             }
-            const int64_t off = j < K ? chunk_offset(p, p.off_combine_buffer, r, 0)
-                                      : chunk_offset(p, p.off_net_partials, partial, 0);
+            const int64_t off = j < K
+                                    ? chunk_offset(p, p.off_combine_buffer, r, 0)
+                                    : chunk_offset(p, p.off_net_partials, partial_row(p, s, t), 0);
             return ll_at<__nv_bfloat16>(p, p.rank, off);
         };
         if (p.weighted) {

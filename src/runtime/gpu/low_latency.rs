@@ -179,12 +179,57 @@ fn net_mask(cfg: &Config) -> u64 {
         .fold(0, |mask, r| mask | 1 << r)
 }
 
+/// The parameters every launch of a context shares: its buffers, area
+/// offsets, shape and network leg.
+fn shared_params(rt: &Runtime, offset: usize, a: &Area) -> LlParams {
+    let (cfg, topo) = (&rt.cfg, rt.cfg.topo);
+    let nccl = rt.memory.nccl();
+    LlParams {
+        peer_bases: rt.memory.peer_bases(),
+        status: rt.status_ptr(),
+        abort_flag: rt.abort_ptr(),
+        timeout_ns: rt.timeout_ns,
+        area: offset as i64,
+        off_counters: a.counters as i64,
+        off_dispatch_flags: a.dispatch_flags as i64,
+        off_dispatch_counts: a.dispatch_counts as i64,
+        off_dispatch_tags: a.dispatch_tags as i64,
+        off_dispatch_msgs: a.dispatch_msgs as i64,
+        off_dispatch_acks: a.dispatch_acks as i64,
+        off_combine_tags: a.combine_tags as i64,
+        off_combine_rows: a.combine_rows as i64,
+        off_combine_acks: a.combine_acks as i64,
+        off_dispatch_tokens: a.dispatch_tokens as i64,
+        off_token_rows: a.token_rows as i64,
+        off_token_weights: a.token_weights as i64,
+        msg_bytes: a.msg_bytes as i64,
+        off_net_signals: a.net_signals as i64,
+        off_net_counts: a.net_counts as i64,
+        off_net_msgs: a.net_msgs as i64,
+        off_net_partials: a.net_partials as i64,
+        off_combine_buffer: a.combine_buffer as i64,
+        counts_stride: a.counts_stride as i64,
+        net_mask: net_mask(cfg),
+        dev_comm: nccl.as_ref().map_or(0, |n| n.dev_comm),
+        window: nccl.as_ref().map_or(0, |n| n.window),
+        gin_first_signal: hierarchical::gin_signals(cfg.nodes()) as i32,
+        rank: cfg.rank as i32,
+        world: topo.world as i32,
+        num_experts: topo.num_experts as i32,
+        topk: topo.topk as i32,
+        hidden: topo.hidden as i32,
+        max_tokens: cfg.ll_max_tokens as i32,
+        ..LlParams::default()
+    }
+}
+
 pub struct LlMode {
-    /// Where the mode's area starts in every rank's buffer.
-    offset: usize,
     area: Area,
     /// Blocks per launch: one per SM of this rank's share of the GPU.
     grid: u32,
+    /// The parameters every launch shares (made once; each call fills in
+    /// its operation's).
+    shared: LlParams,
     /// `[2, grid, LL_TIME_POINTS]` device timestamps of the last dispatch
     /// and combine launches (`LlParams::timeline`), made when ep-bench
     /// first asks for them; launches note them while `keep_timeline`.
@@ -217,9 +262,10 @@ impl LlMode {
                 )));
             }
         }
+        let area = Area::new(&rt.cfg);
         Ok(LlMode {
-            offset,
-            area: Area::new(&rt.cfg),
+            shared: shared_params(rt, offset, &area),
+            area,
             grid: rt.placement.sm_share(),
             timeline: None,
             keep_timeline: false,
@@ -257,50 +303,6 @@ impl LlMode {
                 t.device_ptr() + (op * self.grid as usize * LL_TIME_POINTS * 8) as u64
             }
             _ => 0,
-        }
-    }
-
-    /// Parameters every launch shares; the caller fills in the operation's.
-    fn params(&self, rt: &Bound) -> LlParams {
-        let (cfg, a) = (&rt.cfg, &self.area);
-        let topo = cfg.topo;
-        let nccl = rt.memory.nccl();
-        LlParams {
-            peer_bases: rt.memory.peer_bases(),
-            status: rt.status_ptr(),
-            abort_flag: rt.abort_ptr(),
-            timeout_ns: rt.timeout_ns,
-            area: self.offset as i64,
-            off_counters: a.counters as i64,
-            off_dispatch_flags: a.dispatch_flags as i64,
-            off_dispatch_counts: a.dispatch_counts as i64,
-            off_dispatch_tags: a.dispatch_tags as i64,
-            off_dispatch_msgs: a.dispatch_msgs as i64,
-            off_dispatch_acks: a.dispatch_acks as i64,
-            off_combine_tags: a.combine_tags as i64,
-            off_combine_rows: a.combine_rows as i64,
-            off_combine_acks: a.combine_acks as i64,
-            off_dispatch_tokens: a.dispatch_tokens as i64,
-            off_token_rows: a.token_rows as i64,
-            off_token_weights: a.token_weights as i64,
-            msg_bytes: a.msg_bytes as i64,
-            off_net_signals: a.net_signals as i64,
-            off_net_counts: a.net_counts as i64,
-            off_net_msgs: a.net_msgs as i64,
-            off_net_partials: a.net_partials as i64,
-            off_combine_buffer: a.combine_buffer as i64,
-            counts_stride: a.counts_stride as i64,
-            net_mask: net_mask(cfg),
-            dev_comm: nccl.as_ref().map_or(0, |n| n.dev_comm),
-            window: nccl.as_ref().map_or(0, |n| n.window),
-            gin_first_signal: hierarchical::gin_signals(cfg.nodes()) as i32,
-            rank: cfg.rank as i32,
-            world: topo.world as i32,
-            num_experts: topo.num_experts as i32,
-            topk: topo.topk as i32,
-            hidden: topo.hidden as i32,
-            max_tokens: cfg.ll_max_tokens as i32,
-            ..LlParams::default()
         }
     }
 
@@ -353,7 +355,7 @@ impl LlMode {
             do_recv: phases.recv as i32,
             collective: call.op.code() as i32,
             timeline: self.timeline_of(0),
-            ..self.params(rt)
+            ..self.shared
         };
         let kernel = if params.net_mask != 0 {
             &rt.kernels.ll_dispatch_net
@@ -389,7 +391,7 @@ impl LlMode {
             do_recv: phases.recv as i32,
             collective: call.op.code() as i32,
             timeline: self.timeline_of(1),
-            ..self.params(rt)
+            ..self.shared
         };
         let kernel = if params.net_mask != 0 {
             &rt.kernels.ll_combine_net
@@ -403,7 +405,8 @@ impl LlMode {
     /// the caller writes it; the kernels read it in an `EP_LL_ZERO_COPY`
     /// combine.
     pub fn combine_buffer(&mut self, rt: &Runtime) -> Result<(*mut u8, usize)> {
-        let at = rt.memory.own_base() + (self.offset + self.area.combine_buffer) as u64;
+        let at =
+            rt.memory.own_base() + (self.shared.area as usize + self.area.combine_buffer) as u64;
         Ok((at as *mut u8, self.area.combine_buffer_bytes))
     }
 }
