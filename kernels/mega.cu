@@ -291,12 +291,10 @@ __device__ __forceinline__ void ep_mega_move_rows(const MegaParams& p, MegaLayou
         const int num = __popc(has_pos);
         const int source = d.handle_row_src[2 * row];
         const int token = d.handle_row_src[2 * row + 1];
-        const uint8_t* src = ep_area<uint8_t>(d.peer_bases, source, d.normal.area, d.normal.off_staged_x) +
-                             static_cast<int64_t>(token) * d.row_bytes;
+        const uint8_t* src = ep_token_row(d, source, token);
         ep_warp_copy_row(src, nullptr, d.expert_x, dests, num, d.row_bytes, lane);
         if (d.scale_cols > 0) {
-            const float* scales = ep_area<float>(d.peer_bases, source, d.normal.area, d.normal.off_staged_scales) +
-                                  static_cast<int64_t>(token) * d.scale_cols;
+            const float* scales = ep_token_scales(d, source, token);
             for (int c = lane; c < d.scale_cols; c += 32) {
                 const float v = scales[c];
                 for (int i = 0; i < num; ++i) {

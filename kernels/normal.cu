@@ -13,7 +13,9 @@
 //      small record per (token, destination rank) into the destination's
 //      area (token index, and per slot the local expert, its weight and the
 //      pair's position among this source's pairs of that expert), and
-//      copies the tokens and scales into its own area for the peers to pull.
+//      copies the tokens (and scales) that another rank receives into its
+//      own area for the peers to pull; the pull reads the rank's own tokens
+//      from the caller's `x`, so with one rank nothing is staged.
 //   3. barrier: every rank's stage is complete and visible.
 //   4. pull (receiver side): reads every source's totals, lays out the
 //      source-order rows (by source rank, then token order) and the
@@ -215,6 +217,17 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
 // dynamic shared memory (world + experts) ints)
 // ---------------------------------------------------------------------------
 
+// Whole warp: whether a token goes to a rank other than `rank`, from its
+// `[world]` positions (`rank_pos`, -1 where it does not go).
+__device__ __forceinline__ bool ep_goes_to_peer(const int* rank_pos, int world, int rank,
+                                                int lane) {
+    bool peer = false;
+    for (int r = lane; r < world; r += 32) {
+        peer = peer || (r != rank && rank_pos[r] >= 0);
+    }
+    return __any_sync(0xffffffffu, peer);
+}
+
 // Blocks below the chunk count finish their chunk's positions (adding the
 // counts of earlier chunks), push the records of their tokens to the
 // destination ranks and write the handle's is-token-in-rank; block 0 also
@@ -279,31 +292,26 @@ extern "C" __global__ void ep_dispatch_stage_kernel(const DispatchParams p) {
         }
     }
 
-    // Stage the tokens and scales: a grid-stride copy with EP_COPY_UNROLL
-    // loads in flight per thread.
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-    const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    const int4* x = reinterpret_cast<const int4*>(p.x);
-    int4* staged_x = ep_area<int4>(p.peer_bases, p.rank, p.normal.area, p.normal.off_staged_x);
-    const int64_t vectors = static_cast<int64_t>(p.num_tokens) * p.row_bytes / 16;
-    for (int64_t base = first; base < vectors; base += stride * EP_COPY_UNROLL) {
-        int4 v[EP_COPY_UNROLL];
-#pragma unroll
-        for (int u = 0; u < EP_COPY_UNROLL; ++u) {
-            if (base + u * stride < vectors) {
-                v[u] = x[base + u * stride];
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < EP_COPY_UNROLL; ++u) {
-            if (base + u * stride < vectors) {
-                staged_x[base + u * stride] = v[u];
-            }
-        }
-    }
+    // Stage the tokens (and scales) that another rank receives, a warp per
+    // token; this rank's own rows are pulled from `x` itself
+    // (ep_token_row), so with one rank nothing is copied here.
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int warps = gridDim.x * (blockDim.x / 32);
+    uint8_t* staged_x = ep_area<uint8_t>(p.peer_bases, p.rank, p.normal.area, p.normal.off_staged_x);
     float* staged_scales = ep_area<float>(p.peer_bases, p.rank, p.normal.area, p.normal.off_staged_scales);
-    for (int64_t i = first; i < static_cast<int64_t>(p.num_tokens) * p.scale_cols; i += stride) {
-        staged_scales[i] = p.x_scales[i];
+    const int* rank_pos = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_rank_pos);
+    for (int token = blockIdx.x * (blockDim.x / 32) + warp; token < p.num_tokens; token += warps) {
+        if (!ep_goes_to_peer(rank_pos + static_cast<int64_t>(token) * p.world, p.world, p.rank, lane)) {
+            continue;
+        }
+        const int64_t row = static_cast<int64_t>(token) * p.row_bytes;
+        ep_warp_copy_row(reinterpret_cast<const uint8_t*>(p.x) + row, staged_x + row, nullptr,
+                         nullptr, 0, p.row_bytes, lane);
+        const int64_t scales = static_cast<int64_t>(token) * p.scale_cols;
+        for (int c = lane; c < p.scale_cols; c += 32) {
+            staged_scales[scales + c] = p.x_scales[scales + c];
+        }
     }
 }
 
@@ -317,22 +325,70 @@ struct PullLayout {
     int expert_base[EP_MAX_EXPERTS];      // [source][local expert]: rows of earlier sources
     int expert_total[EP_MAX_EXPERTS];     // [local expert]: real rows
     int expert_offset[EP_MAX_EXPERTS + 1];  // [local expert]: padded segment start
+    long long scan[EP_MAX_EXPERTS];       // scratch: padded segment sizes, then starts
+    long long warp_sums[32 + 1];          // scratch of the scan
     int destinations[EP_MOVE_WARPS][EP_MAX_TOPK];  // per warp: expert rows of its row
 };
 
-extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
-    ep_dispatch_pull_kernel(const DispatchParams p) {
-    __shared__ PullLayout layout;
-    __shared__ bool sane;
-    __shared__ bool fits;
-    if (!ep_last_barrier_passed(p.peer_bases[p.rank])) {
-        return;
-    }
-    const int local_experts = p.num_experts / p.world;
+// Exclusive prefix sums of values[0 .. n) in place, with the whole block
+// (at most 32 warps): each thread sums a run of consecutive entries, the
+// warps scan those sums with shuffles, warp 0 scans the warps' totals.
+// Returns the sum of all n values to every thread. `warp_sums` has room for
+// 33 values.
+__device__ long long ep_block_exclusive_scan(long long* values, int n, long long* warp_sums) {
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
+    const int warps = (blockDim.x + 31) / 32;
+    const int per_thread = (n + blockDim.x - 1) / blockDim.x;
+    const int first = threadIdx.x * per_thread;
+    const int last = min(first + per_thread, n);
+    long long own = 0;
+    for (int i = first; i < last; ++i) {
+        own += values[i];
+    }
+    long long inclusive = own;
+    for (int d = 1; d < 32; d <<= 1) {
+        const long long below = __shfl_up_sync(0xffffffffu, inclusive, d);
+        inclusive += lane >= d ? below : 0;
+    }
+    if (lane == 31) {
+        warp_sums[warp] = inclusive;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const long long total = lane < warps ? warp_sums[lane] : 0;
+        long long scanned = total;
+        for (int d = 1; d < 32; d <<= 1) {
+            const long long below = __shfl_up_sync(0xffffffffu, scanned, d);
+            scanned += lane >= d ? below : 0;
+        }
+        if (lane < warps) {
+            warp_sums[lane] = scanned - total;
+        }
+        if (lane == 31) {
+            warp_sums[32] = scanned;
+        }
+    }
+    __syncthreads();
+    long long running = warp_sums[warp] + inclusive - own;
+    for (int i = first; i < last; ++i) {
+        const long long value = values[i];
+        values[i] = running;
+        running += value;
+    }
+    const long long sum = warp_sums[32];
+    __syncthreads();
+    return sum;
+}
 
-    // Totals of every source for this rank, read over NVLink.
+// Fills `layout` from every source's totals for this rank (read over
+// NVLink), with the whole block: the source-order rows of each source, and
+// each local expert's rows from earlier sources, real rows and padded
+// segment start. Returns false (and records the error) when a total is out
+// of range, which only a peer that wrote garbage can cause; the sizes must
+// then not be used.
+__device__ bool ep_pull_layout(const DispatchParams& p, PullLayout& layout) {
+    const int local_experts = p.num_experts / p.world;
     for (int i = threadIdx.x; i < p.world * local_experts; i += blockDim.x) {
         const int source = i / local_experts;
         const int le = i % local_experts;
@@ -344,47 +400,64 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
         layout.source_offset[threadIdx.x + 1] = totals[p.rank];
     }
     __syncthreads();
+    // A thread per local expert: its rows from earlier sources, its total,
+    // and its padded segment size, scanned into segment starts below.
+    bool sane = true;
     for (int le = threadIdx.x; le < local_experts; le += blockDim.x) {
         int running = 0;
         for (int s = 0; s < p.world; ++s) {
             const int count = layout.expert_base[s * local_experts + le];
+            sane = sane && count >= 0 && count <= p.max_tokens;
             layout.expert_base[s * local_experts + le] = running;
-            running += count;
+            running += sane ? count : 0;
         }
         layout.expert_total[le] = running;
+        layout.scan[le] = (static_cast<long long>(running) + p.alignment - 1) / p.alignment * p.alignment;
     }
-    __syncthreads();
     if (threadIdx.x == 0) {
-        sane = true;
         layout.source_offset[0] = 0;
         for (int s = 0; s < p.world; ++s) {
             const int count = layout.source_offset[s + 1];
             sane = sane && count >= 0 && count <= p.max_tokens;
-            layout.source_offset[s + 1] = layout.source_offset[s] + count;
+            layout.source_offset[s + 1] = layout.source_offset[s] + (sane ? count : 0);
         }
-        int64_t offset = 0;
-        for (int le = 0; le < local_experts; ++le) {
-            layout.expert_offset[le] = static_cast<int>(offset);
-            const int count = layout.expert_total[le];
-            sane = sane && count >= 0 && count <= p.world * p.max_tokens;
-            offset += (static_cast<int64_t>(count) + p.alignment - 1) / p.alignment * p.alignment;
-        }
-        layout.expert_offset[local_experts] = static_cast<int>(offset);
+    }
+    sane = __syncthreads_and(sane);
+    const long long padded_rows = ep_block_exclusive_scan(layout.scan, local_experts, layout.warp_sums);
+    for (int le = threadIdx.x; le < local_experts; le += blockDim.x) {
+        layout.expert_offset[le] = static_cast<int>(min(layout.scan[le], padded_rows));
+    }
+    if (threadIdx.x == 0) {
+        layout.expert_offset[local_experts] = static_cast<int>(min(padded_rows, 0x7fffffffLL));
         if (!sane) {
-            // Only a peer that wrote garbage gets here; never use it as sizes.
             ep_record_error(p.status, EP_STATUS_INVALID_ARGUMENT, -1, EP_PHASE_DISPATCH, 0);
-        }
-        const int rows = layout.source_offset[p.world];
-        fits = sane && (p.recv_x == nullptr || rows <= p.recv_capacity) &&
-               (p.expert_x == nullptr || offset <= p.expert_capacity);
-        if (blockIdx.x == 0) {
-            const int written_rows = sane ? rows : 0;
-            ep_store_optional(p.recv_num_rows, 0, written_rows);
-            *p.handle_num_rows = fits ? rows : 0;
-            ep_store_optional(p.host_counts, 0, written_rows);
         }
     }
     __syncthreads();
+    return sane;
+}
+
+extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
+    ep_dispatch_pull_kernel(const DispatchParams p) {
+    __shared__ PullLayout layout;
+    if (!ep_last_barrier_passed(p.peer_bases[p.rank])) {
+        return;
+    }
+    const int local_experts = p.num_experts / p.world;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+
+    const bool sane = ep_pull_layout(p, layout);
+    const int64_t padded_rows = layout.expert_offset[local_experts];
+    const bool fits = sane &&
+                      (p.recv_x == nullptr || layout.source_offset[p.world] <= p.recv_capacity) &&
+                      (p.expert_x == nullptr || padded_rows <= p.expert_capacity);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        const int written_rows = sane ? layout.source_offset[p.world] : 0;
+        ep_store_optional(p.recv_num_rows, 0, written_rows);
+        *p.handle_num_rows = fits ? layout.source_offset[p.world] : 0;
+        ep_store_optional(p.host_counts, 0, written_rows);
+    }
     if (blockIdx.x == 0 && sane) {
         for (int le = threadIdx.x; le <= local_experts; le += blockDim.x) {
             if (p.expert_x != nullptr) {
@@ -459,8 +532,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
         }
         __syncwarp();
         const int* extra_rows = layout.destinations[warp];
-        const uint8_t* src = ep_area<uint8_t>(p.peer_bases, source, p.normal.area, p.normal.off_staged_x) +
-                             static_cast<int64_t>(token) * p.row_bytes;
+        const uint8_t* src = ep_token_row(p, source, token);
         uint8_t* dst = p.recv_x == nullptr ? nullptr
                                            : p.recv_x + static_cast<int64_t>(row) * p.row_bytes;
         if (dst != nullptr || num_extra > 0) {
@@ -468,8 +540,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
         }
 
         if (p.scale_cols > 0 && (dst != nullptr || num_extra > 0)) {
-            const float* scales = ep_area<float>(p.peer_bases, source, p.normal.area, p.normal.off_staged_scales) +
-                                  static_cast<int64_t>(token) * p.scale_cols;
+            const float* scales = ep_token_scales(p, source, token);
             for (int c = lane; c < p.scale_cols; c += 32) {
                 const float v = scales[c];
                 if (p.recv_x != nullptr) {
@@ -484,14 +555,14 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     }
 
     // Padding rows of the expert-major segments: zeros (unless the fused
-    // kernel writes them, `skip_expert_rows`), weight 0, row -1. Every warp
+    // kernel writes them, `skip_expert_rows`, or the caller keeps them,
+    // `keep_padding`), weight 0, row -1. Every warp
     // of the grid takes rows of the whole expert-major region in turn (a
     // warp per expert would leave most of the GPU idle, and at small token
     // counts the padding is most of the output).
     if (p.expert_x == nullptr) {
         return;
     }
-    const int padded_rows = layout.expert_offset[local_experts];
     for (int r = blockIdx.x * EP_MOVE_WARPS + warp; r < padded_rows; r += warps) {
         // The expert whose segment holds row r: the last offset <= r.
         int lo = 0, hi = local_experts - 1;
@@ -506,7 +577,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
         if (r < layout.expert_offset[lo] + layout.expert_total[lo]) {
             continue;  // a real row
         }
-        if (!p.skip_expert_rows) {
+        if (!p.skip_expert_rows && !p.keep_padding) {
             int4* x = reinterpret_cast<int4*>(p.expert_x + static_cast<int64_t>(r) * p.row_bytes);
 #pragma unroll 4
             for (int i = lane; i < p.row_bytes / 16; i += 32) {
@@ -584,16 +655,15 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     int4* out = reinterpret_cast<int4*>(p.out);
     for (int token = blockIdx.x * EP_MOVE_WARPS + warp; token < p.num_tokens; token += warps) {
         const uint8_t* in_rank = p.handle_in_rank + static_cast<int64_t>(token) * p.world;
+        // Rank r's returned row, when the token went to r.
+        const auto returned_row = [&](int r, const int4*& row, float& w) {
+            row = returned + (static_cast<int64_t>(r) * p.max_tokens + token) * vectors;
+            w = 1.0f;
+            return in_rank[r] != 0;
+        };
         for (int base = lane; base < vectors; base += 32 * EP_SUM_UNROLL) {
             float acc[EP_SUM_UNROLL][8] = {};
-            for (int r = 0; r < p.world; ++r) {
-                if (!in_rank[r]) {
-                    continue;
-                }
-                ep_add_weighted_vectors(
-                    acc, returned + (static_cast<int64_t>(r) * p.max_tokens + token) * vectors,
-                    1.0f, base, vectors);
-            }
+            ep_add_weighted_rows(acc, p.world, returned_row, base, vectors);
             ep_store_bf16_vectors(out + static_cast<int64_t>(token) * vectors, acc, base, vectors);
         }
     }

@@ -63,6 +63,8 @@ struct Run {
     fp8: bool,
     alignment: usize,
     no_sync: bool,
+    /// `EP_DISPATCH_KEEP_PADDING`.
+    keep_padding: bool,
     seed: u64,
 }
 
@@ -153,6 +155,10 @@ fn check_normal(shape: &Shape, run: &Run, rank: usize, ctx: &Ctx) {
         EP_DISPATCH_NO_HOST_SYNC
     } else {
         0
+    } | if run.keep_padding {
+        EP_DISPATCH_KEEP_PADDING
+    } else {
+        0
     };
     a.num_tokens = me.num_tokens as i32;
     a.dtype = dtype_code(dtype);
@@ -237,6 +243,27 @@ fn check_normal(shape: &Shape, run: &Run, rank: usize, ctx: &Ctx) {
                 bits(&ex_scales[j * cols..][..cols]),
                 bits(&d.expert_scales[j * cols..][..cols]),
                 "{what}: expert scales row {j}"
+            );
+        }
+    }
+    // Padding rows: zeros, or as they were with EP_DISPATCH_KEEP_PADDING.
+    for j in (0..erows).filter(|&j| d.expert_src_row[j] < 0) {
+        let row = &ex_x[j * row_bytes..][..row_bytes];
+        let scales = bits(&ex_scales[j * cols..][..cols]);
+        if run.keep_padding {
+            assert!(is_poisoned(row), "{what}: padding row {j} written");
+            assert!(
+                !run.fp8 || is_poisoned(&ex_scales[j * cols..][..cols]),
+                "{what}: padding scales of row {j} written"
+            );
+        } else {
+            assert!(
+                row.iter().all(|&b| b == 0),
+                "{what}: padding row {j} not zero"
+            );
+            assert!(
+                !run.fp8 || scales.iter().all(|&b| b == 0),
+                "{what}: padding scales of row {j} not zero"
             );
         }
     }
@@ -340,6 +367,7 @@ fn random_run(rng: &mut Rng, world: usize, fp8_ok: bool, bf16_ok: bool) -> Run {
         fp8: fp8_ok && (!bf16_ok || rng.chance(0.5)),
         alignment: [1, 16][rng.below(2)],
         no_sync: rng.chance(0.5),
+        keep_padding: rng.chance(0.5),
         seed: rng.next_u64(),
     }
 }
@@ -415,6 +443,7 @@ fn normal_dispatch_and_combine_match_reference() {
             fp8: token_dtype == EP_DTYPE_FP8_E4M3,
             alignment: 16,
             no_sync: i % 2 == 0,
+            keep_padding: i % 2 == 1,
             seed: rng.next_u64(),
         });
         let cfg = shape.config(token_dtype, 0);
@@ -502,6 +531,7 @@ fn normal_zero_tokens_everywhere() {
                 fp8,
                 alignment: 1,
                 no_sync,
+                keep_padding: no_sync,
                 seed: 7,
             };
             check_normal(&shape, &run, rank, ctx);
@@ -524,6 +554,7 @@ fn normal_ranks_as_processes() {
             fp8: false,
             alignment: 16,
             no_sync: false,
+            keep_padding: false,
             seed: 42,
         },
         Run {
@@ -532,6 +563,7 @@ fn normal_ranks_as_processes() {
             fp8: true,
             alignment: 1,
             no_sync: true,
+            keep_padding: false,
             seed: 43,
         },
     ];
@@ -631,6 +663,7 @@ fn reuse_layout_same_routing_works_and_different_routing_is_rejected() {
             fp8: false,
             alignment: 1,
             no_sync: false,
+            keep_padding: false,
             seed: 99,
         };
         let inputs: Vec<Input> = (0..2).map(|r| input(&shape, &run, r)).collect();
@@ -953,6 +986,7 @@ fn low_latency_and_normal_mode_interleave() {
                 fp8: i == 2,
                 alignment: 16,
                 no_sync: false,
+                keep_padding: false,
                 seed: 200 + i,
             };
             check_normal(&shape, &run, rank, ctx);

@@ -462,6 +462,55 @@ __device__ __forceinline__ void ep_add_weighted_vectors(float (&acc)[EP_SUM_UNRO
     }
 }
 
+// Rows a lane loads before it adds them in ep_add_weighted_rows: with
+// EP_SUM_UNROLL vectors of each, EP_SUM_ROWS_IN_FLIGHT * EP_SUM_UNROLL
+// 16-byte loads in flight per lane (one row's vectors alone are too few to
+// keep HBM or NVLink busy with the SM budget's warps).
+#define EP_SUM_ROWS_IN_FLIGHT 2
+
+// acc[u] += w_i * row_i[base + 32 u] for the rows i = 0 .. rows - 1 that
+// `row_of(i, row, w)` says are present (it returns false for an absent
+// one), i ascending, each product rounded before it is added (the
+// reference's order). The vectors of up to EP_SUM_ROWS_IN_FLIGHT rows are
+// loaded before any of them is added.
+template <typename RowOf>
+__device__ __forceinline__ void ep_add_weighted_rows(float (&acc)[EP_SUM_UNROLL][8], int rows,
+                                                     RowOf row_of, int base, int vectors) {
+    for (int first = 0; first < rows; first += EP_SUM_ROWS_IN_FLIGHT) {
+        int4 raw[EP_SUM_ROWS_IN_FLIGHT][EP_SUM_UNROLL];
+        float w[EP_SUM_ROWS_IN_FLIGHT];
+        bool present[EP_SUM_ROWS_IN_FLIGHT];
+#pragma unroll
+        for (int i = 0; i < EP_SUM_ROWS_IN_FLIGHT; ++i) {
+            const int4* row = nullptr;
+            present[i] = first + i < rows && row_of(first + i, row, w[i]);
+            if (present[i]) {
+#pragma unroll
+                for (int u = 0; u < EP_SUM_UNROLL; ++u) {
+                    if (base + u * 32 < vectors) {
+                        raw[i][u] = row[base + u * 32];
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < EP_SUM_ROWS_IN_FLIGHT; ++i) {
+            if (!present[i]) {
+                continue;
+            }
+#pragma unroll
+            for (int u = 0; u < EP_SUM_UNROLL; ++u) {
+                float f[8];
+                ep_unpack_bf16x8(raw[i][u], f);
+#pragma unroll
+                for (int c = 0; c < 8; ++c) {
+                    acc[u][c] = __fadd_rn(acc[u][c], __fmul_rn(w[i], f[c]));
+                }
+            }
+        }
+    }
+}
+
 // row[base + 32 u] = BF16 of acc[u], for the vectors of one lane.
 __device__ __forceinline__ void ep_store_bf16_vectors(int4* row, const float (&acc)[EP_SUM_UNROLL][8],
                                                       int base, int vectors) {

@@ -31,6 +31,28 @@ __device__ __forceinline__ T* ep_area(const uint64_t* peer_bases, int r, int64_t
     return reinterpret_cast<T*>(peer_bases[r] + area + offset);
 }
 
+// Where the pull reads a received token (row and FP8 scales): a peer's
+// token from the peer's staging area, one of this rank's own tokens from the
+// caller's `x` itself (the stage kernel stages only the tokens another rank
+// receives, so with one rank nothing is staged).
+__device__ __forceinline__ const uint8_t* ep_token_row(const DispatchParams& p, int source,
+                                                       int token) {
+    const uint8_t* rows = source == p.rank
+                              ? reinterpret_cast<const uint8_t*>(p.x)
+                              : ep_area<uint8_t>(p.peer_bases, source, p.normal.area,
+                                                 p.normal.off_staged_x);
+    return rows + static_cast<int64_t>(token) * p.row_bytes;
+}
+
+__device__ __forceinline__ const float* ep_token_scales(const DispatchParams& p, int source,
+                                                        int token) {
+    const float* scales = source == p.rank
+                              ? p.x_scales
+                              : ep_area<float>(p.peer_bases, source, p.normal.area,
+                                               p.normal.off_staged_scales);
+    return scales + static_cast<int64_t>(token) * p.scale_cols;
+}
+
 // Copies `bytes` (a multiple of 16) from `src` to `dst` (unless nullptr)
 // and to the rows `extra_rows[0..num_extra)` of `extra_base`, with the
 // whole warp: every lane keeps EP_COPY_UNROLL 16-byte loads in flight before
@@ -102,12 +124,14 @@ __device__ __forceinline__ void ep_combine_send_row(const CombineParams& p, int 
     }
     __syncwarp();
     const int terms = __popc(valid);
+    const auto term = [&](int i, const int4*& row, float& w) {
+        row = x + static_cast<int64_t>(slot_rows[i]) * vectors;
+        w = slot_weights[i];
+        return true;
+    };
     for (int base = lane; base < vectors; base += 32 * EP_SUM_UNROLL) {
         float acc[EP_SUM_UNROLL][8] = {};
-        for (int i = 0; i < terms; ++i) {
-            ep_add_weighted_vectors(acc, x + static_cast<int64_t>(slot_rows[i]) * vectors,
-                                    slot_weights[i], base, vectors);
-        }
+        ep_add_weighted_rows(acc, terms, term, base, vectors);
         ep_store_bf16_vectors(dst, acc, base, vectors);
     }
 }

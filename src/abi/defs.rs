@@ -325,6 +325,9 @@ abi_struct! {
         /// rows and their scales, which the fused kernel (kernels/mega.cu)
         /// moves.
         skip_expert_rows: i32,
+        /// Non-zero (`EP_DISPATCH_KEEP_PADDING`): the padding rows of
+        /// `expert_x` and `expert_scales` are not written.
+        keep_padding: i32,
     }
 }
 

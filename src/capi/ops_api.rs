@@ -172,7 +172,8 @@ pub unsafe extern "C" fn ep_handle_destroy(handle: *mut ep_handle_t) -> ep_statu
 }
 
 fn dispatch_op(a: &ep_dispatch_args_t) -> Result<DispatchOp> {
-    if a.flags & !(EP_DISPATCH_NO_HOST_SYNC | EP_DISPATCH_REUSE_LAYOUT) != 0 {
+    let known = EP_DISPATCH_NO_HOST_SYNC | EP_DISPATCH_REUSE_LAYOUT | EP_DISPATCH_KEEP_PADDING;
+    if a.flags & !known != 0 {
         return Err(Error::invalid(format!(
             "unknown dispatch flags 0x{:x}",
             a.flags
@@ -197,6 +198,7 @@ fn dispatch_op(a: &ep_dispatch_args_t) -> Result<DispatchOp> {
             Ok(ExpertMajorOut {
                 capacity: count("expert_capacity", a.expert_capacity)?,
                 alignment,
+                keep_padding: a.flags & EP_DISPATCH_KEEP_PADDING != 0,
                 x: a.expert_x as *mut u8,
                 scales: a.expert_x_scales,
                 weights: a.expert_weights,

@@ -130,6 +130,15 @@ pub const EP_DISPATCH_NO_HOST_SYNC: u32 = 1;
 /// GPU backend cannot check without a synchronisation: its device outputs
 /// follow the routing passed, its host counts stay the handle's.
 pub const EP_DISPATCH_REUSE_LAYOUT: u32 = 2;
+/// `ep_dispatch_args_t.flags`: the padding rows of the expert-major output
+/// keep what they held: `expert_x` and `expert_x_scales` are written for
+/// the rows of real (token, expert) pairs only, while `expert_weights` (0)
+/// and `expert_src_row` (-1) still mark the padding. For grouped GEMMs that
+/// skip padding rows, or whose results there are never read (the
+/// expert-major combine ignores them): with a large `expert_alignment` and
+/// few rows per expert, the padding is most of the output's bytes. Without
+/// the flag padding rows are zeros. Refused by `ep_mega_dispatch_gemm`.
+pub const EP_DISPATCH_KEEP_PADDING: u32 = 4;
 
 /// `ep_combine_args_t.input_layout`: one row per received source-order row
 /// (`recv_x` order), already reduced over the rank's experts by the caller.

@@ -81,6 +81,9 @@ impl SourceOrderOut {
 pub struct ExpertMajorOut {
     pub capacity: usize,
     pub alignment: usize,
+    /// `EP_DISPATCH_KEEP_PADDING`: padding rows of `x` and `scales` are not
+    /// written.
+    pub keep_padding: bool,
     pub x: *mut u8,
     pub scales: *mut f32,
     pub weights: *mut f32,
@@ -364,6 +367,11 @@ impl MegaDispatchOp {
         if d.reuse_layout {
             return Err(Error::invalid(
                 "EP_DISPATCH_REUSE_LAYOUT: a fused dispatch cannot reuse a layout",
+            ));
+        }
+        if d.expert.is_some_and(|e| e.keep_padding) {
+            return Err(Error::invalid(
+                "EP_DISPATCH_KEEP_PADDING: the fused kernel writes the padding rows it multiplies",
             ));
         }
         // The GEMM reads the expert-major rows, and the fused kernel finds

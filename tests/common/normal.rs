@@ -205,6 +205,23 @@ impl Outputs {
         self.check_but(topo, dtype, want, "", what);
     }
 
+    /// Checks the outputs of a dispatch with `EP_DISPATCH_KEEP_PADDING`:
+    /// as [`Outputs::check`], but the padding rows of `expert_x` and
+    /// `expert_x_scales` must still hold the poison they were given.
+    pub fn check_kept_padding(&self, topo: &Topology, dtype: Dtype, want: &Dispatched, what: &str) {
+        let mut kept = want.clone();
+        let (row_bytes, sc) = (
+            dtype.row_bytes(topo.hidden),
+            dtype.scales_per_row(topo.hidden),
+        );
+        let poison = f32::from_bits(u32::from_ne_bytes([super::POISON; 4]));
+        for j in (0..want.expert_rows).filter(|&j| want.expert_src_row[j] < 0) {
+            kept.expert_x[j * row_bytes..][..row_bytes].fill(super::POISON);
+            kept.expert_scales[j * sc..][..sc].fill(poison);
+        }
+        self.check(topo, dtype, &kept, what);
+    }
+
     /// Checks every output but the one named `left_out` (its C field name)
     /// against the reference, bit for bit.
     pub fn check_but(
@@ -453,9 +470,12 @@ pub fn check_shape_on_nodes(
         for (i, round) in rounds.iter().enumerate() {
             let (dtype, alignment) = (round.dtype, round.alignment);
             let n = round.inputs[rank].num_tokens;
+            // Every third round keeps the padding rows as they were.
+            let keep_padding = i % 3 == 2;
             let what = format!(
-                "{shape} rank {rank} round {i} ({}, {n} tokens, alignment {alignment})",
+                "{shape} rank {rank} round {i} ({}, {n} tokens, alignment {alignment}{})",
                 describe::dtype(dtype),
+                if keep_padding { ", padding kept" } else { "" },
             );
             let expected = round.expected(topo, nodes, seed ^ (i as u64 * 64));
             let want = &expected.all[rank];
@@ -471,10 +491,13 @@ pub fn check_shape_on_nodes(
 
             let mut args = out.args(&input, n, dtype, alignment);
             let no_sync = i % 2 == 1;
+            if keep_padding {
+                args.flags |= EP_DISPATCH_KEEP_PADDING;
+            }
             let mut host_rows = -1;
             let mut host_counts = vec![-1; topo.local_experts()];
             if no_sync {
-                args.flags = EP_DISPATCH_NO_HOST_SYNC;
+                args.flags |= EP_DISPATCH_NO_HOST_SYNC;
             } else {
                 args.host_recv_num_tokens = &mut host_rows;
                 args.host_expert_counts = host_counts.as_mut_ptr();
@@ -485,7 +508,11 @@ pub fn check_shape_on_nodes(
                 &what,
             );
             sync();
-            out.check(&topo, dtype, want, &what);
+            if keep_padding {
+                out.check_kept_padding(&topo, dtype, want, &what);
+            } else {
+                out.check(&topo, dtype, want, &what);
+            }
             if !no_sync {
                 assert_eq!(host_rows, want.num_rows as i32, "{what}: host rows");
                 assert_eq!(host_counts, want.expert_counts, "{what}: host counts");

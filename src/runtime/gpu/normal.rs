@@ -457,6 +457,7 @@ impl NormalMode {
             alignment: expert.map_or(1, |e| e.alignment as i32),
             collective: call.op.code() as i32,
             skip_expert_rows: 0,
+            keep_padding: expert.map_or(0, |e| e.keep_padding as i32),
         }
     }
 

@@ -925,9 +925,30 @@ unsafe fn write_dispatch_outputs(op: &DispatchOp, d: &Dispatched, topo: &Topolog
         give(expert.counts, &d.expert_counts);
         let fits = expert.check_rows(d.expert_rows);
         if fits.is_ok() {
-            give(expert.x, &d.expert_x);
-            if fp8 {
-                give(expert.scales, &d.expert_scales);
+            let (row_bytes, row_scales) = (
+                op.dtype.row_bytes(topo.hidden),
+                op.dtype.scales_per_row(topo.hidden),
+            );
+            if expert.keep_padding {
+                // Each expert's real rows only; its padding keeps what it held.
+                for (e, &count) in d.expert_counts.iter().enumerate() {
+                    let (start, count) = (d.expert_offsets[e] as usize, count as usize);
+                    give(
+                        expert.x.add(start * row_bytes),
+                        &d.expert_x[start * row_bytes..][..count * row_bytes],
+                    );
+                    if fp8 {
+                        give(
+                            expert.scales.add(start * row_scales),
+                            &d.expert_scales[start * row_scales..][..count * row_scales],
+                        );
+                    }
+                }
+            } else {
+                give(expert.x, &d.expert_x);
+                if fp8 {
+                    give(expert.scales, &d.expert_scales);
+                }
             }
             give(expert.weights, &d.expert_weights);
             give(expert.src_row, &d.expert_src_row);
