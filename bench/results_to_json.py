@@ -18,6 +18,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 COLUMNS = ["op", "tokens", "SMs", "median us", "p10 us", "p90 us", "GB/s", "NCCL a2a us"]
+# Columns of later runs: the copy floor and the time over it.
+FLOOR_COLUMNS = COLUMNS + ["copy floor us", "x floor"]
 DEFAULT_SHAPE = {"hidden": 7168, "topk": 8, "experts": 256}
 
 
@@ -71,12 +73,14 @@ def convert_section(heading, lines):
             while i < len(lines) and lines[i].startswith("|"):
                 body.append(cells(lines[i]))
                 i += 1
-            if header != COLUMNS:
+            if header not in (COLUMNS, FLOOR_COLUMNS):
                 continue
             shape = shape_of(title, shape)
             rows = [{"op": c[0], "tokens": number(c[1]), "sms": number(c[2]),
                      "median_us": number(c[3]), "p10_us": number(c[4]), "p90_us": number(c[5]),
-                     "gbps": number(c[6]), "nccl_us": number(c[7])} for c in body]
+                     "gbps": number(c[6]), "nccl_us": number(c[7]),
+                     **({"floor_us": number(c[8])} if header == FLOOR_COLUMNS else {})}
+                    for c in body]
             mode = "ll" if all(r["op"].startswith("LL") for r in rows) else "normal"
             sms = re.search(r"(\d+) SMs", title)
             iters = re.search(r"(\d+) iterations", title)

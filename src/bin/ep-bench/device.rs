@@ -443,6 +443,36 @@ impl Buf {
         out
     }
 
+    /// Copies all of `src` (no larger than this buffer) into this buffer,
+    /// in stream order.
+    pub fn copy_from(&self, dev: &Dev, src: &Buf) {
+        assert!(
+            src.bytes <= self.bytes,
+            "copy of {} bytes into {}",
+            src.bytes,
+            self.bytes
+        );
+        if self.gpu {
+            // SAFETY: both our allocations, `src.bytes` fit in each; our stream.
+            cu(
+                unsafe {
+                    sys::cuMemcpyDtoDAsync_v2(
+                        self.ptr as sys::CUdeviceptr,
+                        src.ptr as sys::CUdeviceptr,
+                        src.bytes,
+                        dev.stream,
+                    )
+                },
+                "cuMemcpyDtoDAsync",
+            );
+        } else {
+            // SAFETY: two distinct allocations, in bounds.
+            unsafe {
+                ptr::copy_nonoverlapping(src.ptr.cast::<u8>(), self.ptr.cast::<u8>(), src.bytes)
+            }
+        }
+    }
+
     /// Sets every byte to `byte`, in stream order (poisoning outputs).
     pub fn fill(&self, dev: &Dev, byte: u8) {
         if self.gpu {

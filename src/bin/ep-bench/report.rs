@@ -7,10 +7,11 @@
 //!   "tables": [ { "title", "mode": "normal" | "ll", "hidden", "topk",
 //!                 "experts", "iterations", "sms" (normal mode, else null),
 //!                 "rows": [ { "op", "tokens", "sms", "median_us", "p10_us",
-//!                             "p90_us", "gbps", "nccl_us" } ] } ] }
+//!                             "p90_us", "gbps", "nccl_us", "floor_us" } ] } ] }
 //! ```
 //!
-//! Numbers the table leaves out (no GB/s, no NCCL, no SM count) are null.
+//! Numbers the table leaves out (no GB/s, no NCCL, no SM count, no copy
+//! floor) are null; runs recorded before the copy floor have no "floor_us".
 
 use std::fmt::Write;
 

@@ -189,12 +189,15 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 /// One table row: the op's name, this rank's times per iteration, received
-/// bytes per rank and the NCCL median.
+/// bytes per rank, the NCCL median and the copy floor.
 struct Row<'a> {
     op: String,
     times: &'a [f64],
     bytes: Option<f64>,
     nccl_us: Option<f64>,
+    /// The time a device-to-device copy takes to read and write as many
+    /// bytes as the op must (see [`Rank::copy_gbps`]).
+    floor_us: Option<f64>,
 }
 
 fn row(op: impl Into<String>, times: &[f64], bytes: Option<f64>, nccl_us: Option<f64>) -> Row<'_> {
@@ -203,8 +206,25 @@ fn row(op: impl Into<String>, times: &[f64], bytes: Option<f64>, nccl_us: Option
         times,
         bytes,
         nccl_us,
+        floor_us: None,
     }
 }
+
+impl Row<'_> {
+    /// The row with its copy floor: `bytes` read and written at
+    /// `copy_gbps` (read + write GB/s).
+    fn floor(self, bytes: f64, copy_gbps: f64) -> Self {
+        Row {
+            floor_us: Some(bytes / copy_gbps / 1e3),
+            ..self
+        }
+    }
+}
+
+/// Bytes of one device-to-device copy that measures the copy floor's
+/// bandwidth (a sixteenth of it on the host backend), and the copies timed.
+const COPY_BYTES: usize = 256 << 20;
+const COPY_ITERS: usize = 20;
 
 /// Where a low-latency dispatch/combine pair passes the routing weights.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -302,8 +322,8 @@ impl Rank {
                 rows: Vec::new(),
             });
             println!("\n{}\n\n**{title}**\n", self.sh.header);
-            println!("| op | tokens | SMs | median us | p10 us | p90 us | GB/s | NCCL a2a us |");
-            println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+            println!("| op | tokens | SMs | median us | p10 us | p90 us | GB/s | NCCL a2a us | copy floor us | x floor |");
+            println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
         }
     }
 
@@ -327,6 +347,7 @@ impl Rank {
                     ("p90_us", Value::Num(stats.p90)),
                     ("gbps", Value::opt_num(gbps)),
                     ("nccl_us", Value::opt_num(row.nccl_us)),
+                    ("floor_us", Value::opt_num(row.floor_us)),
                 ]));
             }
             let sms = sms.map_or("-".to_string(), |s| s.to_string());
@@ -342,8 +363,11 @@ impl Rank {
                 (None, _) => "n/a".to_string(),
                 _ => "-".to_string(),
             };
+            let (floor, times_floor) = row.floor_us.map_or(("-".into(), "-".into()), |f| {
+                (format!("{f:.1}"), format!("{:.2}", stats.median / f))
+            });
             println!(
-                "| {} | {tokens} | {sms} | {:.1} | {:.1} | {:.1} | {gbps} | {nccl} |",
+                "| {} | {tokens} | {sms} | {:.1} | {:.1} | {:.1} | {gbps} | {nccl} | {floor} | {times_floor} |",
                 row.op, stats.median, stats.p10, stats.p90
             );
         }
@@ -408,6 +432,26 @@ impl Rank {
                 cell(per_op + 2 * i + 1)
             );
         }
+    }
+
+    /// Collective: the read + write bandwidth (GB/s) of a device-to-device
+    /// copy on this rank's stream, every rank copying at once as the ops
+    /// run: twice `COPY_BYTES` over the slowest rank's median time. The
+    /// copy floor of an op is the bytes it must read and write at this rate.
+    fn copy_gbps(&self) -> f64 {
+        let bytes = if self.dev.gpu {
+            COPY_BYTES
+        } else {
+            COPY_BYTES / 16
+        };
+        let src = Buf::new(&self.dev, bytes);
+        let dst = Buf::new(&self.dev, bytes);
+        src.fill(&self.dev, 0x3C);
+        let s = self.iterate(COPY_ITERS, |_, gate| {
+            self.time_ops(gate, [&|| dst.copy_from(&self.dev, &src)])
+                .to_vec()
+        });
+        2.0 * bytes as f64 / self.stats(&s[0]).median / 1e3
     }
 
     /// Runs `warmup + iters` iterations, each after a barrier of all ranks;
@@ -673,9 +717,12 @@ impl Rank {
         let fp8_row = (h + h / 128 * 4) as f64;
         let bf16_row = (h * 2) as f64;
 
+        let copy_gbps = self.copy_gbps();
         self.table_start(
             &format!(
-                "normal mode: {} SMs, hidden {h}, top-{} of {} experts, {iters} iterations; {}",
+                "normal mode: {} SMs, hidden {h}, top-{} of {} experts, {iters} iterations; {}; \
+                 copy floor: the bytes an op must read and write at the {copy_gbps:.0} GB/s \
+                 (read + write) of a device-to-device copy",
                 sms,
                 o.topk,
                 o.experts,
@@ -692,6 +739,18 @@ impl Rank {
                 .iter()
                 .map(|s| s[w + r * local..w + (r + 1) * local].iter().sum::<f64>() as i64)
                 .sum();
+            // Expert-major rows with their padding, and the rows this rank
+            // sends: with the rows received and the tokens, the bytes each
+            // op must at least read and write (its copy floor).
+            let padded_rows: i64 = (0..local)
+                .map(|le| {
+                    let rows: i64 = all.iter().map(|s| s[w + r * local + le] as i64).sum();
+                    (rows + EXPERT_ALIGNMENT as i64 - 1) / EXPERT_ALIGNMENT as i64
+                        * EXPERT_ALIGNMENT as i64
+                })
+                .sum();
+            let sent_rows: f64 = all[r][..w].iter().sum();
+            let (received_rows, pairs) = (expected_rows as f64, expected_pairs as f64);
             let base = |dtype: i32| -> ep_dispatch_args_t {
                 let mut a: ep_dispatch_args_t = unsafe { std::mem::zeroed() };
                 // SAFETY: valid out-pointer.
@@ -828,13 +887,18 @@ impl Rank {
                 let mut a = source_order(EP_DTYPE_FP8_E4M3);
                 let d_fp8 = dispatch(&mut a, "ep_dispatch FP8", &mut hc);
                 self.barrier();
-                let mut a = base(EP_DTYPE_BF16);
-                a.expert_capacity = expert_rows;
-                a.expert_x = expert_x.ptr;
-                a.expert_weights = expert_w.f32p();
-                a.expert_src_row = expert_src.i32p();
-                a.expert_offsets = expert_off.i32p();
-                a.expert_counts = expert_cnt.i32p();
+                let expert_major = |flags: u32| {
+                    let mut a = base(EP_DTYPE_BF16);
+                    a.flags = flags;
+                    a.expert_capacity = expert_rows;
+                    a.expert_x = expert_x.ptr;
+                    a.expert_weights = expert_w.f32p();
+                    a.expert_src_row = expert_src.i32p();
+                    a.expert_offsets = expert_off.i32p();
+                    a.expert_counts = expert_cnt.i32p();
+                    a
+                };
+                let mut a = expert_major(0);
                 let d_em = dispatch(&mut a, "ep_dispatch BF16 expert-major", &mut hc);
                 self.barrier();
                 let c_em = combine(
@@ -844,8 +908,17 @@ impl Rank {
                     gate,
                 );
                 self.barrier();
+                let mut a = expert_major(EP_DISPATCH_KEEP_PADDING);
+                let d_em_kept = dispatch(
+                    &mut a,
+                    "ep_dispatch BF16 expert-major, padding kept",
+                    &mut hc,
+                );
+                self.barrier();
                 let d_host = dispatch_host_us();
-                vec![d_bf16, d_fp8, d_em, c_src, c_em, d_host, c_src_host]
+                vec![
+                    d_bf16, d_fp8, d_em, c_src, c_em, d_host, c_src_host, d_em_kept,
+                ]
             });
             host_counts = hc;
 
@@ -864,12 +937,25 @@ impl Rank {
             );
             let received = self.mean(expected_rows as f64);
             let (bf16, fp8) = (Some(received * bf16_row), Some(received * fp8_row));
+            let (tokens, padded) = (t as f64, padded_rows as f64);
             let rows = vec![
-                row("dispatch BF16", &s[0], bf16, nc[0]),
-                row("dispatch FP8", &s[1], fp8, nc[1]),
-                row("dispatch BF16 expert-major", &s[2], bf16, nc[0]),
-                row("combine BF16 source-order", &s[3], bf16, nc[2]),
-                row("combine BF16 expert-major", &s[4], bf16, nc[2]),
+                row("dispatch BF16", &s[0], bf16, nc[0])
+                    .floor((sent_rows + received_rows) * bf16_row, copy_gbps),
+                row("dispatch FP8", &s[1], fp8, nc[1])
+                    .floor((sent_rows + received_rows) * fp8_row, copy_gbps),
+                row("dispatch BF16 expert-major", &s[2], bf16, nc[0])
+                    .floor((sent_rows + padded) * bf16_row, copy_gbps),
+                row(
+                    "dispatch BF16 expert-major, padding kept (EP_DISPATCH_KEEP_PADDING)",
+                    &s[7],
+                    bf16,
+                    nc[0],
+                )
+                .floor((sent_rows + pairs) * bf16_row, copy_gbps),
+                row("combine BF16 source-order", &s[3], bf16, nc[2])
+                    .floor((received_rows + tokens) * bf16_row, copy_gbps),
+                row("combine BF16 expert-major", &s[4], bf16, nc[2])
+                    .floor((pairs + tokens) * bf16_row, copy_gbps),
                 row(
                     "dispatch BF16 no host sync: host time per call",
                     &s[5],
