@@ -91,11 +91,10 @@
 // counts are then turned into per-warp bases in token order.
 extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
     extern __shared__ int warp_counts[];  // [EP_CHUNK_WARPS][world + experts]
-    // The dispatch's first kernel starts the collective call (ep_device.cuh,
-    // "Collective calls"); the barriers carry its word.
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        ep_begin_collective(p.peer_bases[p.rank], p.collective);
-    }
+    // Per warp, the effective expert of each of its 32 tokens' slots in
+    // token-major order (pair 32 r + l is token (32 r + l) / topk's slot
+    // (32 r + l) % topk); ids fit 16 bits (EP_MAX_EXPERTS).
+    __shared__ int16_t warp_pairs[EP_CHUNK_WARPS][32 * EP_MAX_TOPK];
     const int columns = p.world + p.num_experts;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -127,9 +126,18 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
     }
 
     // Pairs of the warp's 32 tokens in token-major order, 32 per round: lane
-    // l of round r holds pair 32 r + l, whose expert it takes from the lane
-    // of its token. A pair's position in its expert is the count of earlier
-    // pairs of that expert in this warp.
+    // l of round r holds pair 32 r + l, whose expert it reads from the
+    // warp's pairs in shared memory. A pair's position in its expert is the
+    // count of earlier pairs of that expert in this warp.
+    int16_t* const pairs = warp_pairs[warp];
+#pragma unroll
+    for (int k = 0; k < EP_MAX_TOPK; ++k) {
+        if (k >= p.topk) {
+            break;
+        }
+        pairs[lane * p.topk + k] = static_cast<int16_t>(token_experts[k]);
+    }
+    __syncwarp();
     int pair_expert[EP_MAX_TOPK];
     int pair_pos[EP_MAX_TOPK];
 #pragma unroll
@@ -138,18 +146,7 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
         if (r >= p.topk) {
             continue;
         }
-        const int pair = r * 32 + lane;
-        const int holder = pair / p.topk, slot = pair % p.topk;
-#pragma unroll
-        for (int k = 0; k < EP_MAX_TOPK; ++k) {
-            if (k >= p.topk) {
-                break;
-            }
-            const int expert = __shfl_sync(0xffffffffu, token_experts[k], holder);
-            if (k == slot) {
-                pair_expert[r] = expert;
-            }
-        }
+        pair_expert[r] = pairs[r * 32 + lane];
         const int e = pair_expert[r];
         const unsigned same = __match_any_sync(0xffffffffu, e);
         if (e >= 0) {
@@ -209,6 +206,12 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
             rank_pos[static_cast<int64_t>(token) * p.world + r] =
                 goes ? my_counts[r] + __popc(going & ep_lanemask_lt()) : -1;
         }
+    }
+    // The dispatch's first kernel starts the collective call (ep_device.cuh,
+    // "Collective calls"); the barriers carry its word. Last, so that the
+    // block's other warps do not wait for its system-scope fence.
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        ep_begin_collective(p.peer_bases[p.rank], p.collective);
     }
 }
 
