@@ -43,6 +43,10 @@ struct ncclComm;
 // Largest `n` and `k` of a fused call's GEMM (`ep_mega_args_t`).
 #define EP_MEGA_MAX_DIM 65536
 
+// Largest intermediate size `I` of `ep_moe_forward` (`ep_moe_args_t`):
+// its gate+up GEMM makes `2I` columns, at most `EP_MEGA_MAX_DIM`.
+#define EP_MOE_MAX_INTERMEDIATE 32768
+
 // Backend selection (`ep_config_t.backend`).
 // `EP_BACKEND_AUTO`: the environment variable `EP_BACKEND` (`gpu` or
 // `host`) decides, and the GPU backend when it is unset. There is never a
@@ -124,6 +128,8 @@ struct ncclComm;
 #define EP_LL_COMBINE_ARGS_MAGIC 1162890307
 
 #define EP_MEGA_ARGS_MAGIC 1162890567
+
+#define EP_MOE_ARGS_MAGIC 1162890575
 
 // Bytes of the oldest accepted `ep_config_t` (through `token_dtype`).
 #define EP_CONFIG_MIN_SIZE 32
@@ -528,6 +534,100 @@ typedef struct ep_mega_args_t {
   const float *x_scales;
 } ep_mega_args_t;
 
+// Arguments of `ep_moe_forward`: the whole expert MLP of an MoE layer,
+// dispatch, gate+up GEMM, SwiGLU, down GEMM and combine, in three steps
+// on the caller's stream:
+// 1. the dispatch and the gate+up GEMM, as `ep_mega_dispatch_gemm` runs
+//    them: for each expert-major row `j` of local expert `e`,
+//    `y1[j] = x[j] * w1[e]^T`, `w1` being `[local_experts, 2I, hidden]`
+//    (output columns `[0, I)` the gate, `[I, 2I)` the up projection);
+// 2. SwiGLU of every real row: `a[c] = silu(y1[j][c]) * y1[j][I + c]`
+//    for `c < I`, `silu(g) = g / (1 + e^-g)`, computed in fp32 from the
+//    BF16 values of `y1`. BF16 runs write `a` rounded to BF16 into `act`;
+//    FP8 runs quantize `a` (the fp32 values) to e4m3 with one fp32 scale
+//    per 128 columns by the low-latency mode's rule: per block `amax =
+//    max(max |a|, 1e-4)`, `scale = amax / 448`, `code = e4m3(a * (448 /
+//    amax))` (nearest even, saturating at 448);
+// 3. the down GEMM and the combine, as `ep_mega_gemm_combine` runs them:
+//    `y2[j] = act[j] * w2[e]^T`, `w2` being `[local_experts, hidden, I]`,
+//    then the combine of the rows `y2` like `ep_combine` with
+//    `EP_COMBINE_EXPERT_MAJOR` into `combine->out`.
+//
+// Tolerance against the reference (`src/reference/moe.rs`, which the host
+// backend runs): each GEMM within the tolerance of `ep_mega_args_t` given
+// its input rows; step 2 bit for bit given `y1` (the GPU runs the
+// reference's operations in its order, `e^x` included); the combine bit
+// for bit given `y2`.
+//
+// The intermediates are the caller's, each with one row per expert-major
+// row of the dispatch (`expert_capacity` rows): when the stream has run
+// the call, their rows of real (token, expert) pairs hold each step's
+// output. Padding rows: `y1` as `ep_mega_dispatch_gemm` writes it (zeros
+// between experts; rows after the last expert's segment left as they
+// were); `act`, `act_scales` and `y2` are left as they were.
+//
+// As for the fused calls: `I` is a multiple of 128 up to
+// `EP_MOE_MAX_INTERMEDIATE`; the call never synchronises with the host
+// (capturable in a CUDA graph); on the GPU backend it needs a Hopper GPU
+// and a context within one node (else `EP_ERR_UNSUPPORTED`), and data
+// pointers must be 16-byte aligned.
+typedef struct ep_moe_args_t {
+  uint32_t struct_size;
+  // `EP_MOE_ARGS_MAGIC`.
+  uint32_t magic;
+  uint32_t version;
+  // No flags are defined yet: 0.
+  uint32_t flags;
+  // The dispatch, as `ep_dispatch` runs it, with `EP_DISPATCH_NO_HOST_SYNC`
+  // implied (its `expert_capacity` must be the worst case,
+  // `ep_get_dispatch_capacity`; the `host_*` outputs are not written);
+  // `EP_DISPATCH_REUSE_LAYOUT` is refused. Its `dtype` must be
+  // `weight_dtype`. Its expert-major output is required (`expert_x`,
+  // `expert_offsets` and `expert_src_row`); its source-order output stays
+  // optional. Its layout goes into the handle. Required.
+  const struct ep_dispatch_args_t *dispatch;
+  // The combine: its `input_layout` must be `EP_COMBINE_EXPERT_MAJOR`,
+  // its `out` (`[num_tokens, hidden]` BF16, required when the dispatch
+  // has tokens) receives the combined tokens, and its `x` is not read
+  // (the rows `y2` are the combine's input). Required.
+  const struct ep_combine_args_t *combine;
+  // `EP_DTYPE_BF16` or `EP_DTYPE_FP8_E4M3`: the type of both weights, of
+  // the dispatched tokens and of `act`.
+  int32_t weight_dtype;
+  // `I`, the experts' intermediate size: a multiple of 128 up to
+  // `EP_MOE_MAX_INTERMEDIATE`.
+  int32_t intermediate;
+  // Streaming multiprocessors the fused kernels (and the activation
+  // kernel between them) may use; 0 means all of the device's. The
+  // routing kernels use the config's `num_sms`.
+  int32_t num_sms;
+  // `[local_experts, 2I, hidden]` gate+up weights of `weight_dtype`,
+  // K-major. Required.
+  const void *w1;
+  // `[local_experts, 2I / 128, hidden / 128]` fp32 block scales of `w1`.
+  // Required when weight_dtype is FP8; may be NULL otherwise (then
+  // nothing is read).
+  const float *w1_scales;
+  // `[local_experts, hidden, I]` down weights of `weight_dtype`,
+  // K-major. Required.
+  const void *w2;
+  // `[local_experts, hidden / 128, I / 128]` fp32 block scales of `w2`.
+  // Required when weight_dtype is FP8; may be NULL otherwise (then
+  // nothing is read).
+  const float *w2_scales;
+  // `[expert_capacity, 2I]` BF16: the gate+up GEMM's rows. Required.
+  void *y1;
+  // `[expert_capacity, I]` activations: BF16, or e4m3 codes (one byte
+  // each) when weight_dtype is FP8. Required.
+  void *act;
+  // `[expert_capacity, I / 128]` fp32 scales of `act`. Required when
+  // weight_dtype is FP8; may be NULL otherwise (then not written).
+  float *act_scales;
+  // `[expert_capacity, hidden]` BF16: the down GEMM's rows, before the
+  // routing weights. Required.
+  void *y2;
+} ep_moe_args_t;
+
 // The operation succeeded.
 #define EP_SUCCESS 0
 
@@ -775,6 +875,10 @@ ep_status_t ep_ll_combine_args_init(struct ep_ll_combine_args_t *args);
 // header. `args` is required.
 ep_status_t ep_mega_args_init(struct ep_mega_args_t *args);
 
+// Fills `*args` with the defaults (BF16, no pointers, all SMs) and its
+// header. `args` is required.
+ep_status_t ep_moe_args_init(struct ep_moe_args_t *args);
+
 // Creates a routing handle for `ctx`; free it with `ep_handle_destroy`.
 // On the GPU backend a handle's device arrays come from its context, which
 // makes two sets when it is created and keeps those of destroyed handles
@@ -901,6 +1005,23 @@ ep_status_t ep_mega_gemm_combine(struct ep_ctx_t *ctx,
                                  const struct ep_mega_args_t *args,
                                  const struct ep_handle_t *handle,
                                  ep_stream_t stream);
+
+// The whole expert MLP of an MoE layer in one call: dispatch, the local
+// experts' gate+up GEMM, SwiGLU, down GEMM and combine (see
+// `ep_moe_args_t`), enqueued on `stream` without a host synchronisation.
+// The dispatch's layout goes into `handle` (on failure the handle holds
+// no layout). Every rank of the context must call it; it counts as two
+// collective calls (its dispatch, then its combine).
+//
+// Pointers: `ctx`, `args` and `handle` are required; `stream` may be NULL
+// (the legacy default stream). The pointers in `args` follow their fields'
+// rules (the dispatch half as for `ep_dispatch`, with its expert-major
+// output required; of the combine half only `out` is used, required when
+// the dispatch has tokens).
+ep_status_t ep_moe_forward(struct ep_ctx_t *ctx,
+                           const struct ep_moe_args_t *args,
+                           struct ep_handle_t *handle,
+                           ep_stream_t stream);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -82,6 +82,8 @@ if [ -n "${EP_NCCL_LIBRARY:-}" ]; then
     --test-threads=1 dispatch_and_combine_match_the_reference variants_match_the_reference
   [ -x "$G/tests/gpu_mega" ] && step "nccl fused" 30 300 env EP_TEST_NCCL=1 \
     "$G/tests/gpu_mega" --ignored --test-threads=1 small_and_uneven_cases_match_the_reference
+  [ -x "$G/tests/gpu_moe" ] && step "nccl moe forward" 30 300 env EP_TEST_NCCL=1 \
+    "$G/tests/gpu_moe" --ignored --test-threads=1 small_and_uneven_cases_match_the_reference
   [ "$NGPU" -gt 1 ] && step "nccl hierarchical" 30 300 env EP_TEST_NCCL=1 \
     "$G/tests/gpu_hierarchical" --ignored --test-threads=1 virtual_nodes_match_the_reference
   [ -x "$G/nccl_context" ] && step "nccl example ${NGPU} ranks" 20 60 "$G/nccl_context" "$NGPU"

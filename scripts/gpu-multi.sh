@@ -81,7 +81,7 @@ if has lanes; then
   t0=$(date +%s)
   lane gpu_low_latency gpu_collectives &
   lane gpu_normal gpu_hierarchical gpu_nccl &
-  lane gpu_mega gpu_kernels &
+  lane gpu_mega gpu_moe gpu_kernels &
   lane gpu_contract gpu_context &
   LANES=$(jobs -p)
   for bin in gpu_normal gpu_low_latency; do
@@ -94,7 +94,7 @@ if has lanes; then
   wait $LANES
   echo "=== lanes took $(( $(date +%s) - t0 ))s"
   lanes_done gpu_low_latency gpu_collectives gpu_normal gpu_hierarchical gpu_nccl gpu_mega \
-    gpu_kernels gpu_contract gpu_context
+    gpu_moe gpu_kernels gpu_contract gpu_context
 fi
 
 # 2. Ranks sharing one GPU (threads of one process).
@@ -121,6 +121,8 @@ if has checks; then
     step "nccl low-latency" 20 120 env EP_TEST_NCCL=1 "$T/gpu_low_latency" --ignored \
       --test-threads=1 dispatch_and_combine_match_the_reference variants_match_the_reference
     [ -x "$T/gpu_mega" ] && step "nccl fused" 20 120 env EP_TEST_NCCL=1 "$T/gpu_mega" \
+      --ignored --test-threads=1 small_and_uneven_cases_match_the_reference
+    [ -x "$T/gpu_moe" ] && step "nccl moe forward" 20 120 env EP_TEST_NCCL=1 "$T/gpu_moe" \
       --ignored --test-threads=1 small_and_uneven_cases_match_the_reference
     step "nccl hierarchical" 20 120 env EP_TEST_NCCL=1 "$T/gpu_hierarchical" --ignored \
       --test-threads=1 virtual_nodes_match_the_reference

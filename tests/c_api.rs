@@ -153,6 +153,7 @@ fn null_pointers_of_library_functions() {
             "ep_mega_args_init",
             "megakernel args",
         );
+        expect_null(ep_moe_args_init(null_mut()), "ep_moe_args_init", "moe args");
         let cfg = small_config();
         expect_null(
             ep_ctx_create(null_mut(), 1, zero_id(), 0, 0, &cfg),

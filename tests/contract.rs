@@ -75,7 +75,7 @@ fn header_fields(header: &str, strukt: &str) -> Vec<(String, bool, String)> {
 fn the_header_states_every_pointer_rule_of_the_tables() {
     let header = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/include/ep.h"))
         .expect("include/ep.h");
-    let tables: [(&str, Vec<Field>); 5] = [
+    let tables: [(&str, Vec<Field>); 6] = [
         (
             "ep_dispatch_args_t",
             contract::fields(contract::DISPATCH).copied().collect(),
@@ -95,6 +95,10 @@ fn the_header_states_every_pointer_rule_of_the_tables() {
         (
             "ep_mega_args_t",
             contract::fields(contract::MEGA).copied().collect(),
+        ),
+        (
+            "ep_moe_args_t",
+            contract::fields(contract::MOE).copied().collect(),
         ),
     ];
     for (strukt, table) in &tables {

@@ -14,6 +14,7 @@ EP_HIDDEN_ALIGNMENT = 128
 EP_MAX_WORLD_SIZE = 64
 EP_LL_MAX_TOKENS = 1024
 EP_MEGA_MAX_DIM = 65536
+EP_MOE_MAX_INTERMEDIATE = 32768
 EP_BACKEND_AUTO = 0
 EP_BACKEND_GPU = 1
 EP_BACKEND_HOST = 2
@@ -34,6 +35,7 @@ EP_COMBINE_ARGS_MAGIC = 1162888001
 EP_LL_DISPATCH_ARGS_MAGIC = 1162890308
 EP_LL_COMBINE_ARGS_MAGIC = 1162890307
 EP_MEGA_ARGS_MAGIC = 1162890567
+EP_MOE_ARGS_MAGIC = 1162890575
 EP_CONFIG_MIN_SIZE = 32
 EP_SUCCESS = 0
 EP_ERR_INVALID_ARGUMENT = 1
@@ -173,6 +175,28 @@ class ep_mega_args_t(Structure):
     ]
 
 
+class ep_moe_args_t(Structure):
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("magic", c_uint32),
+        ("version", c_uint32),
+        ("flags", c_uint32),
+        ("dispatch", c_void_p),
+        ("combine", c_void_p),
+        ("weight_dtype", c_int32),
+        ("intermediate", c_int32),
+        ("num_sms", c_int32),
+        ("w1", c_void_p),
+        ("w1_scales", c_void_p),
+        ("w2", c_void_p),
+        ("w2_scales", c_void_p),
+        ("y1", c_void_p),
+        ("act", c_void_p),
+        ("act_scales", c_void_p),
+        ("y2", c_void_p),
+    ]
+
+
 STRUCTS = (
     ep_config_t,
     ep_unique_id_t,
@@ -181,6 +205,7 @@ STRUCTS = (
     ep_ll_dispatch_args_t,
     ep_ll_combine_args_t,
     ep_mega_args_t,
+    ep_moe_args_t,
 )
 
 # name: (result, [parameter types], [parameter names])
@@ -205,6 +230,7 @@ FUNCTIONS = {
     "ep_ll_dispatch_args_init": (c_int32, [c_void_p], ["args"]),
     "ep_ll_combine_args_init": (c_int32, [c_void_p], ["args"]),
     "ep_mega_args_init": (c_int32, [c_void_p], ["args"]),
+    "ep_moe_args_init": (c_int32, [c_void_p], ["args"]),
     "ep_handle_create": (c_int32, [c_void_p, c_void_p], ["ctx", "handle"]),
     "ep_handle_destroy": (c_int32, [c_void_p], ["handle"]),
     "ep_dispatch": (c_int32, [c_void_p, c_void_p, c_void_p, c_void_p], ["ctx", "args", "handle", "stream"]),
@@ -214,6 +240,7 @@ FUNCTIONS = {
     "ep_ll_get_combine_buffer": (c_int32, [c_void_p, c_void_p, c_void_p], ["ctx", "buffer", "bytes"]),
     "ep_mega_dispatch_gemm": (c_int32, [c_void_p, c_void_p, c_void_p, c_void_p], ["ctx", "args", "handle", "stream"]),
     "ep_mega_gemm_combine": (c_int32, [c_void_p, c_void_p, c_void_p, c_void_p], ["ctx", "args", "handle", "stream"]),
+    "ep_moe_forward": (c_int32, [c_void_p, c_void_p, c_void_p, c_void_p], ["ctx", "args", "handle", "stream"]),
 }
 
 # ep_*_init function: the struct it fills
@@ -224,4 +251,5 @@ INIT_FUNCTIONS = {
     "ep_ll_dispatch_args_init": ep_ll_dispatch_args_t,
     "ep_ll_combine_args_init": ep_ll_combine_args_t,
     "ep_mega_args_init": ep_mega_args_t,
+    "ep_moe_args_init": ep_moe_args_t,
 }

@@ -105,6 +105,12 @@ abi_consts! {
     /// `MegaParams::mode`: GEMM + combine.
     MEGA_MODE_COMBINE: i32 = 1;
 
+    /// `ep_moe_forward`'s activation kernel (kernels/moe.cu): threads of a
+    /// block (a warp per expert-major row), and blocks per streaming
+    /// multiprocessor of the call's budget.
+    MOE_THREADS: usize = 256;
+    MOE_BLOCKS_PER_SM: usize = 4;
+
     /// Hierarchical mode: bytes of the header a source stages per token and
     /// puts to the gateway of every remote destination node (ints):
     /// `[HIER_HDR_EXPERTS + k]` effective expert of slot k (-1 if none),
@@ -168,6 +174,7 @@ abi_consts! {
     PHASE_HIER_DISPATCH: i32 = 7;
     PHASE_HIER_COMBINE: i32 = 8;
     PHASE_HIER_BARRIER: i32 = 9;
+    PHASE_MOE_ACTIVATION: i32 = 10;
 }
 
 abi_struct! {
@@ -535,6 +542,31 @@ abi_struct! {
 }
 
 abi_struct! {
+    /// Parameters of `ep_moe_forward`'s activation kernel (kernels/moe.cu):
+    /// SwiGLU of the gate+up GEMM's rows, BF16 or requantized to FP8.
+    pub struct MoeParams {
+        /// `[rows, 2 * intermediate]` BF16 output of the first GEMM.
+        y1: u64 => "const __nv_bfloat16*",
+        /// `[rows, intermediate]` activations: BF16, or e4m3 codes.
+        act: u64 => "uint8_t*",
+        /// FP8: `[rows, intermediate / 128]` scales of `act`; else 0.
+        act_scales: u64 => "float*",
+        /// The handle's `[L + 1]` segment starts, then `[L]` real rows
+        /// (what the dispatch of the same call wrote).
+        expert_layout: u64 => "const int*",
+        /// This rank's buffer: its last barrier (the dispatch's) passed.
+        own_base: u64,
+        status: u64 => "EpDeviceStatus*",
+        /// Rows of `y1`, `act` and `act_scales` (the expert capacity).
+        rows: i64,
+        intermediate: i32,
+        local_experts: i32,
+        /// Non-zero: quantize to e4m3 (else round to BF16).
+        fp8: i32,
+    }
+}
+
+abi_struct! {
     /// Parameters of the hierarchical kernels (kernels/hierarchical.cu).
     /// `hier_*` are bytes into the buffer (src/runtime/gpu/hierarchical.rs
     /// has the layout).
@@ -622,6 +654,7 @@ pub fn c_header() -> String {
         LlParams::c_definition(),
         TmaDescriptor::c_definition(),
         MegaParams::c_definition(),
+        MoeParams::c_definition(),
         NcclPeerBasesParams::c_definition(),
         HierParams::c_definition(),
     ] {

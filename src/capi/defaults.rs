@@ -161,3 +161,31 @@ impl Versioned for ep_mega_args_t {
         }
     }
 }
+
+impl Versioned for ep_moe_args_t {
+    const NAME: &'static str = "moe args";
+    const MAGIC: u32 = EP_MOE_ARGS_MAGIC;
+    const MIN_SIZE: u32 = EP_MOE_ARGS_MIN_SIZE;
+    fn defaults() -> Self {
+        let (struct_size, magic, version) = header::<Self>(Self::MAGIC);
+        ep_moe_args_t {
+            struct_size,
+            magic,
+            version,
+            flags: 0,
+            dispatch: null(),
+            combine: null(),
+            weight_dtype: EP_DTYPE_BF16,
+            intermediate: 0,
+            num_sms: 0,
+            w1: null(),
+            w1_scales: null(),
+            w2: null(),
+            w2_scales: null(),
+            y1: null_mut(),
+            act: null_mut(),
+            act_scales: null_mut(),
+            y2: null_mut(),
+        }
+    }
+}

@@ -1,5 +1,6 @@
 //! The operations: layout, normal-mode dispatch and combine, low-latency
-//! dispatch and combine, and the fused megakernels. Each one is enqueued on
+//! dispatch and combine, the fused megakernels, and the whole expert MLP
+//! (`ep_moe_forward`). Each one is enqueued on
 //! `stream` and returns; one thread at a time per context.
 
 use super::context_api::dtype;
@@ -13,7 +14,7 @@ use crate::runtime::contract;
 use crate::runtime::log;
 use crate::runtime::ops::{
     expert_alignment, CombineOp, DispatchOp, ExpertMajorOut, LayoutOp, LlCombineOp, LlDispatchOp,
-    MegaCombineOp, MegaDispatchOp, MegaOp, Phases, SourceOrderOut,
+    MegaCombineOp, MegaDispatchOp, MegaOp, MoeExperts, MoeOp, Phases, SourceOrderOut,
 };
 use std::os::raw::c_void;
 
@@ -133,6 +134,13 @@ pub unsafe extern "C" fn ep_ll_combine_args_init(args: *mut ep_ll_combine_args_t
 #[no_mangle]
 pub unsafe extern "C" fn ep_mega_args_init(args: *mut ep_mega_args_t) -> ep_status_t {
     run("ep_mega_args_init", || super::entry::init_versioned(args))
+}
+
+/// Fills `*args` with the defaults (BF16, no pointers, all SMs) and its
+/// header. `args` is required.
+#[no_mangle]
+pub unsafe extern "C" fn ep_moe_args_init(args: *mut ep_moe_args_t) -> ep_status_t {
+    run("ep_moe_args_init", || super::entry::init_versioned(args))
 }
 
 /// Creates a routing handle for `ctx`; free it with `ep_handle_destroy`.
@@ -526,5 +534,72 @@ pub unsafe extern "C" fn ep_mega_gemm_combine(
         let op = MegaCombineOp { combine, gemm };
         log::debug!("ep_mega_gemm_combine: {}", op.describe());
         context.mega_gemm_combine(&op, &handle.inner, stream as *mut c_void)
+    })
+}
+
+/// The experts' half of `ep_moe_forward`'s arguments (its own values and
+/// pointers).
+fn moe_experts(a: &ep_moe_args_t) -> Result<MoeExperts> {
+    if a.flags != 0 {
+        return Err(Error::invalid(format!(
+            "unknown ep_moe_forward flags 0x{:x}",
+            a.flags
+        )));
+    }
+    Ok(MoeExperts {
+        dtype: dtype("weight_dtype", a.weight_dtype)?,
+        intermediate: count("intermediate", a.intermediate)?,
+        num_sms: count("num_sms", a.num_sms)?,
+        w1: a.w1 as *const u8,
+        w1_scales: a.w1_scales,
+        w2: a.w2 as *const u8,
+        w2_scales: a.w2_scales,
+        y1: a.y1 as *mut u8,
+        act: a.act as *mut u8,
+        act_scales: a.act_scales,
+        y2: a.y2 as *mut u8,
+        dispatch_args: a.dispatch as *const c_void,
+        combine_args: a.combine as *const c_void,
+    })
+}
+
+/// The whole expert MLP of an MoE layer in one call: dispatch, the local
+/// experts' gate+up GEMM, SwiGLU, down GEMM and combine (see
+/// `ep_moe_args_t`), enqueued on `stream` without a host synchronisation.
+/// The dispatch's layout goes into `handle` (on failure the handle holds
+/// no layout). Every rank of the context must call it; it counts as two
+/// collective calls (its dispatch, then its combine).
+///
+/// Pointers: `ctx`, `args` and `handle` are required; `stream` may be NULL
+/// (the legacy default stream). The pointers in `args` follow their fields'
+/// rules (the dispatch half as for `ep_dispatch`, with its expert-major
+/// output required; of the combine half only `out` is used, required when
+/// the dispatch has tokens).
+#[no_mangle]
+pub unsafe extern "C" fn ep_moe_forward(
+    ctx: *mut ep_ctx_t,
+    args: *const ep_moe_args_t,
+    handle: *mut ep_handle_t,
+    stream: ep_stream_t,
+) -> ep_status_t {
+    run("ep_moe_forward", || {
+        let context = context(ctx)?;
+        let handle = handle.as_mut().ok_or_else(|| Error::null("handle"))?;
+        let a = read_versioned(args)?;
+        let experts = moe_experts(&a)?;
+        for half in ["dispatch", "combine"] {
+            contract::check_field(contract::MOE, half, &experts, &experts.facts())?;
+        }
+        let mut dispatch = dispatch_op(&read_versioned(a.dispatch)?)?;
+        // Implied: the call never synchronises with the host.
+        dispatch.no_host_sync = true;
+        let combine = combine_op(&read_versioned(a.combine)?)?;
+        let op = MoeOp {
+            dispatch,
+            combine,
+            experts,
+        };
+        log::debug!("ep_moe_forward: {}", op.describe());
+        context.moe_forward(&op, &mut handle.inner, stream as *mut c_void)
     })
 }

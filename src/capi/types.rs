@@ -86,6 +86,9 @@ pub const EP_MAX_WORLD_SIZE: i32 = 64;
 pub const EP_LL_MAX_TOKENS: i32 = 1024;
 /// Largest `n` and `k` of a fused call's GEMM (`ep_mega_args_t`).
 pub const EP_MEGA_MAX_DIM: i32 = 65536;
+/// Largest intermediate size `I` of `ep_moe_forward` (`ep_moe_args_t`):
+/// its gate+up GEMM makes `2I` columns, at most `EP_MEGA_MAX_DIM`.
+pub const EP_MOE_MAX_INTERMEDIATE: i32 = 32768;
 
 // The public limits are literals (cbindgen writes them into ep.h); the
 // runtime and the kernels use the same values from src/abi/defs.rs.
@@ -98,6 +101,8 @@ const _: () = {
     assert!(EP_MAX_WORLD_SIZE as usize == abi::MAX_WORLD_SIZE);
     assert!(EP_LL_MAX_TOKENS as usize == abi::LL_MAX_TOKENS);
     assert!(EP_MEGA_MAX_DIM as usize == crate::runtime::config::MAX_GEMM_DIM);
+    assert!(EP_MOE_MAX_INTERMEDIATE as usize == crate::runtime::ops::MAX_INTERMEDIATE);
+    assert!(2 * EP_MOE_MAX_INTERMEDIATE == EP_MEGA_MAX_DIM);
 };
 
 /// Backend selection (`ep_config_t.backend`).
@@ -167,6 +172,7 @@ pub const EP_COMBINE_ARGS_MAGIC: u32 = 0x4550_4341; // "EPCA"
 pub const EP_LL_DISPATCH_ARGS_MAGIC: u32 = 0x4550_4C44; // "EPLD"
 pub const EP_LL_COMBINE_ARGS_MAGIC: u32 = 0x4550_4C43; // "EPLC"
 pub const EP_MEGA_ARGS_MAGIC: u32 = 0x4550_4D47; // "EPMG"
+pub const EP_MOE_ARGS_MAGIC: u32 = 0x4550_4D4F; // "EPMO"
 
 /// Opaque communicator: one per rank. Created by `ep_ctx_create`, freed by
 /// `ep_ctx_destroy`. Not thread-safe: one thread at a time may call functions
@@ -610,3 +616,102 @@ pub struct ep_mega_args_t {
 
 /// Bytes of the oldest accepted `ep_mega_args_t` (all fields).
 pub const EP_MEGA_ARGS_MIN_SIZE: u32 = std::mem::size_of::<ep_mega_args_t>() as u32;
+
+/// Arguments of `ep_moe_forward`: the whole expert MLP of an MoE layer,
+/// dispatch, gate+up GEMM, SwiGLU, down GEMM and combine, in three steps
+/// on the caller's stream:
+/// 1. the dispatch and the gate+up GEMM, as `ep_mega_dispatch_gemm` runs
+///    them: for each expert-major row `j` of local expert `e`,
+///    `y1[j] = x[j] * w1[e]^T`, `w1` being `[local_experts, 2I, hidden]`
+///    (output columns `[0, I)` the gate, `[I, 2I)` the up projection);
+/// 2. SwiGLU of every real row: `a[c] = silu(y1[j][c]) * y1[j][I + c]`
+///    for `c < I`, `silu(g) = g / (1 + e^-g)`, computed in fp32 from the
+///    BF16 values of `y1`. BF16 runs write `a` rounded to BF16 into `act`;
+///    FP8 runs quantize `a` (the fp32 values) to e4m3 with one fp32 scale
+///    per 128 columns by the low-latency mode's rule: per block `amax =
+///    max(max |a|, 1e-4)`, `scale = amax / 448`, `code = e4m3(a * (448 /
+///    amax))` (nearest even, saturating at 448);
+/// 3. the down GEMM and the combine, as `ep_mega_gemm_combine` runs them:
+///    `y2[j] = act[j] * w2[e]^T`, `w2` being `[local_experts, hidden, I]`,
+///    then the combine of the rows `y2` like `ep_combine` with
+///    `EP_COMBINE_EXPERT_MAJOR` into `combine->out`.
+///
+/// Tolerance against the reference (`src/reference/moe.rs`, which the host
+/// backend runs): each GEMM within the tolerance of `ep_mega_args_t` given
+/// its input rows; step 2 bit for bit given `y1` (the GPU runs the
+/// reference's operations in its order, `e^x` included); the combine bit
+/// for bit given `y2`.
+///
+/// The intermediates are the caller's, each with one row per expert-major
+/// row of the dispatch (`expert_capacity` rows): when the stream has run
+/// the call, their rows of real (token, expert) pairs hold each step's
+/// output. Padding rows: `y1` as `ep_mega_dispatch_gemm` writes it (zeros
+/// between experts; rows after the last expert's segment left as they
+/// were); `act`, `act_scales` and `y2` are left as they were.
+///
+/// As for the fused calls: `I` is a multiple of 128 up to
+/// `EP_MOE_MAX_INTERMEDIATE`; the call never synchronises with the host
+/// (capturable in a CUDA graph); on the GPU backend it needs a Hopper GPU
+/// and a context within one node (else `EP_ERR_UNSUPPORTED`), and data
+/// pointers must be 16-byte aligned.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ep_moe_args_t {
+    pub struct_size: u32,
+    /// `EP_MOE_ARGS_MAGIC`.
+    pub magic: u32,
+    pub version: u32,
+    /// No flags are defined yet: 0.
+    pub flags: u32,
+    /// The dispatch, as `ep_dispatch` runs it, with `EP_DISPATCH_NO_HOST_SYNC`
+    /// implied (its `expert_capacity` must be the worst case,
+    /// `ep_get_dispatch_capacity`; the `host_*` outputs are not written);
+    /// `EP_DISPATCH_REUSE_LAYOUT` is refused. Its `dtype` must be
+    /// `weight_dtype`. Its expert-major output is required (`expert_x`,
+    /// `expert_offsets` and `expert_src_row`); its source-order output stays
+    /// optional. Its layout goes into the handle. Required.
+    pub dispatch: *const ep_dispatch_args_t,
+    /// The combine: its `input_layout` must be `EP_COMBINE_EXPERT_MAJOR`,
+    /// its `out` (`[num_tokens, hidden]` BF16, required when the dispatch
+    /// has tokens) receives the combined tokens, and its `x` is not read
+    /// (the rows `y2` are the combine's input). Required.
+    pub combine: *const ep_combine_args_t,
+    /// `EP_DTYPE_BF16` or `EP_DTYPE_FP8_E4M3`: the type of both weights, of
+    /// the dispatched tokens and of `act`.
+    pub weight_dtype: i32,
+    /// `I`, the experts' intermediate size: a multiple of 128 up to
+    /// `EP_MOE_MAX_INTERMEDIATE`.
+    pub intermediate: i32,
+    /// Streaming multiprocessors the fused kernels (and the activation
+    /// kernel between them) may use; 0 means all of the device's. The
+    /// routing kernels use the config's `num_sms`.
+    pub num_sms: i32,
+    /// `[local_experts, 2I, hidden]` gate+up weights of `weight_dtype`,
+    /// K-major. Required.
+    pub w1: *const c_void,
+    /// `[local_experts, 2I / 128, hidden / 128]` fp32 block scales of `w1`.
+    /// Required when weight_dtype is FP8; may be NULL otherwise (then
+    /// nothing is read).
+    pub w1_scales: *const f32,
+    /// `[local_experts, hidden, I]` down weights of `weight_dtype`,
+    /// K-major. Required.
+    pub w2: *const c_void,
+    /// `[local_experts, hidden / 128, I / 128]` fp32 block scales of `w2`.
+    /// Required when weight_dtype is FP8; may be NULL otherwise (then
+    /// nothing is read).
+    pub w2_scales: *const f32,
+    /// `[expert_capacity, 2I]` BF16: the gate+up GEMM's rows. Required.
+    pub y1: *mut c_void,
+    /// `[expert_capacity, I]` activations: BF16, or e4m3 codes (one byte
+    /// each) when weight_dtype is FP8. Required.
+    pub act: *mut c_void,
+    /// `[expert_capacity, I / 128]` fp32 scales of `act`. Required when
+    /// weight_dtype is FP8; may be NULL otherwise (then not written).
+    pub act_scales: *mut f32,
+    /// `[expert_capacity, hidden]` BF16: the down GEMM's rows, before the
+    /// routing weights. Required.
+    pub y2: *mut c_void,
+}
+
+/// Bytes of the oldest accepted `ep_moe_args_t` (all fields).
+pub const EP_MOE_ARGS_MIN_SIZE: u32 = std::mem::size_of::<ep_moe_args_t>() as u32;

@@ -140,21 +140,68 @@ pub fn quantize_row(row: &[bf16], ue8m0: bool, out: &mut [u8], scales: &mut [f32
         .zip(out.chunks_exact_mut(SCALE_BLOCK))
         .zip(scales.iter_mut());
     for ((block, out_block), scale) in blocks {
-        // f32::max ignores a NaN operand, as the GPU's fmaxf does.
-        let amax = block
-            .iter()
-            .fold(0.0f32, |m, v| m.max(v.to_f32().abs()))
-            .max(AMAX_FLOOR);
+        let amax = block_amax(block.iter().map(|v| v.to_f32()));
         let multiplier = if ue8m0 {
             let (pow2_scale, inverse) = round_up_to_pow2(amax / E4M3_MAX);
             *scale = pow2_scale;
             inverse
         } else {
-            *scale = amax / E4M3_MAX;
-            E4M3_MAX / amax
+            let (default_scale, multiplier) = default_scale(amax);
+            *scale = default_scale;
+            multiplier
         };
         for (q, v) in out_block.iter_mut().zip(block) {
             *q = f32_to_e4m3(v.to_f32() * multiplier);
+        }
+    }
+}
+
+/// A block's absolute maximum, floored at [`AMAX_FLOOR`]. `f32::max`
+/// ignores a NaN operand, as the GPU's `fmaxf` does; the maximum does not
+/// depend on the order of the values, so a GPU may reduce them as a tree.
+fn block_amax(values: impl Iterator<Item = f32>) -> f32 {
+    values.fold(0.0f32, |m, v| m.max(v.abs())).max(AMAX_FLOOR)
+}
+
+/// The default (not UE8M0) scale of a block of maximum `amax`, and the
+/// multiplier that quantizes it: `(amax / 448, 448 / amax)`, each one
+/// correctly rounded division.
+fn default_scale(amax: f32) -> (f32, f32) {
+    (amax / E4M3_MAX, E4M3_MAX / amax)
+}
+
+/// Quantizes one row of `f32` values to E4M3 with one scale per
+/// [`SCALE_BLOCK`] channels, by the default rule of [`quantize_row`]: per
+/// block `amax = max(max |x|, 1e-4)`, `scale = amax / 448`, `q = e4m3(x *
+/// (448 / amax))`. The same codes and scales as [`quantize_row`] for values
+/// that are BF16 (a BF16 value widens to `f32` exactly). Used where the
+/// values were computed in `f32` and are quantized without a BF16 rounding
+/// first (the SwiGLU activations of `ep_moe_forward`, `super::moe`).
+///
+/// # Panics
+/// If `row.len()` is not a multiple of 128, `out.len() != row.len()` or
+/// `scales.len() != row.len() / 128`.
+pub fn quantize_f32_row(row: &[f32], out: &mut [u8], scales: &mut [f32]) {
+    assert_eq!(
+        row.len() % SCALE_BLOCK,
+        0,
+        "row length must be a multiple of 128"
+    );
+    assert_eq!(out.len(), row.len(), "output length must match the row");
+    assert_eq!(
+        scales.len(),
+        row.len() / SCALE_BLOCK,
+        "one scale per 128 channels"
+    );
+    let blocks = row
+        .chunks_exact(SCALE_BLOCK)
+        .zip(out.chunks_exact_mut(SCALE_BLOCK))
+        .zip(scales.iter_mut());
+    for ((block, out_block), scale) in blocks {
+        let (block_scale, multiplier) = default_scale(block_amax(block.iter().copied()));
+        *scale = block_scale;
+        for (q, &v) in out_block.iter_mut().zip(block) {
+            *q = f32_to_e4m3(v * multiplier);
         }
     }
 }
@@ -333,6 +380,38 @@ mod tests {
         assert_ne!(448.0 / amax, 1.0 / (amax / 448.0));
         assert_eq!(out[1], 0x22);
         assert_eq!(f32_to_e4m3(x.to_f32() * (1.0 / (amax / 448.0))), 0x23);
+    }
+
+    #[test]
+    fn f32_rows_quantize_like_bf16_rows_of_the_same_values() {
+        let mut rng = Rng::new(17);
+        let row: Vec<bf16> = (0..384)
+            .map(|c| bf16::from_f32((1 + c / 128) as f32 * 3.0 * (2.0 * rng.unit() - 1.0)))
+            .collect();
+        let wide: Vec<f32> = row.iter().map(|v| v.to_f32()).collect();
+        let (mut a, mut b) = (vec![0u8; 384], vec![0u8; 384]);
+        let (mut sa, mut sb) = (vec![0f32; 3], vec![0f32; 3]);
+        quantize_row(&row, false, &mut a, &mut sa);
+        quantize_f32_row(&wide, &mut b, &mut sb);
+        assert_eq!(a, b);
+        assert_eq!(sa, sb);
+        // The f32 values are quantized as they are, not rounded to BF16
+        // first: 1.0625 + 2^-12 is just above the midpoint of 1.0 (0x38)
+        // and 1.125 (0x39), while its BF16 rounding is the midpoint itself,
+        // which goes to the even code.
+        let mut fine = vec![0f32; 128];
+        fine[0] = 448.0;
+        fine[1] = 1.0625 + 2f32.powi(-12);
+        let mut q = vec![0u8; 128];
+        let mut s = vec![0f32; 1];
+        quantize_f32_row(&fine, &mut q, &mut s);
+        assert_eq!(s[0], 1.0);
+        assert_eq!((q[0], q[1]), (0x7e, 0x39));
+        assert_eq!(f32_to_e4m3(bf16::from_f32(fine[1]).to_f32()), 0x38);
+        // An all-zero block takes the floor, as in quantize_row.
+        quantize_f32_row(&[0.0; 128], &mut q, &mut s);
+        assert_eq!(s[0], AMAX_FLOOR / E4M3_MAX);
+        assert!(q.iter().all(|&c| c == 0));
     }
 
     #[test]

@@ -25,6 +25,7 @@ pub mod hierarchical;
 pub mod layout;
 pub mod low_latency;
 pub mod mega;
+pub mod moe;
 pub mod normal;
 
 /// Number of channels that share one FP8 scale.

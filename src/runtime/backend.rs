@@ -5,7 +5,7 @@
 use super::contract::PointerCheck;
 use super::ops::{
     CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaCombineOp, MegaDispatchOp,
-    Received,
+    MoeOp, Received,
 };
 use super::sequence::{Call, Collective};
 use crate::error::{Error, Result};
@@ -85,6 +85,19 @@ pub trait Backend: PointerCheck + Send {
         call: Call,
         op: &MegaCombineOp,
         handle: &HandleState,
+        stream: Stream,
+    ) -> Result<()>;
+    /// `ep_moe_forward`: the dispatch and the gate+up GEMM as
+    /// `mega_dispatch_gemm` runs them (`op.gate_up`, call `calls[0]`, the
+    /// layout recorded in the handle), SwiGLU of the real expert-major rows
+    /// of `y1` into `act` (`crate::reference::moe::activate_row`; padding
+    /// rows left as they were), then the down GEMM and the combine as
+    /// `mega_gemm_combine` runs them (`op.down`, call `calls[1]`).
+    fn moe_forward(
+        &mut self,
+        calls: [Call; 2],
+        op: &MoeOp,
+        handle: &mut HandleState,
         stream: Stream,
     ) -> Result<()>;
     fn ll_dispatch(&mut self, call: Call, op: &LlDispatchOp, stream: Stream) -> Result<()>;

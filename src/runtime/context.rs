@@ -17,7 +17,7 @@ use super::contract::{self, check_pointers, Facts};
 use super::handle::{DispatchRecord, Handle};
 use super::ops::{
     check_ll_enabled, CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaCombineOp,
-    MegaDispatchOp,
+    MegaDispatchOp, MoeOp,
 };
 use super::sequence::{Call, Collective};
 use super::{gpu, host};
@@ -446,6 +446,54 @@ impl Context {
             .backend
             .mega_gemm_combine(call, op, &handle.state, stream)
     }
+
+    /// `ep_moe_forward`: checked as a fused dispatch (values, the
+    /// dispatch's pointer table, the backend's checks of its inputs), plus
+    /// the combine's `out` (for the dispatch's tokens), the experts' values
+    /// and pointers (`MOE`), all before anything is communicated or
+    /// enqueued. It makes two collective calls, numbered one after the
+    /// other; the handle records the first as a dispatch that did not tell
+    /// the host its rows, once both have been made.
+    pub fn moe_forward(&self, op: &MoeOp, handle: &mut Handle, stream: Stream) -> Result<()> {
+        let mut inner = self.lock()?;
+        self.check_handle(handle)?;
+        op.validate(&self.cfg)?;
+        inner.nothing_pending()?;
+        let d = &op.dispatch;
+        check_pointers(contract::DISPATCH, d, &d.facts(), &*inner.backend)?;
+        // Only the combine's `out` is used: its `x` is not read.
+        let combine = CombineOp {
+            x: std::ptr::null(),
+            ..op.combine
+        };
+        let facts = Facts {
+            tokens: d.num_tokens > 0,
+            ..Facts::default()
+        };
+        check_pointers(contract::COMBINE, &combine, &facts, &*inner.backend)?;
+        let experts = &op.experts;
+        check_pointers(contract::MOE, experts, &experts.facts(), &*inner.backend)?;
+        inner.check_stream(stream)?;
+        inner
+            .backend
+            .check_inputs(Inputs::Dispatch(d, &handle.state))?;
+        inner.backend.check_supported(Collective::MoeDispatch)?;
+
+        let first = inner.next_call(Collective::MoeDispatch, 0);
+        let second = inner.next_call(Collective::MoeCombine, first.number);
+        handle.dispatch = None;
+        inner
+            .backend
+            .moe_forward([first, second], op, &mut handle.state, stream)?;
+        handle.dispatch = Some(DispatchRecord {
+            call: first.number,
+            num_tokens: d.num_tokens,
+            source_order: d.recv.is_some(),
+            expert_major: true,
+            received: None,
+        });
+        Ok(())
+    }
 }
 
 /// The dispatch a combine returns rows of: the handle's, which must have
@@ -544,6 +592,15 @@ mod tests {
             _: Call,
             _: &MegaCombineOp,
             _: &HandleState,
+            _: Stream,
+        ) -> Result<()> {
+            not_here()
+        }
+        fn moe_forward(
+            &mut self,
+            _: [Call; 2],
+            _: &MoeOp,
+            _: &mut HandleState,
             _: Stream,
         ) -> Result<()> {
             not_here()

@@ -2,7 +2,7 @@
 //! when it may be NULL, what NULL then means, and what memory it must be.
 //!
 //! One table per operation ([`LAYOUT`], [`DISPATCH`], [`COMBINE`],
-//! [`LL_DISPATCH`], [`LL_COMBINE`], [`MEGA`]) lists its pointers with their
+//! [`LL_DISPATCH`], [`LL_COMBINE`], [`MEGA`], [`MOE`]) lists its pointers with their
 //! rule. The runtime validates every call against its table before anything
 //! is communicated or enqueued ([`check_pointers`]), the header's doc of each
 //! field contains [`Field::doc`] word for word, and the contract tests walk
@@ -14,7 +14,7 @@
 //! backend can use ([`crate::runtime::backend::Backend::check_pointer`]: on
 //! the GPU backend, device memory of the context's device).
 
-use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaOp};
+use super::ops::{CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaOp, MoeExperts};
 use crate::error::{Error, Result};
 use std::os::raw::c_void;
 use std::ptr::null;
@@ -621,6 +621,67 @@ pub const MEGA: &[Pointer<MegaOp>] = &[
     },
 ];
 
+/// `ep_moe_forward`'s own pointers (`ep_moe_args_t`; its dispatch follows
+/// [`DISPATCH`], with the expert-major output required, and its combine's
+/// `out` follows [`COMBINE`]).
+pub const MOE: &[Pointer<MoeExperts>] = &[
+    Pointer {
+        field: args_struct("dispatch", Need::Always),
+        get: |op| op.dispatch_args,
+    },
+    Pointer {
+        field: args_struct("combine", Need::Always),
+        get: |op| op.combine_args,
+    },
+    Pointer {
+        field: rows("w1", Need::Always, "", 1),
+        get: |op| cv(op.w1),
+    },
+    Pointer {
+        field: field(
+            "w1_scales",
+            Need::When(&[Cond::Fp8Weights]),
+            NOTHING_READ,
+            4,
+        ),
+        get: |op| cv(op.w1_scales),
+    },
+    Pointer {
+        field: rows("w2", Need::Always, "", 1),
+        get: |op| cv(op.w2),
+    },
+    Pointer {
+        field: field(
+            "w2_scales",
+            Need::When(&[Cond::Fp8Weights]),
+            NOTHING_READ,
+            4,
+        ),
+        get: |op| cv(op.w2_scales),
+    },
+    Pointer {
+        field: rows("y1", Need::Always, "", 2),
+        get: |op| cv(op.y1),
+    },
+    Pointer {
+        field: rows("act", Need::Always, "", 1),
+        get: |op| cv(op.act),
+    },
+    Pointer {
+        field: field(
+            "act_scales",
+            Need::When(&[Cond::Fp8Weights]),
+            NOT_WRITTEN,
+            4,
+        ),
+        get: |op| cv(op.act_scales),
+    },
+    Pointer {
+        field: rows("y2", Need::Always, "", 2),
+        get: |op| cv(op.y2),
+    },
+];
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -672,5 +733,6 @@ mod tests {
         unique(LL_DISPATCH);
         unique(LL_COMBINE);
         unique(MEGA);
+        unique(MOE);
     }
 }

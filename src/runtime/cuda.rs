@@ -1095,6 +1095,7 @@ impl DeviceStatus {
             abi::PHASE_HIER_DISPATCH => "hierarchical dispatch kernel",
             abi::PHASE_HIER_COMBINE => "hierarchical combine kernel",
             abi::PHASE_HIER_BARRIER => "hierarchical barrier kernel",
+            abi::PHASE_MOE_ACTIVATION => "MoE activation kernel",
             _ => "kernel",
         };
         let (kind, what) = match self.code {

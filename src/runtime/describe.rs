@@ -3,7 +3,7 @@
 
 use super::ops::{
     CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaCombineOp, MegaDispatchOp,
-    MegaOp, Phases,
+    MegaOp, MoeOp, Phases,
 };
 use crate::reference::Dtype;
 
@@ -145,5 +145,20 @@ impl MegaDispatchOp {
 impl MegaCombineOp {
     pub fn describe(&self) -> String {
         format!("{}; then a combine", self.gemm.describe())
+    }
+}
+
+impl MoeOp {
+    pub fn describe(&self) -> String {
+        let sms = match self.experts.num_sms {
+            0 => "all SMs".to_string(),
+            n => format!("{n} SMs"),
+        };
+        format!(
+            "{}; then {} experts (gate+up GEMM, SwiGLU, down GEMM), intermediate {}, on {sms}; then a combine",
+            self.dispatch.describe(),
+            dtype(self.experts.dtype),
+            self.experts.intermediate
+        )
     }
 }

@@ -428,3 +428,152 @@ impl MegaCombineOp {
         Ok(())
     }
 }
+
+/// The experts' half of `ep_moe_forward` (`ep_moe_args_t` less its
+/// dispatch and combine): the weights of both GEMMs and the caller's
+/// intermediate buffers.
+#[derive(Debug, Clone, Copy)]
+pub struct MoeExperts {
+    /// The type of the weights, of the dispatched rows and of `act`.
+    pub dtype: Dtype,
+    /// `I`: columns of the activation (the gate+up GEMM makes `2I`).
+    pub intermediate: usize,
+    /// SMs of the fused kernels; 0 = all of the device's (this rank's share).
+    pub num_sms: usize,
+    pub w1: *const u8,
+    pub w1_scales: *const f32,
+    pub w2: *const u8,
+    pub w2_scales: *const f32,
+    pub y1: *mut u8,
+    pub act: *mut u8,
+    pub act_scales: *mut f32,
+    pub y2: *mut u8,
+    /// The caller's pointers to its `ep_dispatch_args_t` and
+    /// `ep_combine_args_t`, read by the C boundary.
+    pub dispatch_args: *const c_void,
+    pub combine_args: *const c_void,
+}
+
+impl MoeExperts {
+    /// The facts of its pointer rules.
+    pub fn facts(&self) -> Facts {
+        Facts {
+            fp8: self.dtype == Dtype::Fp8E4m3,
+            ..Facts::default()
+        }
+    }
+}
+
+/// `ep_moe_forward`: the dispatch and the gate+up GEMM (an
+/// `ep_mega_dispatch_gemm`), SwiGLU, then the down GEMM and the combine
+/// (an `ep_mega_gemm_combine`).
+#[derive(Debug, Clone, Copy)]
+pub struct MoeOp {
+    /// Never synchronises with the host: `no_host_sync` is set (the C
+    /// boundary sets it, as for a fused dispatch).
+    pub dispatch: DispatchOp,
+    /// The combine: its `out` (its `x` is not read: `act` is the down
+    /// GEMM's input).
+    pub combine: CombineOp,
+    pub experts: MoeExperts,
+}
+
+/// The largest `I`: the gate+up GEMM's `2I` columns are at most
+/// `MAX_GEMM_DIM`.
+pub const MAX_INTERMEDIATE: usize = MAX_GEMM_DIM / 2;
+
+impl MoeOp {
+    /// Checks the values against the configuration (the pointers are the
+    /// contract's, checked by the context).
+    pub fn validate(&self, cfg: &Config) -> Result<()> {
+        let d = &self.dispatch;
+        if d.reuse_layout {
+            return Err(Error::invalid(
+                "EP_DISPATCH_REUSE_LAYOUT: ep_moe_forward's dispatch cannot reuse a layout",
+            ));
+        }
+        // The experts multiply the expert-major rows, and the fused
+        // kernels find each row's token through its source row.
+        let null = |name: &str| {
+            Error::new(
+                ErrorKind::NullPointer,
+                format!("`{name}` is NULL (required by ep_moe_forward, whose experts multiply the expert-major rows)"),
+            )
+        };
+        let expert = d.expert.ok_or_else(|| null("expert_x"))?;
+        if expert.src_row.is_null() {
+            return Err(null("expert_src_row"));
+        }
+        d.validate(cfg)?;
+        let i = self.experts.intermediate;
+        if i == 0 || !i.is_multiple_of(SCALE_BLOCK) || i > MAX_INTERMEDIATE {
+            return Err(Error::invalid(format!(
+                "intermediate = {i} is not a multiple of {SCALE_BLOCK} in [{SCALE_BLOCK}, {MAX_INTERMEDIATE}]"
+            )));
+        }
+        if self.experts.dtype != d.dtype {
+            return Err(Error::invalid(
+                "weight_dtype differs from the dispatch's dtype (the gate+up GEMM multiplies the dispatched rows)",
+            ));
+        }
+        if !self.combine.expert_major {
+            return Err(Error::invalid(
+                "combine->input_layout must be EP_COMBINE_EXPERT_MAJOR (the down GEMM's rows are expert-major)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Rows of `y1`, `act` (and its scales) and `y2`: the dispatch's
+    /// expert capacity (0 without expert-major output, which `validate`
+    /// refuses).
+    pub fn rows(&self) -> usize {
+        self.dispatch.expert.map_or(0, |e| e.capacity)
+    }
+
+    /// The first fused call: the dispatch, and `y1 = x * W1^T` (`n = 2I`,
+    /// `k = hidden`).
+    pub fn gate_up(&self, hidden: usize) -> MegaDispatchOp {
+        let e = &self.experts;
+        MegaDispatchOp {
+            dispatch: self.dispatch,
+            gemm: MegaOp {
+                dtype: e.dtype,
+                n: 2 * e.intermediate,
+                k: hidden,
+                num_sms: e.num_sms,
+                weights: e.w1,
+                weight_scales: e.w1_scales,
+                y: e.y1,
+                x_scales: std::ptr::null(),
+                dispatch_args: e.dispatch_args,
+                combine_args: std::ptr::null(),
+            },
+        }
+    }
+
+    /// The second fused call: `y2 = act * W2^T` (`n = hidden`, `k = I`),
+    /// and the expert-major combine of `y2` into the caller's `out`.
+    pub fn down(&self, hidden: usize) -> MegaCombineOp {
+        let e = &self.experts;
+        MegaCombineOp {
+            combine: CombineOp {
+                expert_major: true,
+                x: e.act,
+                out: self.combine.out,
+            },
+            gemm: MegaOp {
+                dtype: e.dtype,
+                n: hidden,
+                k: e.intermediate,
+                num_sms: e.num_sms,
+                weights: e.w2,
+                weight_scales: e.w2_scales,
+                y: e.y2,
+                x_scales: e.act_scales,
+                dispatch_args: std::ptr::null(),
+                combine_args: e.combine_args,
+            },
+        }
+    }
+}

@@ -11,6 +11,9 @@
 //! was. A call that passed them keeps its number even if it then fails.
 //! A low-latency call split into `EP_LL_SEND_ONLY` and `EP_LL_RECV_ONLY`
 //! halves is one call: the receive half has the number of its send half.
+//! `ep_moe_forward` is two calls, its dispatch and its combine
+//! ([`Collective::MoeDispatch`], [`Collective::MoeCombine`]), which take
+//! two consecutive numbers when the call passes its checks.
 //!
 //! So the n-th call that one rank makes is the n-th call of every other
 //! rank, whatever failed locally in between. A rank whose call failed its
@@ -52,16 +55,22 @@ pub enum Collective {
     LlCombine = 4,
     MegaDispatch = 5,
     MegaCombine = 6,
+    /// `ep_moe_forward`'s dispatch (with the gate+up GEMM) and its combine
+    /// (with the down GEMM).
+    MoeDispatch = 7,
+    MoeCombine = 8,
 }
 
 /// Every collective operation.
-const COLLECTIVES: [Collective; 6] = [
+const COLLECTIVES: [Collective; 8] = [
     Collective::Dispatch,
     Collective::Combine,
     Collective::LlDispatch,
     Collective::LlCombine,
     Collective::MegaDispatch,
     Collective::MegaCombine,
+    Collective::MoeDispatch,
+    Collective::MoeCombine,
 ];
 
 impl Collective {
@@ -73,7 +82,8 @@ impl Collective {
         COLLECTIVES.into_iter().find(|c| c.code() == code)
     }
 
-    /// The C function that makes this call.
+    /// The C function that makes this call (and which of its calls, for
+    /// `ep_moe_forward`).
     pub fn function(self) -> &'static str {
         match self {
             Collective::Dispatch => "ep_dispatch",
@@ -82,6 +92,8 @@ impl Collective {
             Collective::LlCombine => "ep_ll_combine",
             Collective::MegaDispatch => "ep_mega_dispatch_gemm",
             Collective::MegaCombine => "ep_mega_gemm_combine",
+            Collective::MoeDispatch => "ep_moe_forward (dispatch)",
+            Collective::MoeCombine => "ep_moe_forward (combine)",
         }
     }
 }

@@ -8,6 +8,7 @@
 pub mod calls;
 pub mod gpu;
 pub mod mega;
+pub mod moe;
 pub mod normal;
 pub mod tools;
 pub mod walk;

@@ -22,6 +22,7 @@ mod checks;
 mod hierarchical;
 mod low_latency;
 mod mega;
+mod moe;
 mod normal;
 mod placement;
 mod symmetric;
@@ -39,12 +40,12 @@ use super::log;
 use super::nccl::{self, CommHandle, UniqueId};
 use super::ops::{
     CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaCombineOp, MegaDispatchOp,
-    Received,
+    MoeOp, Received,
 };
 use super::sequence::{Call, Collective};
 use crate::abi::{
     self, BarrierParams, CombineParams, DispatchParams, HierParams, LayoutParams, LlParams,
-    MegaParams, NcclPeerBasesParams, BARRIER_COUNTER_OFFSET, BARRIER_THREADS,
+    MegaParams, MoeParams, NcclPeerBasesParams, BARRIER_COUNTER_OFFSET, BARRIER_THREADS,
 };
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
@@ -84,6 +85,8 @@ pub struct Kernels {
     pub mega_fp8: Kernel<MegaParams>,
     pub mega_bf16_pair: Kernel<MegaParams>,
     pub mega_fp8_pair: Kernel<MegaParams>,
+    /// `ep_moe_forward`'s SwiGLU between its two fused calls.
+    pub moe_activation: Kernel<MoeParams>,
     pub nccl_peer_bases: Kernel<NcclPeerBasesParams>,
     pub hier_stage: Kernel<HierParams>,
     pub hier_send: Kernel<HierParams>,
@@ -111,6 +114,7 @@ impl Kernels {
             mega_fp8: module.function(c"ep_mega_fp8_kernel")?,
             mega_bf16_pair: module.function(c"ep_mega_bf16_pair_kernel")?,
             mega_fp8_pair: module.function(c"ep_mega_fp8_pair_kernel")?,
+            moe_activation: module.function(c"ep_moe_activation_kernel")?,
             nccl_peer_bases: module.function(c"ep_nccl_peer_bases_kernel")?,
             hier_stage: module.function(c"ep_hier_stage_kernel")?,
             hier_send: module.function(c"ep_hier_send_kernel")?,
@@ -777,7 +781,10 @@ impl Backend for GpuBackend {
             | Collective::Combine
             | Collective::LlDispatch
             | Collective::LlCombine => Ok(()),
-            Collective::MegaDispatch | Collective::MegaCombine => {
+            Collective::MegaDispatch
+            | Collective::MegaCombine
+            | Collective::MoeDispatch
+            | Collective::MoeCombine => {
                 self.mega.check_supported()?;
                 if self.normal.hierarchical() || !self.all_reachable {
                     return Err(Error::unsupported(
@@ -850,6 +857,24 @@ impl Backend for GpuBackend {
     ) -> Result<()> {
         self.mega
             .gemm_combine(&self.rt.bind()?, &self.normal, call, op, handle, stream)
+    }
+
+    fn moe_forward(
+        &mut self,
+        calls: [Call; 2],
+        op: &MoeOp,
+        handle: &mut HandleState,
+        stream: Stream,
+    ) -> Result<()> {
+        moe::forward(
+            &self.rt.bind()?,
+            &self.normal,
+            &mut self.mega,
+            calls,
+            op,
+            handle,
+            stream,
+        )
     }
 
     fn ll_dispatch(&mut self, call: Call, op: &LlDispatchOp, stream: Stream) -> Result<()> {

@@ -38,7 +38,7 @@ use super::contract::{Field, PointerCheck};
 use super::log;
 use super::ops::{
     CombineOp, DispatchOp, LayoutOp, LlCombineOp, LlDispatchOp, MegaCombineOp, MegaDispatchOp,
-    MegaOp, Received,
+    MegaOp, MoeOp, Received,
 };
 use super::sequence::Call;
 use crate::error::{Error, ErrorKind, Result};
@@ -46,6 +46,7 @@ use crate::reference::hierarchical;
 use crate::reference::layout::{dispatch_layout, validate_experts, InvalidExpert};
 use crate::reference::low_latency::{ll_combine, ll_dispatch, LlExpertOutputs, LlRankTokens};
 use crate::reference::mega::{grouped_gemm, ExpertWeights, GemmRows};
+use crate::reference::moe::activate_row;
 use crate::reference::normal::{
     combine, dispatch, expert_partials, Dispatched, RankTokens, Returned,
 };
@@ -658,6 +659,22 @@ impl Backend for HostBackend {
         self.combine(call, &combine, handle, stream)
     }
 
+    fn moe_forward(
+        &mut self,
+        calls: [Call; 2],
+        op: &MoeOp,
+        handle: &mut HandleState,
+        stream: Stream,
+    ) -> Result<()> {
+        let hidden = self.cfg.topo.hidden;
+        self.mega_dispatch_gemm(calls[0], &op.gate_up(hidden), handle, stream)?;
+        // SAFETY: the context checked `y1`, `act` and `act_scales` for the
+        // expert capacity, at least the rows of a dispatch that succeeded;
+        // `y1` holds the dispatch's rows, just written.
+        unsafe { activate(op, dispatched(handle)?) };
+        self.mega_gemm_combine(calls[1], &op.down(hidden), handle, stream)
+    }
+
     fn ll_dispatch(&mut self, call: Call, op: &LlDispatchOp, _stream: Stream) -> Result<()> {
         let topo = self.cfg.topo;
         let (m, hidden, topk) = (self.cfg.ll_max_tokens, topo.hidden, topo.topk);
@@ -889,6 +906,32 @@ impl HostBackend {
             },
         };
         grouped_gemm(&weights, rows, &d.expert_offsets, &d.expert_counts)
+    }
+}
+
+/// `ep_moe_forward`'s SwiGLU: reads the real expert-major rows of the
+/// caller's `y1` (as the first GEMM wrote them) and writes their
+/// activations to `act` (and FP8 scales to `act_scales`); padding rows are
+/// left as they were.
+///
+/// # Safety
+/// `y1`, `act` and `act_scales` hold the expert-major rows of `d`.
+unsafe fn activate(op: &MoeOp, d: &Dispatched) {
+    let e = &op.experts;
+    let (i, dtype) = (e.intermediate, e.dtype);
+    let (row_bytes, row_scales) = (dtype.row_bytes(i), dtype.scales_per_row(i));
+    let y1 = caller(e.y1 as *const bf16, d.expert_rows * 2 * i);
+    let mut act = vec![0u8; row_bytes];
+    let mut scales = vec![0f32; row_scales];
+    for (expert, &count) in d.expert_counts.iter().enumerate() {
+        let start = d.expert_offsets[expert] as usize;
+        for j in start..start + count as usize {
+            activate_row(dtype, &y1[j * 2 * i..][..2 * i], &mut act, &mut scales);
+            give(e.act.add(j * row_bytes), &act);
+            if dtype == Dtype::Fp8E4m3 {
+                give(e.act_scales.add(j * row_scales), &scales);
+            }
+        }
     }
 }
 
