@@ -335,6 +335,9 @@ abi_struct! {
         /// Non-zero (`EP_DISPATCH_KEEP_PADDING`): the padding rows of
         /// `expert_x` and `expert_scales` are not written.
         keep_padding: i32,
+        /// Non-zero: a dispatch of one chunk, whose count kernel (grid of
+        /// the SM budget) also does the stage kernel's work.
+        stage_in_count: i32,
     }
 }
 

@@ -458,6 +458,7 @@ impl NormalMode {
             collective: call.op.code() as i32,
             skip_expert_rows: 0,
             keep_padding: expert.map_or(0, |e| e.keep_padding as i32),
+            stage_in_count: 0,
         }
     }
 
@@ -491,6 +492,9 @@ impl NormalMode {
     /// Enqueues the single-node dispatch up to its rows: count, stage,
     /// barrier, pull (which moves the expert-major rows too unless
     /// `params.skip_expert_rows`). The caller enqueues the closing barrier.
+    /// A dispatch of one chunk (at most `CHUNK_TOKENS` tokens) has no stage
+    /// launch: its count kernel, on the SM budget's grid, does that work
+    /// too (`stage_in_count`), one launch less at every world size.
     ///
     /// # Safety
     /// As [`Self::enqueue_count`].
@@ -506,15 +510,30 @@ impl NormalMode {
         let k = &rt.kernels;
         // SAFETY: the caller vouches for the arrays.
         unsafe {
-            self.enqueue_count(rt, params, num_tokens, stream)?;
-            rt.launch(
-                &k.dispatch_stage,
-                chunks(num_tokens).max(sms),
-                CHUNK_TOKENS as u32,
-                (columns * 4) as u32,
-                stream,
-                params,
-            )?;
+            if chunks(num_tokens) == 1 {
+                let staging = DispatchParams {
+                    stage_in_count: 1,
+                    ..*params
+                };
+                rt.launch(
+                    &k.dispatch_count,
+                    sms,
+                    CHUNK_TOKENS as u32,
+                    (CHUNK_WARPS * columns * 4) as u32,
+                    stream,
+                    &staging,
+                )?;
+            } else {
+                self.enqueue_count(rt, params, num_tokens, stream)?;
+                rt.launch(
+                    &k.dispatch_stage,
+                    chunks(num_tokens).max(sms),
+                    CHUNK_TOKENS as u32,
+                    (columns * 4) as u32,
+                    stream,
+                    params,
+                )?;
+            }
             rt.barrier(stream)?;
             rt.launch(
                 &k.dispatch_pull,
