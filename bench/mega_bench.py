@@ -5,34 +5,60 @@ torch's grouped GEMMs, in one process on one GPU (world size 1), or with
 ep context).
 
     python3 bench/mega_bench.py [--lib path/to/libep.so] [--ranks 1] [--iters 30] [--warmup 5]
+                                [--only mega|moe]
 
 Workload W3 (bench/README.md), per rank: 4096 tokens of top-8 over 32 experts
 (32 / N local experts on each rank, weights [32 / N, n, k]), hidden 7168,
 uniform random routing; GEMM1 (gate+up) k 7168 -> n 4096, GEMM2 (down)
-k 2048 -> n 7168; and the decode shape: 128 tokens of top-8 (about 32 rows
-per expert). Every figure is the median of --iters runs timed with CUDA
-events after --warmup runs. Rows of the table:
+k 2048 -> n 7168, that is an expert MLP of intermediate size I = 2048; and
+the decode shape: 128 tokens of top-8 (about 32 rows per expert). Every
+figure is the median of --iters runs timed with CUDA events after --warmup
+runs. Rows of the table, per shape and dtype (BF16, FP8); --only mega keeps
+the first eight, --only moe the last three:
 
   fused dispatch+GEMM      ep_mega_dispatch_gemm (routing, row moves, GEMM)
   ep_dispatch alone        ep_dispatch (expert-major output)
   unfused dispatch+GEMM    ep_dispatch (expert-major) + torch grouped GEMM
+  torch GEMM1 alone        torch._grouped_mm (BF16) / _scaled_grouped_mm (FP8,
+                           rowwise scales) on the same rows
   fused GEMM+combine       ep_mega_gemm_combine (GEMM, weighted sums, reduce)
   ep_combine alone         ep_combine (expert-major input)
   unfused GEMM+combine     torch grouped GEMM + ep_combine (expert-major)
-  torch GEMM alone         torch._grouped_mm (BF16) / _scaled_grouped_mm (FP8,
-                           rowwise scales) on the same rows
+  torch GEMM2 alone        as torch GEMM1 alone, for GEMM2
+  ep_moe_forward           the whole expert MLP in one call: dispatch, GEMM1,
+                           SwiGLU (FP8: requantized per 128 columns), GEMM2,
+                           combine (w1 [L, 2I, hidden]: gate rows, then up)
+  unfused MLP              what an engine runs today: ep_dispatch
+                           (expert-major) + torch grouped GEMM1 + torch
+                           SwiGLU, silu(gate) * up (FP8: then a per-128-column
+                           quantization in torch) + torch grouped GEMM2 +
+                           ep_combine (expert-major)
+  torch MLP GEMMs alone    the unfused MLP's torch part alone (GEMM1,
+                           SwiGLU, quantization, GEMM2) on the same rows
 
 TFLOP/s count 2 * rows * n * k over the real (token, expert) rows (per
-rank: tokens * top-k, the average over the ranks). With --ranks N every rank
-makes the same calls in the same order; the ranks meet at a host barrier
-before each op's warm-up and again before its timed runs, and a row's figure
-is the slowest rank's median. A rank that fails (with several ranks, any
-failed ep call) stops the run with its traceback. The closing lines divide
-each fused time by the larger of its parts alone (communication alone, torch
-GEMM alone); the target is at most 1.05. Needs torch with CUDA and a Hopper
-GPU per rank. --backend host runs the same steps on the library's host
-backend with small shapes and CPU tensors: a smoke run of the script without
-a GPU, whose times mean nothing.
+rank: tokens * top-k, the average over the ranks); the MLP rows count both
+GEMMs, 2 * rows * 2I * hidden + 2 * rows * hidden * I. With --ranks N every
+rank makes the same calls in the same order; the ranks meet at a host
+barrier before each op's warm-up and again before its timed runs, and a
+row's figure is the slowest rank's median. A rank that fails (with several
+ranks, any failed ep call) stops the run with its traceback. The closing
+lines divide each fused time by the larger of its parts alone
+(communication alone, torch GEMM alone), against the target of at most
+1.05, and ep_moe_forward's time by the unfused MLP's and by the torch MLP
+GEMMs' alone.
+
+Before its timed runs, ep_moe_forward is checked once (per shape, dtype and
+cluster size): its combined tokens against those of the unfused path (the
+same steps with every GEMM in fp32 with the real FP8 scales, see
+check_moe), per token within a loose relative tolerance; a mismatch ends
+the run with an error. torch's FP8 GEMMs in the timed rows take unit
+rowwise scales: their cost is right, their values are not ep's (DeepSeek-V3
+block scales).
+
+Needs torch with CUDA and a Hopper GPU per rank. --backend host runs the
+same steps on the library's host backend with small shapes and CPU
+tensors: a smoke run of the script without a GPU, whose times mean nothing.
 """
 import argparse
 import collections
@@ -83,10 +109,13 @@ ep_unique_id_t = abi.ep_unique_id_t
 ep_dispatch_args_t = abi.ep_dispatch_args_t
 ep_combine_args_t = abi.ep_combine_args_t
 ep_mega_args_t = abi.ep_mega_args_t
+ep_moe_args_t = abi.ep_moe_args_t
 P = c_void_p
 
 # The shapes, per rank: W3 and decode on the GPU; small ones that the host
-# backend's reference code runs in a moment (--backend host).
+# backend's reference code runs in a moment (--backend host). GEMM1 is the
+# gate+up projection of an expert MLP of intermediate size I = k2 (n1 = 2I),
+# GEMM2 its down projection.
 Dims = collections.namedtuple("Dims", "hidden n1 k2 experts topk tokens")
 GPU_DIMS = Dims(hidden=7168, n1=4096, k2=2048, experts=32, topk=8,
                 tokens={"w3": 4096, "decode": 128})
@@ -99,6 +128,23 @@ RANK_SEED_STRIDE = 7919
 # Target of the fused calls: fused time <= TARGET_RATIO x max(communication
 # alone, GEMM alone).
 TARGET_RATIO = 1.05
+# Largest relative error, per token, of ep_moe_forward's combined tokens
+# against the unfused path's (check_moe): ||fused - unfused|| / ||unfused||
+# over the token's hidden values. Loose on purpose: both paths compute the
+# same function, but the fused GEMMs sum in another order (fp32 tiles; FP8:
+# each 128-wide k block on the tensor cores' FP8 accumulators, then scaled
+# and added) than the check's fp32 products or torch's GEMMs, within the
+# fused calls' documented bound per value (ep.h, ep_mega_args_t: 2^-7 |ref|
+# + c sqrt(sum_k (x_k w_k)^2), c = 2^-10 for BF16, 2^-5 for FP8). So a y1
+# value may round to the neighbouring BF16 value (2^-8 relative), and
+# torch's path rounds silu and the product to BF16 apart. FP8 adds the
+# requantization of act: a y1 value one BF16 step off can move an e4m3 code
+# by a whole step (2^-3 relative) or, through a block's amax, the scale of
+# 128 columns. A token's norm averages these errors over its hidden values:
+# on the host backend at I = 2048, 1e-3 (BF16; 4e-3 against torch's BF16
+# SwiGLU) and 4e-4 (FP8). Real faults (gate and up swapped, a wrong expert,
+# scale block or routing weight) give errors of order 1.
+MOE_TOLERANCE = {"BF16": 0.02, "FP8": 0.06}
 # With several ranks: the contexts' timeout_ms, the longest wait for a peer
 # inside a call (the ranks start each op together, so a peer that has not
 # come after this long has failed; the default is 100 s).
@@ -151,6 +197,18 @@ def quantize_fp8(x):
     scale = amax / 448.0
     q = (blocks / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(shape)
     return q.contiguous(), scale.contiguous()
+
+
+def dequantize_rows(q, scales):
+    """fp32 values of e4m3 rows q [rows, k] with one scale per 128 columns
+    ([rows, k / 128])."""
+    return q.float() * scales.repeat_interleave(128, dim=-1)
+
+
+def dequantize_weights(q, scales):
+    """fp32 values of one expert's e4m3 weights q [n, k] with one scale per
+    128 x 128 block ([n / 128, k / 128])."""
+    return q.float() * scales.repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)
 
 
 def weight_block_scales(w):
@@ -315,6 +373,27 @@ class Ep:
         check(self.lib, self.lib.ep_mega_gemm_combine(self.ctx, byref(m), self.handle,
                                                       self.stream()), "ep_mega_gemm_combine")
 
+    def moe_args(self, a, dtype, intermediate, w1, w1_scales, w2, w2_scales, y1, act,
+                 act_scales, y2, out):
+        """The argument structs of ep_moe_forward on the dispatch a, made
+        once so that a timed run only enqueues the call: (dispatch, combine,
+        moe), kept together since the moe args point at the other two. Of
+        the combine only out is used: the rows y2 are its input."""
+        c = init(self.lib, ep_combine_args_t, "ep_combine_args_init")
+        c.input_layout = EP_COMBINE_EXPERT_MAJOR
+        c.out = ptr(out)
+        m = init(self.lib, ep_moe_args_t, "ep_moe_args_init")
+        m.dispatch, m.combine = ctypes.addressof(a), ctypes.addressof(c)
+        m.weight_dtype, m.intermediate = dtype, intermediate
+        m.w1, m.w1_scales = ptr(w1), ptr(w1_scales)
+        m.w2, m.w2_scales = ptr(w2), ptr(w2_scales)
+        m.y1, m.act, m.act_scales, m.y2 = ptr(y1), ptr(act), ptr(act_scales), ptr(y2)
+        return a, c, m
+
+    def moe_forward(self, args):
+        check(self.lib, self.lib.ep_moe_forward(self.ctx, byref(args[2]), self.handle,
+                                                self.stream()), "ep_moe_forward")
+
     def status(self):
         s = c_int32()
         check(self.lib, self.lib.ep_ctx_get_async_error(self.ctx, byref(s)), "async error")
@@ -343,6 +422,67 @@ def grouped_fp8(a, a_scale, w, w_scale, offs):
                                     out_dtype=torch.bfloat16)
 
 
+def swiglu(h, intermediate):
+    """silu(gate) * up of gate+up rows h ([rows, 2I], gate columns first)
+    as an engine runs it in torch: BF16 in, BF16 out."""
+    return torch.nn.functional.silu(h[:, :intermediate]) * h[:, intermediate:]
+
+
+def reference_expert_rows(ep, fp8, intermediate, w1, w1_scales, w2, w2_scales, y2):
+    """The expert MLP of the rows of ep's last dispatch (expert-major), for
+    the check: per local expert, GEMM1 in fp32 from the dispatched rows
+    (FP8: dequantized with their row scales and the weights' block scales)
+    rounded to BF16, SwiGLU in fp32 from those BF16 values, act rounded to
+    BF16 (FP8: quantized per 128 columns), GEMM2 in fp32, rounded to BF16
+    into the real rows of y2 ([capacity, hidden]; others left as they
+    were). The steps of ep_moe_forward (ep.h), on torch's GEMMs."""
+    hidden = ep.hidden
+    offsets = ep.expert_offsets.tolist()
+    counts = ep.expert_counts.tolist()
+    codes = ep.expert_x[:ep.capacity * hidden * (1 if fp8 else 2)]
+    codes = codes.view(torch.float8_e4m3fn if fp8 else torch.bfloat16).view(ep.capacity, hidden)
+    for e in range(ep.experts):
+        lo, count = offsets[e], counts[e]
+        if count == 0:
+            continue
+        rows = slice(lo, lo + count)
+        if fp8:
+            x = dequantize_rows(codes[rows], ep.expert_scales[rows])
+            wa, wb = dequantize_weights(w1[e], w1_scales[e]), dequantize_weights(w2[e], w2_scales[e])
+        else:
+            x, wa, wb = codes[rows].float(), w1[e].float(), w2[e].float()
+        h = (x @ wa.t()).to(torch.bfloat16).float()
+        gate, up = h[:, :intermediate], h[:, intermediate:]
+        act = gate / (1.0 + torch.exp(-gate)) * up
+        if fp8:
+            act = dequantize_rows(*quantize_fp8(act))
+        else:
+            act = act.to(torch.bfloat16).float()
+        y2[rows] = (act @ wb.t()).to(torch.bfloat16)
+
+
+def worst_token_error(got, want):
+    """The largest relative error of a token: max over rows of
+    ||got - want|| / ||want|| (NaN where either holds a NaN)."""
+    if got.shape[0] == 0:
+        return 0.0
+    got, want = got.float(), want.float()
+    err = (got - want).norm(dim=1) / want.norm(dim=1).clamp(min=1e-30)
+    if torch.isnan(err).any():
+        return math.nan
+    return err.max().item()
+
+
+def first_line(e):
+    """The first line of an exception's text (torch's dispatcher errors
+    list every backend after it)."""
+    return (str(e).strip().splitlines() or [repr(e)])[0]
+
+
+def fmt_ratio(a, b):
+    return "%.2f" % (a / b) if a and b else "n/a"
+
+
 def fmt_us(us):
     return "%.1f" % us if us else "n/a"
 
@@ -356,12 +496,18 @@ def run(args, group):
     dims = GPU_DIMS if cuda else HOST_DIMS
     torch.manual_seed(0)
     hidden, n1, k2, experts, topk = dims.hidden, dims.n1, dims.k2, dims.experts, dims.topk
+    # The expert MLP's intermediate size: GEMM1 makes the gate and up halves.
+    inter = k2
+    assert n1 == 2 * inter, "GEMM1 is the gate+up projection of GEMM2's input"
     local = experts // group.world
+    parts = ["mega", "moe"] if args.only is None else [args.only]
     rows_out = []
     medians = {}
     # (fused row, (label, row) of communication alone, (label, row) of GEMM
     # alone) for the closing ratios.
     targets = []
+    # (ep_moe_forward row, unfused MLP row, torch MLP GEMMs row).
+    moe_targets = []
     lead = group.rank == 0
 
     def row(name, us, flops):
@@ -389,15 +535,67 @@ def run(args, group):
         except Exception as e:  # e.g. a baseline that this torch cannot run
             if isinstance(e, EpError) and group.world > 1:
                 raise
-            # The first line: torch's dispatcher errors list every backend.
-            print("  %s%s: %s" % (group.tag, name, (str(e).strip().splitlines() or [repr(e)])[0]),
-                  flush=True)
+            print("  %s%s: %s" % (group.tag, name, first_line(e)), flush=True)
             if not met:
                 group.barrier()
             return None
 
     def timed(name, fn, flops):
         row(name, group.slowest(measure(name, fn)), flops)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def check_moe(ep, a, moe, fp8, weights, out, y2, mlp, name):
+        """ep_moe_forward's combined tokens against the unfused path's:
+        ep_dispatch, the experts' MLP of its rows (reference_expert_rows:
+        torch's products in fp32, the real FP8 scales), ep_combine. Where
+        torch runs it, the timed unfused path of BF16 (its values are
+        right; FP8's unit scales are not) is compared too. Every rank
+        checks its own tokens; the worst of the ranks must be within
+        MOE_TOLERANCE, else the run ends with an error."""
+        tol = MOE_TOLERANCE["FP8" if fp8 else "BF16"]
+        ep.moe_forward(moe)
+        sync()
+        ep.status()
+        fused = out.clone()
+        ep.dispatch(a)
+        y2_ref = torch.zeros_like(y2)
+        reference_expert_rows(ep, fp8, inter, *weights, y2_ref)
+        ep.combine(y2_ref, out)
+        sync()
+        ep.status()
+        errors = [("fp32 GEMMs", worst_token_error(fused, out))]
+        if not fp8:
+            # torch's grouped GEMMs on the rows of the same dispatch.
+            try:
+                y2_torch = mlp()
+            except Exception as e:  # a torch that cannot run them (CPU)
+                y2_torch = None
+                if lead:
+                    print("  %s: the timed unfused path not compared: %s" % (name, first_line(e)),
+                          flush=True)
+            # Every rank combines, or none (all make the same ep calls).
+            if group.slowest(0.0 if y2_torch is not None else None) is not None:
+                ep.combine(y2_torch, out)
+                sync()
+                ep.status()
+                errors.append(("torch grouped GEMMs", worst_token_error(fused, out)))
+        results = []
+        for what, err in errors:
+            worst = group.slowest(err)
+            ok = worst is not None and worst <= tol
+            results.append("%s %s" % (what, "%.1e" % worst if worst is not None else "NaN"))
+            if not ok:
+                raise RuntimeError(
+                    "%s: ep_moe_forward's tokens differ from the unfused path's (%s): "
+                    "worst relative error of a token %s, tolerance %g"
+                    % (name, what, "NaN" if worst is None or math.isnan(worst) else
+                       "%.3g" % worst, tol))
+        if lead:
+            print("  %s: tokens match the unfused path (worst relative error of a token: %s; "
+                  "tolerance %g)" % (name, ", ".join(results), tol), flush=True)
 
     for shape in args.shapes.split(","):
         tokens = dims.tokens[shape]
@@ -412,12 +610,13 @@ def run(args, group):
         w2q, w2s = weight_block_scales(w2)
         f1, f2 = 2.0 * rows * n1 * hidden, 2.0 * rows * hidden * k2
         if lead and group.world == 1:
-            print("%s: %d tokens, top-%d of %d experts, hidden %d; GEMM1 n %d; GEMM2 k %d"
-                  % (shape, tokens, topk, experts, hidden, n1, k2), flush=True)
+            print("%s: %d tokens, top-%d of %d experts, hidden %d; GEMM1 n %d; GEMM2 k %d (I %d)"
+                  % (shape, tokens, topk, experts, hidden, n1, k2, inter), flush=True)
         elif lead:
             print("%s: %d tokens per rank on %d ranks, top-%d of %d experts (%d per rank), "
-                  "hidden %d; GEMM1 n %d; GEMM2 k %d"
-                  % (shape, tokens, group.world, topk, experts, local, hidden, n1, k2), flush=True)
+                  "hidden %d; GEMM1 n %d; GEMM2 k %d (I %d)"
+                  % (shape, tokens, group.world, topk, experts, local, hidden, n1, k2, inter),
+                  flush=True)
         # Fused calls with single blocks (the default) and clusters of 2; the
         # library reads EP_MEGA_CLUSTER when a context is created.
         for cluster in args.clusters.split(","):
@@ -426,8 +625,13 @@ def run(args, group):
             y1 = torch.empty(ep.capacity, n1, dtype=torch.bfloat16, device=dev)
             y2 = torch.empty(ep.capacity, hidden, dtype=torch.bfloat16, device=dev)
             out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=dev)
-            x2 = (torch.rand(ep.capacity, k2, device=dev) * 2 - 1).to(torch.bfloat16)
-            x2q, x2s = quantize_fp8(x2)
+            if "mega" in parts:
+                x2 = (torch.rand(ep.capacity, k2, device=dev) * 2 - 1).to(torch.bfloat16)
+                x2q, x2s = quantize_fp8(x2)
+            if "moe" in parts:
+                # ep_moe_forward's activations: BF16, or e4m3 codes and scales.
+                act = torch.empty(ep.capacity * inter * 2, dtype=torch.uint8, device=dev)
+                act_scales = torch.empty(ep.capacity, inter // 128, dtype=torch.float32, device=dev)
             baselines = cluster == args.clusters.split(",")[0]
             for dtype, name in [(EP_DTYPE_BF16, "BF16"), (EP_DTYPE_FP8_E4M3, "FP8")]:
                 fp8 = dtype == EP_DTYPE_FP8_E4M3
@@ -435,25 +639,8 @@ def run(args, group):
                 a = ep.dispatch_args(xq if fp8 else x, xs if fp8 else None, idx, wts, dtype)
                 w1_, w1s_ = (w1q, w1s) if fp8 else (w1, None)
                 w2_, w2s_ = (w2q, w2s) if fp8 else (w2, None)
-                fused1 = "%s fused dispatch+GEMM (clusters of %s)" % (tag, cluster)
-                timed(fused1, lambda: ep.mega_dispatch_gemm(a, dtype, w1_, w1s_, y1, n1), f1)
-                ep.status()
-                ep.dispatch(a)
-                fused2 = "%s fused GEMM+combine (clusters of %s)" % (tag, cluster)
-                timed(fused2, lambda: ep.mega_gemm_combine(dtype, x2q if fp8 else x2,
-                                                           x2s if fp8 else None,
-                                                           w2_, w2s_, y2, out), f2)
-                ep.status()
-                dispatch_alone = "%s ep_dispatch alone (expert-major)" % tag
-                combine_alone = "%s ep_combine alone (expert-major)" % tag
-                gemm1_alone = "%s torch GEMM1 alone" % tag
-                gemm2_alone = "%s torch GEMM2 alone" % tag
-                targets.append((fused1, ("ep_dispatch alone", dispatch_alone),
-                                ("torch GEMM1 alone", gemm1_alone)))
-                targets.append((fused2, ("ep_combine alone", combine_alone),
-                                ("torch GEMM2 alone", gemm2_alone)))
-                if not baselines:
-                    continue
+                # torch's grouped GEMMs on the rows of ep's last dispatch
+                # (expert-major, its offsets on the device: no host sync).
                 offs = ep.expert_offsets[1:]
                 ex = ep.expert_x[:ep.capacity * hidden * (1 if fp8 else 2)]
                 ex = ex.view(torch.float8_e4m3fn if fp8 else torch.bfloat16).view(ep.capacity, hidden)
@@ -462,20 +649,65 @@ def run(args, group):
                 ones_w2 = torch.ones(local, hidden, device=dev)
                 if fp8:
                     gemm1 = lambda: grouped_fp8(ex, ones_m, w1q, ones_w1, offs)
-                    gemm2 = lambda: grouped_fp8(x2q, ones_m, w2q, ones_w2, offs)
+
+                    def mlp():
+                        # The per-128-column quantization that torch's FP8
+                        # GEMM2 needs for its input, on the capacity's rows
+                        # (their count is on the device only).
+                        act_q, _ = quantize_fp8(swiglu(gemm1(), inter))
+                        return grouped_fp8(act_q, ones_m, w2q, ones_w2, offs)
                 else:
                     gemm1 = lambda: grouped_bf16(ex, w1, offs)
-                    gemm2 = lambda: grouped_bf16(x2, w2, offs)
-                timed(dispatch_alone, lambda: ep.dispatch(a), None)
-                timed("%s unfused ep_dispatch + torch GEMM" % tag,
-                      lambda: (ep.dispatch(a), gemm1()), f1)
-                timed(gemm1_alone, gemm1, f1)
-                # y2 holds the fused GEMM+combine's rows of the same dispatch.
-                timed(combine_alone, lambda: ep.combine(y2, out), None)
-                timed("%s unfused torch GEMM + ep_combine" % tag,
-                      lambda: ep.combine(gemm2(), out), f2)
-                timed(gemm2_alone, gemm2, f2)
-                ep.status()
+                    mlp = lambda: grouped_bf16(swiglu(gemm1(), inter), w2, offs)
+                if "mega" in parts:
+                    if fp8:
+                        gemm2 = lambda: grouped_fp8(x2q, ones_m, w2q, ones_w2, offs)
+                    else:
+                        gemm2 = lambda: grouped_bf16(x2, w2, offs)
+                    fused1 = "%s fused dispatch+GEMM (clusters of %s)" % (tag, cluster)
+                    timed(fused1, lambda: ep.mega_dispatch_gemm(a, dtype, w1_, w1s_, y1, n1), f1)
+                    ep.status()
+                    ep.dispatch(a)
+                    fused2 = "%s fused GEMM+combine (clusters of %s)" % (tag, cluster)
+                    timed(fused2, lambda: ep.mega_gemm_combine(dtype, x2q if fp8 else x2,
+                                                               x2s if fp8 else None,
+                                                               w2_, w2s_, y2, out), f2)
+                    ep.status()
+                    dispatch_alone = "%s ep_dispatch alone (expert-major)" % tag
+                    combine_alone = "%s ep_combine alone (expert-major)" % tag
+                    gemm1_alone = "%s torch GEMM1 alone" % tag
+                    gemm2_alone = "%s torch GEMM2 alone" % tag
+                    targets.append((fused1, ("ep_dispatch alone", dispatch_alone),
+                                    ("torch GEMM1 alone", gemm1_alone)))
+                    targets.append((fused2, ("ep_combine alone", combine_alone),
+                                    ("torch GEMM2 alone", gemm2_alone)))
+                    if baselines:
+                        timed(dispatch_alone, lambda: ep.dispatch(a), None)
+                        timed("%s unfused ep_dispatch + torch GEMM" % tag,
+                              lambda: (ep.dispatch(a), gemm1()), f1)
+                        timed(gemm1_alone, gemm1, f1)
+                        # y2 holds the fused GEMM+combine's rows of the same dispatch.
+                        timed(combine_alone, lambda: ep.combine(y2, out), None)
+                        timed("%s unfused torch GEMM + ep_combine" % tag,
+                              lambda: ep.combine(gemm2(), out), f2)
+                        timed(gemm2_alone, gemm2, f2)
+                        ep.status()
+                if "moe" in parts:
+                    moe_row = "%s ep_moe_forward (clusters of %s)" % (tag, cluster)
+                    unfused_mlp = "%s unfused MLP" % tag
+                    mlp_alone = "%s torch MLP GEMMs alone" % tag
+                    act_ = act.view(torch.float8_e4m3fn if fp8 else torch.bfloat16)
+                    moe = ep.moe_args(a, dtype, inter, w1_, w1s_, w2_, w2s_, y1, act_,
+                                      act_scales if fp8 else None, y2, out)
+                    check_moe(ep, a, moe, fp8, (w1_, w1s_, w2_, w2s_), out, y2, mlp, moe_row)
+                    timed(moe_row, lambda: ep.moe_forward(moe), f1 + f2)
+                    ep.status()
+                    moe_targets.append((moe_row, unfused_mlp, mlp_alone))
+                    if baselines:
+                        timed(unfused_mlp, lambda: (ep.dispatch(a), ep.combine(mlp(), out)),
+                              f1 + f2)
+                        timed(mlp_alone, mlp, f1 + f2)
+                        ep.status()
             ep.close()
 
     if not lead:
@@ -487,17 +719,26 @@ def run(args, group):
     print("| --- | ---: | ---: |")
     for name, us, tflops in rows_out:
         print("| %s | %s | %s |" % (name, fmt_us(us), "%.0f" % tflops if tflops else "-"))
-    print()
-    print("Fused / max(communication alone, GEMM alone), target at most %.2f:" % TARGET_RATIO)
+    if targets:
+        print()
+        print("Fused / max(communication alone, GEMM alone), target at most %.2f:" % TARGET_RATIO)
     for fused, (comm_label, comm), (gemm_label, gemm) in targets:
         f, c, g = medians.get(fused), medians.get(comm), medians.get(gemm)
-        parts = "max(%s %s us, %s %s us)" % (comm_label, fmt_us(c), gemm_label, fmt_us(g))
+        alone = "max(%s %s us, %s %s us)" % (comm_label, fmt_us(c), gemm_label, fmt_us(g))
         if f and c and g:
             ratio = f / max(c, g)
             verdict = "met" if ratio <= TARGET_RATIO else "missed"
-            print("  %s: %.2f = %s us / %s: %s" % (fused, ratio, fmt_us(f), parts, verdict))
+            print("  %s: %.2f = %s us / %s: %s" % (fused, ratio, fmt_us(f), alone, verdict))
         else:
-            print("  %s: n/a = %s us / %s" % (fused, fmt_us(f), parts))
+            print("  %s: n/a = %s us / %s" % (fused, fmt_us(f), alone))
+    if moe_targets:
+        print()
+        print("ep_moe_forward / unfused MLP and ep_moe_forward / torch MLP GEMMs alone:")
+    for moe_row, unfused_mlp, mlp_alone in moe_targets:
+        f, u, t = medians.get(moe_row), medians.get(unfused_mlp), medians.get(mlp_alone)
+        print("  %s: %s = %s us / unfused MLP %s us; %s = %s us / torch MLP GEMMs alone %s us"
+              % (moe_row, fmt_ratio(f, u), fmt_us(f), fmt_us(u), fmt_ratio(f, t), fmt_us(f),
+                 fmt_us(t)))
 
 
 def header(args, world):
@@ -603,6 +844,9 @@ def main():
     p.add_argument("--shapes", default="w3,decode", help="comma list of w3, decode")
     p.add_argument("--clusters", default="1",
                    help="cluster sizes of the fused kernels to time (EP_MEGA_CLUSTER)")
+    p.add_argument("--only", choices=["mega", "moe"],
+                   help="mega: only the rows of the two fused calls and their parts; moe: only "
+                        "the rows of ep_moe_forward (checked, then timed); default both")
     p.add_argument("--backend", choices=["gpu", "host"], default="gpu",
                    help="host: the host backend on CPU tensors, small shapes (a smoke run)")
     p.add_argument("--timeout", type=int, default=1800,
