@@ -201,15 +201,7 @@ __device__ __forceinline__ void ep_mega_load_layout(const MegaParams& p, MegaLay
 // (experts without rows share their successor's first tile). A tile past
 // the expert's rows (rounding to the cluster size) has 0 rows.
 __device__ __forceinline__ MegaTile ep_mega_tile(const MegaLayout& l, int experts, int m) {
-    int lo = 0, hi = experts - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (l.tile_start[mid] <= m) {
-            lo = mid;
-        } else {
-            hi = mid - 1;
-        }
-    }
+    const int lo = ep_segment_of(l.tile_start, experts, m);
     const int skipped = (m - l.tile_start[lo]) * EP_MEGA_BLOCK_M;
     return MegaTile{lo, l.offset[lo] + skipped,
                     min(EP_MEGA_BLOCK_M, max(0, l.count[lo] - skipped))};

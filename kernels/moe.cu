@@ -216,16 +216,7 @@ __device__ __forceinline__ void ep_moe_load_layout(const MoeParams& p, MoeLayout
 // whose segment starts at or before j (empty experts share their
 // successor's start).
 __device__ __forceinline__ int ep_moe_expert_of_row(const MoeLayout& l, int experts, int j) {
-    int lo = 0, hi = experts - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (l.offset[mid] <= j) {
-            lo = mid;
-        } else {
-            hi = mid - 1;
-        }
-    }
-    return lo;
+    return ep_segment_of(l.offset, experts, j);
 }
 
 // grid: any number of blocks (the host gives EP_MOE_BLOCKS_PER_SM per SM of

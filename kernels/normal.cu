@@ -622,16 +622,8 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
         return;
     }
     for (int r = blockIdx.x * EP_MOVE_WARPS + warp; r < padded_rows; r += warps) {
-        // The expert whose segment holds row r: the last offset <= r.
-        int lo = 0, hi = local_experts - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            if (layout.expert_offset[mid] <= r) {
-                lo = mid;
-            } else {
-                hi = mid - 1;
-            }
-        }
+        // The expert whose segment holds row r.
+        const int lo = ep_segment_of(layout.expert_offset, local_experts, r);
         if (r < layout.expert_offset[lo] + layout.expert_total[lo]) {
             continue;  // a real row
         }

@@ -354,6 +354,22 @@ __device__ __forceinline__ unsigned ep_lanemask_lt() {
     return mask;
 }
 
+// In the ascending `starts[0 .. n)` (n >= 1, starts[0] <= value), the index
+// of the last entry at or below `value`: the segment (of an expert's rows or
+// tiles) that holds `value`, empty segments sharing their successor's start.
+__device__ __forceinline__ int ep_segment_of(const int* starts, int n, int value) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (starts[mid] <= value) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    return lo;
+}
+
 // The expert each slot of a token really uses (its "effective expert"):
 // the id, or -1 when the slot is dropped (-1), is not an expert id, or
 // repeats an earlier slot of the same token. Every kernel routes by these

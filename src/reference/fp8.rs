@@ -124,17 +124,7 @@ fn round_up_to_pow2(s: f32) -> (f32, f32) {
 /// If `row.len()` is not a multiple of 128, `out.len() != row.len()` or
 /// `scales.len() != row.len() / 128`.
 pub fn quantize_row(row: &[bf16], ue8m0: bool, out: &mut [u8], scales: &mut [f32]) {
-    assert_eq!(
-        row.len() % SCALE_BLOCK,
-        0,
-        "row length must be a multiple of 128"
-    );
-    assert_eq!(out.len(), row.len(), "output length must match the row");
-    assert_eq!(
-        scales.len(),
-        row.len() / SCALE_BLOCK,
-        "one scale per 128 channels"
-    );
+    check_row_shapes(row.len(), out, scales);
     let blocks = row
         .chunks_exact(SCALE_BLOCK)
         .zip(out.chunks_exact_mut(SCALE_BLOCK))
@@ -159,6 +149,18 @@ pub fn quantize_row(row: &[bf16], ue8m0: bool, out: &mut [u8], scales: &mut [f32
 /// A block's absolute maximum, floored at [`AMAX_FLOOR`]. `f32::max`
 /// ignores a NaN operand, as the GPU's `fmaxf` does; the maximum does not
 /// depend on the order of the values, so a GPU may reduce them as a tree.
+/// The quantizers' shape rule: a row of a multiple of 128 channels, one
+/// output byte per channel, one scale per block.
+fn check_row_shapes(len: usize, out: &[u8], scales: &[f32]) {
+    assert_eq!(len % SCALE_BLOCK, 0, "row length must be a multiple of 128");
+    assert_eq!(out.len(), len, "output length must match the row");
+    assert_eq!(
+        scales.len(),
+        len / SCALE_BLOCK,
+        "one scale per 128 channels"
+    );
+}
+
 fn block_amax(values: impl Iterator<Item = f32>) -> f32 {
     values.fold(0.0f32, |m, v| m.max(v.abs())).max(AMAX_FLOOR)
 }
@@ -182,17 +184,7 @@ fn default_scale(amax: f32) -> (f32, f32) {
 /// If `row.len()` is not a multiple of 128, `out.len() != row.len()` or
 /// `scales.len() != row.len() / 128`.
 pub fn quantize_f32_row(row: &[f32], out: &mut [u8], scales: &mut [f32]) {
-    assert_eq!(
-        row.len() % SCALE_BLOCK,
-        0,
-        "row length must be a multiple of 128"
-    );
-    assert_eq!(out.len(), row.len(), "output length must match the row");
-    assert_eq!(
-        scales.len(),
-        row.len() / SCALE_BLOCK,
-        "one scale per 128 channels"
-    );
+    check_row_shapes(row.len(), out, scales);
     let blocks = row
         .chunks_exact(SCALE_BLOCK)
         .zip(out.chunks_exact_mut(SCALE_BLOCK))
