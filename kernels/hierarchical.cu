@@ -409,13 +409,17 @@ __device__ void sum_node_rows(__nv_bfloat16* dst, const __nv_bfloat16* rows, int
                               uint64_t mask, int hidden) {
     const int lane = threadIdx.x % 32;
     const int vectors = hidden / 8;
+    // Row l, when bit l of the mask is set; rows above the highest bit are
+    // never present.
+    const int bound = 64 - __clzll(static_cast<long long>(mask));
+    const auto node_row = [&](int l, const int4*& row, float& w) {
+        row = reinterpret_cast<const int4*>(rows + l * row_stride);
+        w = 1.0f;
+        return ((mask >> l) & 1) != 0;
+    };
     for (int base = lane; base < vectors; base += 32 * EP_SUM_UNROLL) {
         float acc[EP_SUM_UNROLL][8] = {};
-        for (uint64_t m = mask; m != 0; m &= m - 1) {
-            const int l = __ffsll(static_cast<long long>(m)) - 1;
-            ep_add_weighted_vectors(acc, reinterpret_cast<const int4*>(rows + l * row_stride),
-                                    1.0f, base, vectors);
-        }
+        ep_add_weighted_rows(acc, bound, node_row, base, vectors);
         ep_store_bf16_vectors(reinterpret_cast<int4*>(dst), acc, base, vectors);
     }
 }

@@ -154,13 +154,7 @@ __device__ __forceinline__ int ep_mega_expert_tiles(int count, int cluster) {
 __device__ __forceinline__ void ep_mega_load_layout(const MegaParams& p, MegaLayout& l,
                                                     bool routed, int phase, int cluster) {
     const int experts = p.local_experts;
-    for (int i = threadIdx.x; i <= experts; i += blockDim.x) {
-        l.offset[i] = p.expert_layout[i];
-        if (i < experts) {
-            l.count[i] = p.expert_layout[experts + 1 + i];
-        }
-    }
-    __syncthreads();
+    ep_load_expert_layout(p.expert_layout, experts, l.offset, l.count);
     if (threadIdx.x < 32) {
         const int lane = threadIdx.x;
         const int per_lane = (experts + 31) / 32;
@@ -169,7 +163,7 @@ __device__ __forceinline__ void ep_mega_load_layout(const MegaParams& p, MegaLay
         bool sane = l.offset[0] == 0 && l.offset[experts] <= p.rows;
         int tiles = 0;
         for (int e = first; e < last; ++e) {
-            sane = sane && l.count[e] >= 0 && l.offset[e] + l.count[e] <= l.offset[e + 1];
+            sane = sane && ep_expert_rows_fit(l.offset, l.count, e);
             tiles += ep_mega_expert_tiles(l.count[e], cluster);
         }
         sane = __all_sync(0xffffffffu, sane);

@@ -186,18 +186,12 @@ __device__ __forceinline__ void ep_moe_row_fp8(const MoeParams& p, int64_t j, in
 // block. See the file comment for what is refused.
 __device__ __forceinline__ void ep_moe_load_layout(const MoeParams& p, MoeLayout& l) {
     const int experts = p.local_experts;
-    for (int i = threadIdx.x; i <= experts; i += blockDim.x) {
-        l.offset[i] = p.expert_layout[i];
-        if (i < experts) {
-            l.count[i] = p.expert_layout[experts + 1 + i];
-        }
-    }
-    __syncthreads();
+    ep_load_expert_layout(p.expert_layout, experts, l.offset, l.count);
     if (threadIdx.x < 32) {
         const int lane = threadIdx.x;
         bool sane = l.offset[0] == 0 && l.offset[experts] <= p.rows;
         for (int e = lane; e < experts; e += 32) {
-            sane = sane && l.count[e] >= 0 && l.offset[e] + l.count[e] <= l.offset[e + 1];
+            sane = sane && ep_expert_rows_fit(l.offset, l.count, e);
         }
         sane = __all_sync(0xffffffffu, sane);
         if (lane == 0) {

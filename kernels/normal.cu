@@ -78,6 +78,123 @@
 // in ep_normal.cuh (shared with kernels/mega.cu).
 
 // ---------------------------------------------------------------------------
+// Staging: the records of a token and the copy of the rows peers pull (the
+// stage kernel's work; the count kernel's for a dispatch of one chunk)
+// ---------------------------------------------------------------------------
+
+// Whole warp: whether a token goes to a rank other than `rank`, from its
+// `[world]` positions (`rank_pos`, -1 where it does not go).
+__device__ __forceinline__ bool ep_goes_to_peer(const int* rank_pos, int world, int rank,
+                                                int lane) {
+    bool peer = false;
+    for (int r = lane; r < world; r += 32) {
+        peer = peer || (r != rank && rank_pos[r] >= 0);
+    }
+    return __any_sync(0xffffffffu, peer);
+}
+
+// One token's part of the stage: the handle's is-token-in-rank, and the
+// token's record in the area of every rank it goes to, at its position in
+// its chunk plus `chunk_base` (the counts of the earlier chunks, [world +
+// experts]). Reads the count kernel's positions of the token.
+__device__ void ep_push_records(const DispatchParams& p, int token, const int* chunk_base) {
+    const int local_experts = p.num_experts / p.world;
+    const int* slot_rank = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_slot_rank) +
+                           static_cast<int64_t>(token) * p.topk;
+    const int* rank_pos = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_rank_pos) +
+                          static_cast<int64_t>(token) * p.world;
+    // The token's effective experts, positions and weights, each loaded in
+    // one round trip.
+    int ids[EP_MAX_TOPK], experts[EP_MAX_TOPK], ranks[EP_MAX_TOPK];
+    float weights[EP_MAX_TOPK];
+    const int64_t first_pair = static_cast<int64_t>(token) * p.topk;
+    ep_effective_experts(p.topk_idx + first_pair, p.topk, p.num_experts, ids, experts);
+#pragma unroll
+    for (int k = 0; k < EP_MAX_TOPK; ++k) {
+        ranks[k] = k < p.topk ? slot_rank[k] : 0;
+        weights[k] = k < p.topk ? p.topk_weights[first_pair + k] : 0.0f;
+    }
+    for (int r = 0; r < p.world; ++r) {
+        const int pos = rank_pos[r];
+        p.handle_in_rank[static_cast<int64_t>(token) * p.world + r] = pos >= 0;
+        if (pos < 0) {
+            continue;
+        }
+        // The record goes to row (this rank, pos) of rank r's area.
+        const int64_t record = static_cast<int64_t>(p.rank) * p.max_tokens + chunk_base[r] + pos;
+        ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_token)[record] = token;
+        int* in_local = ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_local) + record * p.topk;
+        int* in_rank = ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_rank) + record * p.topk;
+        float* in_weight =
+            ep_area<float>(p.peer_bases, r, p.normal.area, p.normal.off_in_weight) + record * p.topk;
+#pragma unroll
+        for (int k = 0; k < EP_MAX_TOPK; ++k) {
+            if (k >= p.topk) {
+                break;
+            }
+            const int e = experts[k];
+            const bool here = e >= 0 && e / local_experts == r;
+            in_local[k] = here ? e - r * local_experts : -1;
+            in_rank[k] = here ? chunk_base[p.world + e] + ranks[k] : 0;
+            in_weight[k] = here ? weights[k] : 0.0f;
+        }
+    }
+}
+
+// The stage's copy, a warp per token over the whole grid: the tokens (and
+// scales) that another rank receives go into this rank's area for the peers
+// to pull; this rank's own rows are pulled from `x` itself (ep_token_row),
+// so with one rank nothing is copied. `all_tokens`: copy every token when
+// there are peers, without reading the count kernel's positions (for the
+// blocks of a count kernel that stages, which must not wait for block 0).
+__device__ void ep_stage_rows(const DispatchParams& p, bool all_tokens) {
+    if (p.world == 1) {
+        return;
+    }
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int warps = gridDim.x * (blockDim.x / 32);
+    uint8_t* staged_x = ep_area<uint8_t>(p.peer_bases, p.rank, p.normal.area, p.normal.off_staged_x);
+    float* staged_scales = ep_area<float>(p.peer_bases, p.rank, p.normal.area, p.normal.off_staged_scales);
+    const int* rank_pos = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_rank_pos);
+    for (int token = blockIdx.x * (blockDim.x / 32) + warp; token < p.num_tokens; token += warps) {
+        if (!all_tokens &&
+            !ep_goes_to_peer(rank_pos + static_cast<int64_t>(token) * p.world, p.world, p.rank, lane)) {
+            continue;
+        }
+        const int64_t row = static_cast<int64_t>(token) * p.row_bytes;
+        ep_warp_copy_row(reinterpret_cast<const uint8_t*>(p.x) + row, staged_x + row, nullptr,
+                         nullptr, 0, p.row_bytes, lane);
+        const int64_t scales = static_cast<int64_t>(token) * p.scale_cols;
+        for (int c = lane; c < p.scale_cols; c += 32) {
+            staged_scales[scales + c] = p.x_scales[scales + c];
+        }
+    }
+}
+
+// The stage of a dispatch of one chunk, by block 0 of its count kernel
+// once the chunk's positions are written: the chunk's counts are the
+// totals, its tokens' records start at 0 (no earlier chunk), then the
+// block's share of the copy. `scratch` is the count kernel's shared memory,
+// `columns` ints of it are used.
+__device__ void ep_stage_single_chunk(const DispatchParams& p, int* scratch, int columns) {
+    const int* chunk_counts = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_counts);
+    int* totals = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_totals);
+    // The block's global stores (positions, counts) are visible to all of
+    // its threads after the barrier.
+    __syncthreads();
+    for (int c = threadIdx.x; c < columns; c += blockDim.x) {
+        totals[c] = chunk_counts[c];
+        scratch[c] = 0;
+    }
+    __syncthreads();
+    if (static_cast<int>(threadIdx.x) < p.num_tokens) {
+        ep_push_records(p, threadIdx.x, scratch);
+    }
+    ep_stage_rows(p, true);
+}
+
+// ---------------------------------------------------------------------------
 // Dispatch 1: count (grid = max(1, chunks), EP_CHUNK_TOKENS threads,
 // dynamic shared memory EP_CHUNK_WARPS * (world + experts) ints)
 // ---------------------------------------------------------------------------
@@ -92,9 +209,6 @@
 // Positions follow token order: a warp takes 32 tokens, finds ranks inside
 // the warp with ballots (ranks) and __match_any_sync (experts), and the warps'
 // counts are then turned into per-warp bases in token order.
-__device__ void ep_stage_rows(const DispatchParams& p, bool all_tokens);
-__device__ void stage_single_chunk(const DispatchParams& p, int* scratch, int columns);
-
 extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
     extern __shared__ int warp_counts[];  // [EP_CHUNK_WARPS][world + experts]
     // Per warp, the effective expert of each of its 32 tokens' slots in
@@ -220,7 +334,7 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
         }
     }
     if (p.stage_in_count) {
-        stage_single_chunk(p, warp_counts, columns);
+        ep_stage_single_chunk(p, warp_counts, columns);
     }
     // The dispatch's first kernel starts the collective call (ep_device.cuh,
     // "Collective calls"); the barriers carry its word. Last, so that the
@@ -234,118 +348,6 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
 // Dispatch 2: stage (grid >= max(1, chunks), EP_CHUNK_TOKENS threads,
 // dynamic shared memory (world + experts) ints)
 // ---------------------------------------------------------------------------
-
-// Whole warp: whether a token goes to a rank other than `rank`, from its
-// `[world]` positions (`rank_pos`, -1 where it does not go).
-__device__ __forceinline__ bool ep_goes_to_peer(const int* rank_pos, int world, int rank,
-                                                int lane) {
-    bool peer = false;
-    for (int r = lane; r < world; r += 32) {
-        peer = peer || (r != rank && rank_pos[r] >= 0);
-    }
-    return __any_sync(0xffffffffu, peer);
-}
-
-// One token's part of the stage: the handle's is-token-in-rank, and the
-// token's record in the area of every rank it goes to, at its position in
-// its chunk plus `chunk_base` (the counts of the earlier chunks, [world +
-// experts]). Reads the count kernel's positions of the token.
-__device__ void ep_push_records(const DispatchParams& p, int token, const int* chunk_base) {
-    const int local_experts = p.num_experts / p.world;
-    const int* slot_rank = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_slot_rank) +
-                           static_cast<int64_t>(token) * p.topk;
-    const int* rank_pos = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_rank_pos) +
-                          static_cast<int64_t>(token) * p.world;
-    // The token's effective experts, positions and weights, each loaded in
-    // one round trip.
-    int ids[EP_MAX_TOPK], experts[EP_MAX_TOPK], ranks[EP_MAX_TOPK];
-    float weights[EP_MAX_TOPK];
-    const int64_t first_pair = static_cast<int64_t>(token) * p.topk;
-    ep_effective_experts(p.topk_idx + first_pair, p.topk, p.num_experts, ids, experts);
-#pragma unroll
-    for (int k = 0; k < EP_MAX_TOPK; ++k) {
-        ranks[k] = k < p.topk ? slot_rank[k] : 0;
-        weights[k] = k < p.topk ? p.topk_weights[first_pair + k] : 0.0f;
-    }
-    for (int r = 0; r < p.world; ++r) {
-        const int pos = rank_pos[r];
-        p.handle_in_rank[static_cast<int64_t>(token) * p.world + r] = pos >= 0;
-        if (pos < 0) {
-            continue;
-        }
-        // The record goes to row (this rank, pos) of rank r's area.
-        const int64_t record = static_cast<int64_t>(p.rank) * p.max_tokens + chunk_base[r] + pos;
-        ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_token)[record] = token;
-        int* in_local = ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_local) + record * p.topk;
-        int* in_rank = ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_rank) + record * p.topk;
-        float* in_weight =
-            ep_area<float>(p.peer_bases, r, p.normal.area, p.normal.off_in_weight) + record * p.topk;
-#pragma unroll
-        for (int k = 0; k < EP_MAX_TOPK; ++k) {
-            if (k >= p.topk) {
-                break;
-            }
-            const int e = experts[k];
-            const bool here = e >= 0 && e / local_experts == r;
-            in_local[k] = here ? e - r * local_experts : -1;
-            in_rank[k] = here ? chunk_base[p.world + e] + ranks[k] : 0;
-            in_weight[k] = here ? weights[k] : 0.0f;
-        }
-    }
-}
-
-// The stage's copy, a warp per token over the whole grid: the tokens (and
-// scales) that another rank receives go into this rank's area for the peers
-// to pull; this rank's own rows are pulled from `x` itself (ep_token_row),
-// so with one rank nothing is copied. `all_tokens`: copy every token when
-// there are peers, without reading the count kernel's positions (for the
-// blocks of a count kernel that stages, which must not wait for block 0).
-__device__ void ep_stage_rows(const DispatchParams& p, bool all_tokens) {
-    if (p.world == 1) {
-        return;
-    }
-    const int warp = threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    const int warps = gridDim.x * (blockDim.x / 32);
-    uint8_t* staged_x = ep_area<uint8_t>(p.peer_bases, p.rank, p.normal.area, p.normal.off_staged_x);
-    float* staged_scales = ep_area<float>(p.peer_bases, p.rank, p.normal.area, p.normal.off_staged_scales);
-    const int* rank_pos = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_rank_pos);
-    for (int token = blockIdx.x * (blockDim.x / 32) + warp; token < p.num_tokens; token += warps) {
-        if (!all_tokens &&
-            !ep_goes_to_peer(rank_pos + static_cast<int64_t>(token) * p.world, p.world, p.rank, lane)) {
-            continue;
-        }
-        const int64_t row = static_cast<int64_t>(token) * p.row_bytes;
-        ep_warp_copy_row(reinterpret_cast<const uint8_t*>(p.x) + row, staged_x + row, nullptr,
-                         nullptr, 0, p.row_bytes, lane);
-        const int64_t scales = static_cast<int64_t>(token) * p.scale_cols;
-        for (int c = lane; c < p.scale_cols; c += 32) {
-            staged_scales[scales + c] = p.x_scales[scales + c];
-        }
-    }
-}
-
-// The stage of a dispatch of one chunk, by block 0 of its count kernel
-// once the chunk's positions are written: the chunk's counts are the
-// totals, its tokens' records start at 0 (no earlier chunk), then the
-// block's share of the copy. `scratch` is the count kernel's shared memory,
-// `columns` ints of it are used.
-__device__ void stage_single_chunk(const DispatchParams& p, int* scratch, int columns) {
-    const int* chunk_counts = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_counts);
-    int* totals = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_totals);
-    // The block's global stores (positions, counts) are visible to all of
-    // its threads after the barrier.
-    __syncthreads();
-    for (int c = threadIdx.x; c < columns; c += blockDim.x) {
-        totals[c] = chunk_counts[c];
-        scratch[c] = 0;
-    }
-    __syncthreads();
-    if (static_cast<int>(threadIdx.x) < p.num_tokens) {
-        ep_push_records(p, threadIdx.x, scratch);
-    }
-    ep_stage_rows(p, true);
-}
 
 // Blocks below the chunk count finish their chunk's positions (adding the
 // counts of earlier chunks), push the records of their tokens to the

@@ -370,6 +370,26 @@ __device__ __forceinline__ int ep_segment_of(const int* starts, int n, int value
     return lo;
 }
 
+// A dispatch's expert-major layout as the handle keeps it (`layout`: [L + 1]
+// segment starts, then [L] real rows) into `offset` and `count`. Whole
+// block; the arrays are read after its closing barrier.
+__device__ __forceinline__ void ep_load_expert_layout(const int* layout, int experts, int* offset,
+                                                      int* count) {
+    for (int i = threadIdx.x; i <= experts; i += blockDim.x) {
+        offset[i] = layout[i];
+        if (i < experts) {
+            count[i] = layout[experts + 1 + i];
+        }
+    }
+    __syncthreads();
+}
+
+// Whether expert e's real rows fit its segment: what a dispatch writes, so
+// false only for a layout that did not come from one.
+__device__ __forceinline__ bool ep_expert_rows_fit(const int* offset, const int* count, int e) {
+    return count[e] >= 0 && offset[e] + count[e] <= offset[e + 1];
+}
+
 // The expert each slot of a token really uses (its "effective expert"):
 // the id, or -1 when the slot is dropped (-1), is not an expert id, or
 // repeats an earlier slot of the same token. Every kernel routes by these
@@ -454,30 +474,6 @@ __device__ __forceinline__ int4 ep_pack_bf16x8(const float (&in)[8]) {
 // 16-byte vectors (8 channels each) each lane sums at once in a combine.
 #define EP_SUM_UNROLL 4
 
-// acc[u] += w * row[base + 32 u] for the EP_SUM_UNROLL vectors of one lane,
-// in fp32, each product rounded before it is added (the reference's order;
-// with w = 1 the product is exact, so plain sums use this too).
-__device__ __forceinline__ void ep_add_weighted_vectors(float (&acc)[EP_SUM_UNROLL][8],
-                                                        const int4* row, float w, int base,
-                                                        int vectors) {
-    int4 raw[EP_SUM_UNROLL];
-#pragma unroll
-    for (int u = 0; u < EP_SUM_UNROLL; ++u) {
-        if (base + u * 32 < vectors) {
-            raw[u] = row[base + u * 32];
-        }
-    }
-#pragma unroll
-    for (int u = 0; u < EP_SUM_UNROLL; ++u) {
-        float f[8];
-        ep_unpack_bf16x8(raw[u], f);
-#pragma unroll
-        for (int c = 0; c < 8; ++c) {
-            acc[u][c] = __fadd_rn(acc[u][c], __fmul_rn(w, f[c]));
-        }
-    }
-}
-
 // Rows a lane loads before it adds them in ep_add_weighted_rows: with
 // EP_SUM_UNROLL vectors of each, EP_SUM_ROWS_IN_FLIGHT * EP_SUM_UNROLL
 // 16-byte loads in flight per lane (one row's vectors alone are too few to
@@ -487,7 +483,8 @@ __device__ __forceinline__ void ep_add_weighted_vectors(float (&acc)[EP_SUM_UNRO
 // acc[u] += w_i * row_i[base + 32 u] for the rows i = 0 .. rows - 1 that
 // `row_of(i, row, w)` says are present (it returns false for an absent
 // one), i ascending, each product rounded before it is added (the
-// reference's order). The vectors of up to EP_SUM_ROWS_IN_FLIGHT rows are
+// reference's order; with w = 1 the product is exact, so plain sums use
+// this too). The vectors of up to EP_SUM_ROWS_IN_FLIGHT rows are
 // loaded before any of them is added.
 template <typename RowOf>
 __device__ __forceinline__ void ep_add_weighted_rows(float (&acc)[EP_SUM_UNROLL][8], int rows,

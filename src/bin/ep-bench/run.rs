@@ -742,11 +742,10 @@ impl Rank {
             // Expert-major rows with their padding, and the rows this rank
             // sends: with the rows received and the tokens, the bytes each
             // op must at least read and write (its copy floor).
-            let padded_rows: i64 = (0..local)
+            let padded_rows: u64 = (0..local)
                 .map(|le| {
-                    let rows: i64 = all.iter().map(|s| s[w + r * local + le] as i64).sum();
-                    (rows + EXPERT_ALIGNMENT as i64 - 1) / EXPERT_ALIGNMENT as i64
-                        * EXPERT_ALIGNMENT as i64
+                    let rows: u64 = all.iter().map(|s| s[w + r * local + le] as u64).sum();
+                    rows.next_multiple_of(EXPERT_ALIGNMENT as u64)
                 })
                 .sum();
             let sent_rows: f64 = all[r][..w].iter().sum();

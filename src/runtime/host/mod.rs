@@ -642,16 +642,8 @@ impl Backend for HostBackend {
             self.gemm(g, GemmRows { data: x, scales }, d)
         };
         // Rows of real pairs go to the caller; padding rows stay as they were.
-        for (e, &count) in d.expert_counts.iter().enumerate() {
-            let start = d.expert_offsets[e] as usize * g.n;
-            // SAFETY: `y` has room for every expert-major row.
-            unsafe {
-                give(
-                    (g.y as *mut bf16).add(start),
-                    &y[start..start + count as usize * g.n],
-                )
-            };
-        }
+        // SAFETY: `y` has room for every expert-major row.
+        unsafe { give_real_rows(g.y as *mut bf16, &y, g.n, d) };
         let combine = CombineOp {
             x: y.as_ptr() as *const u8,
             ..op.combine
@@ -935,6 +927,19 @@ unsafe fn activate(op: &MoeOp, d: &Dispatched) {
     }
 }
 
+/// Copies the rows of real (token, expert) pairs of the expert-major array
+/// `src` (rows of `row_len` elements, laid out as `d`'s expert-major rows)
+/// to the caller's `dst`, leaving its padding rows as they were.
+///
+/// # Safety
+/// `dst` must have room for `d`'s expert-major rows.
+unsafe fn give_real_rows<T: Copy>(dst: *mut T, src: &[T], row_len: usize, d: &Dispatched) {
+    for (e, &count) in d.expert_counts.iter().enumerate() {
+        let start = d.expert_offsets[e] as usize * row_len;
+        give(dst.add(start), &src[start..][..count as usize * row_len]);
+    }
+}
+
 /// Writes a dispatch's results to the caller's outputs. Counts are always
 /// written; rows only when they fit the capacity, else an error says how many
 /// rows were needed.
@@ -973,19 +978,9 @@ unsafe fn write_dispatch_outputs(op: &DispatchOp, d: &Dispatched, topo: &Topolog
                 op.dtype.scales_per_row(topo.hidden),
             );
             if expert.keep_padding {
-                // Each expert's real rows only; its padding keeps what it held.
-                for (e, &count) in d.expert_counts.iter().enumerate() {
-                    let (start, count) = (d.expert_offsets[e] as usize, count as usize);
-                    give(
-                        expert.x.add(start * row_bytes),
-                        &d.expert_x[start * row_bytes..][..count * row_bytes],
-                    );
-                    if fp8 {
-                        give(
-                            expert.scales.add(start * row_scales),
-                            &d.expert_scales[start * row_scales..][..count * row_scales],
-                        );
-                    }
+                give_real_rows(expert.x, &d.expert_x, row_bytes, d);
+                if fp8 {
+                    give_real_rows(expert.scales, &d.expert_scales, row_scales, d);
                 }
             } else {
                 give(expert.x, &d.expert_x);
