@@ -16,9 +16,21 @@
 // starting at its segment start (so tiles need no particular expert
 // alignment; the last tile of an expert is ragged: its TMA load also reads
 // the rows after the segment, whatever they hold, and its stores skip them).
-// The m-tiles of all experts are numbered expert by expert; tile t of the
-// call is (m-tile t / n_tiles, n-tile t % n_tiles), and block b takes tiles
-// b, b + grid, b + 2 grid, ... (early experts first).
+// Work units: a unit is an (m-tile, n-tile) pair (in clusters of 2, two
+// consecutive m-tiles of one expert, a block each, and one n-tile). Units
+// are numbered expert by expert (early experts first), and inside an
+// expert n-tile by n-tile with the m-tiles fastest, so the units that read
+// one weight tile are neighbours. Blocks take units in that order from a
+// counter (state[2]), the next one as each nears the end of its loads for
+// the last (take_unit): units that share a weight tile start within
+// microseconds of each other and find it in L2. (With block b taking units b, b + grid, ... the blocks drifted
+// apart by whole tiles, a mostly empty tile finishing early, and at W3 the
+// BF16 GEMM read 17 GB from DRAM for 1.9 GB of weights: bench/RESULTS.md.)
+// The producer writes the unit's number into each k-block's stage; the
+// consumers read it from the first stage of the unit. After the last unit
+// the producer fills one stage with no data and unit EP_MEGA_NO_UNIT. In a
+// cluster, block 0's producer takes the unit and posts it, numbered, into
+// the mailbox of every block of the cluster; each producer reads its own.
 //
 // Roles inside a block of 384 threads (3 warpgroups):
 //   warp 0        producer: waits until a tile's rows are there (dispatch),
@@ -75,7 +87,8 @@
 //
 // Sequence numbers: state[0] is the number of the last fused call; every
 // block reads it at its start and uses state[0] + 1; the last block to
-// finish (state[1] counts them, reset by that block) stores the new number.
+// finish (state[1] counts them, reset by that block, which also resets the
+// unit counter state[2]) stores the new number.
 // The next launch on the stream sees it, and a CUDA graph replay gets a
 // fresh number each time; no flag is ever cleared. A row flag or gemm_done
 // from an earlier call holds a smaller number, so it never passes for ready.
@@ -109,8 +122,12 @@
 #define EP_MEGA_COMM_WARPS 3
 // Warps of a block (all of them send a combine's rows after the GEMM).
 #define EP_MEGA_WARPS (EP_MEGA_THREADS / 32)
+// The unit number of the stage that ends a block's work.
+#define EP_MEGA_NO_UNIT (-1)
 // Columns of k (and of n) that share one FP8 scale.
 #define EP_MEGA_SCALE_BLOCK EP_HIDDEN_ALIGNMENT
+// Rows of a tile that one consumer warpgroup computes.
+#define EP_MEGA_WARPGROUP_ROWS (EP_MEGA_BLOCK_M / (EP_MEGA_CONSUMERS / EP_MEGA_WARPGROUP))
 // Shared memory a Hopper block may have (227 KiB); the host launches every
 // fused kernel with the device's maximum, and each checks it is enough.
 #define EP_MEGA_MAX_SHARED_BYTES (227 * 1024)
@@ -425,6 +442,10 @@ struct Gemm {
     // empty[s] waits for each consumer warpgroup of every block of the
     // cluster (a block's B half lands in its partner's stage too).
     static constexpr uint32_t kConsumerWarpgroups = EP_MEGA_CONSUMERS / EP_MEGA_WARPGROUP;
+    // Mailbox entries: block 0 of a cluster is at most kStages loads ahead
+    // of its partner's, so at most kStages units ahead (it posts a unit at
+    // the unit's start).
+    static constexpr int kMailbox = kStages + 1;
 
     // Two consumer warpgroups stacked along M: 128 x kBlockN per k-step.
     using TiledMma = decltype(make_tiled_mma(typename G::Atom{}, Layout<Shape<_2, _1, _1>>{}));
@@ -442,29 +463,90 @@ struct Gemm {
         float b_scales[kStages][kBScales];
         uint64_t full[kStages];
         uint64_t empty[kStages];
+        int unit[kStages];  // the unit each stage belongs to
+        // Units posted by the cluster's block 0, (ordinal + 1) << 32 | unit.
+        unsigned long long mailbox[kMailbox];
         MegaLayout layout;
     };
 };
 
 // A block's place in its cluster: `size` blocks (1, or 2 sharing the weight
-// tile), this one `rank`; `id` of `count` clusters in the grid.
+// tile), this one `rank`.
 struct Cluster {
     int size;
     int rank;
-    int id;
-    int count;
 };
 
 // The m-tile and n-tile of work unit `unit` for this block: a unit is a
 // pair (group of `cluster.size` consecutive m-tiles of one expert, n-tile),
-// the blocks of a cluster take one m-tile of the group each.
+// the blocks of a cluster take one m-tile of the group each. An expert's
+// units start at its first m-tile group times n_tiles; inside it the groups
+// run fastest (the kernel comment's order).
 struct MegaUnit {
     int m_tile;
     int n_tile;
 };
 
-__device__ __forceinline__ MegaUnit ep_mega_unit(int unit, int n_tiles, const Cluster& cluster) {
-    return MegaUnit{unit / n_tiles * cluster.size + cluster.rank, unit % n_tiles};
+__device__ __forceinline__ MegaUnit ep_mega_unit(const MegaLayout& l, int experts, int unit,
+                                                 int n_tiles, const Cluster& cluster) {
+    const int expert = ep_segment_of(l.tile_start, experts, unit / n_tiles * cluster.size);
+    const int first_group = l.tile_start[expert] / cluster.size;
+    const int groups = l.tile_start[expert + 1] / cluster.size - first_group;
+    const int inside = unit - first_group * n_tiles;
+    return MegaUnit{(first_group + inside % groups) * cluster.size + cluster.rank,
+                    inside / groups};
+}
+
+// Units are taken in two steps, so that the counter's round trip overlaps
+// the loads of the unit before: take_unit (lane 0 of the cluster's block 0
+// adds one to the call's counter; the value is only read later), then, at
+// the unit's start, read_unit. A unit is taken when its predecessor has
+// EP_MEGA_TAKE_AHEAD k-blocks left to load: a few microseconds early, not
+// enough to separate the units that share a weight tile.
+#define EP_MEGA_TAKE_AHEAD 2
+
+__device__ __forceinline__ unsigned take_unit(const MegaParams& p, const Cluster& cluster,
+                                              int lane) {
+    return lane == 0 && cluster.rank == 0 ? static_cast<unsigned>(atomicAdd(p.state + 2, 1)) : 0u;
+}
+
+// The producer warp's `ordinal`-th unit (from 0), `taken` by take_unit: a
+// unit number below `total_units`, or EP_MEGA_NO_UNIT when none is left. In
+// a cluster, block 0 posts it to every block's mailbox (release at cluster
+// scope) and each block reads its own (acquire). The wait is local to the
+// cluster: block 0 posts each unit before it waits for anything of that
+// unit, and its partner has posted nothing it waits for.
+template <int kMailbox>
+__device__ __forceinline__ int read_unit(unsigned long long* mailbox, unsigned taken, int ordinal,
+                                         int total_units, const Cluster& cluster, int lane) {
+    if (lane == 0 && cluster.size > 1) {
+        unsigned long long* entry = &mailbox[ordinal % kMailbox];
+        const unsigned long long posted = static_cast<unsigned long long>(ordinal + 1) << 32;
+        const uint32_t local = cute::cast_smem_ptr_to_uint(entry);
+        if (cluster.rank == 0) {
+            for (int block = 0; block < cluster.size; ++block) {
+                uint32_t remote;
+                asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                             : "=r"(remote)
+                             : "r"(local), "r"(block));
+                // Release: the post; nothing else is published with it.
+                asm volatile("st.release.cluster.shared::cluster.u64 [%0], %1;" ::"r"(remote),
+                             "l"(posted | taken)
+                             : "memory");
+            }
+        }
+        unsigned long long seen;
+        do {
+            // Acquire: block 0's post of this ordinal.
+            asm volatile("ld.acquire.cluster.shared::cta.u64 %0, [%1];"
+                         : "=l"(seen)
+                         : "r"(local)
+                         : "memory");
+        } while ((seen & 0xffffffff00000000ull) != posted);
+        taken = static_cast<unsigned>(seen & 0xffffffffull);
+    }
+    const unsigned unit = __shfl_sync(0xffffffffu, taken, 0);
+    return unit < static_cast<unsigned>(total_units) ? static_cast<int>(unit) : EP_MEGA_NO_UNIT;
 }
 
 // The stage ring position of one role: stage index and the parity of the
@@ -481,10 +563,28 @@ struct Ring {
     }
 };
 
-// Producer warp: for every tile of this block, wait for its rows (dispatch),
-// then load its k-blocks into the stages: its own A rows, and its part of the
-// weight tile (all of it, or in a cluster of 2 its half, multicast to both
-// blocks, which wait for the whole tile).
+// The stage that ends a block's work: no data, unit EP_MEGA_NO_UNIT, and
+// as many arrivals on full[stage] as a loaded stage has (no bytes).
+template <class G>
+__device__ __forceinline__ void produce_end(typename Gemm<G>::Shared& s, Ring& ring, int lane) {
+    cutlass::arch::ClusterBarrier::wait(&s.empty[ring.stage], ring.parity);
+    if (lane == 0) {
+        s.unit[ring.stage] = EP_MEGA_NO_UNIT;
+    }
+    // The unit's store before the arrivals (every lane's arrival has
+    // release semantics; the warp meets first).
+    __syncwarp();
+    for (uint32_t i = lane; i < Gemm<G>::kFullArrivals; i += 32) {
+        cutlass::arch::ClusterBarrier::arrive(&s.full[ring.stage]);
+    }
+    __syncwarp();
+    ring.advance<Gemm<G>::kStages>();
+}
+
+// Producer warp: for every unit this block takes, wait for its rows
+// (dispatch), then load its k-blocks into the stages: its own A rows, and
+// its part of the weight tile (all of it, or in a cluster of 2 its half,
+// multicast to both blocks, which wait for the whole tile).
 template <class G>
 __device__ __forceinline__ void produce(const MegaParams& p, typename Gemm<G>::Shared& s, int seq,
                                         int n_tiles, int total_units, const Cluster& cluster,
@@ -496,8 +596,14 @@ __device__ __forceinline__ void produce(const MegaParams& p, typename Gemm<G>::S
     const int b_rows = T::kBlockN / cluster.size;  // weight rows this block loads
     const uint16_t everyone = static_cast<uint16_t>((1 << cluster.size) - 1);
     Ring ring{0, 1};  // empty stages: the phase before the first counts as done
-    for (int unit = cluster.id; unit < total_units; unit += cluster.count) {
-        const MegaUnit u = ep_mega_unit(unit, n_tiles, cluster);
+    unsigned taken = take_unit(p, cluster, lane);
+    for (int ordinal = 0;; ++ordinal) {
+        const int unit = read_unit<T::kMailbox>(s.mailbox, taken, ordinal, total_units, cluster, lane);
+        if (unit == EP_MEGA_NO_UNIT) {
+            produce_end<G>(s, ring, lane);
+            break;
+        }
+        const MegaUnit u = ep_mega_unit(l, p.local_experts, unit, n_tiles, cluster);
         const MegaTile t = ep_mega_tile(l, p.local_experts, u.m_tile);
         const int n0 = u.n_tile * T::kBlockN;
         if (p.mode == EP_MEGA_MODE_DISPATCH) {
@@ -510,6 +616,9 @@ __device__ __forceinline__ void produce(const MegaParams& p, typename Gemm<G>::S
             asm volatile("fence.proxy.async.global;" ::: "memory");
         }
         for (int kb = 0; kb < k_blocks; ++kb) {
+            if (kb == max(k_blocks - EP_MEGA_TAKE_AHEAD, 0)) {
+                taken = take_unit(p, cluster, lane);
+            }
             cutlass::arch::ClusterBarrier::wait(&s.empty[ring.stage], ring.parity);
             if constexpr (G::kScaled) {
                 for (int i = lane; i < T::kBlockM; i += 32) {
@@ -537,6 +646,8 @@ __device__ __forceinline__ void produce(const MegaParams& p, typename Gemm<G>::S
                 cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);
             }
             if (lane == 0) {
+                // The unit's number before the arrival (program order).
+                s.unit[ring.stage] = unit;
                 uint64_t* full = &s.full[ring.stage];
                 cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, T::kStageBytes);
                 const uint64_t hint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
@@ -690,11 +801,25 @@ __device__ __forceinline__ void store_tile(const MegaParams& p, const MegaTile& 
     }
 }
 
-// Consumer warpgroups: the MMAs and the epilogue of every tile of this block.
+// The unit of the stage at `ring` (waiting for the stage to be full; the
+// mainloop's wait for it then passes at once), or EP_MEGA_NO_UNIT, whose
+// stage is released here.
+template <class G>
+__device__ __forceinline__ int consumed_unit(typename Gemm<G>::Shared& s, Ring& ring, int consumer,
+                                             const Cluster& cluster) {
+    cutlass::arch::ClusterBarrier::wait(&s.full[ring.stage], ring.parity);
+    const int unit = s.unit[ring.stage];
+    if (unit == EP_MEGA_NO_UNIT) {
+        release_stage(&s.empty[ring.stage], consumer, cluster);
+        ring.advance<Gemm<G>::kStages>();
+    }
+    return unit;
+}
+
+// Consumer warpgroups: the MMAs and the epilogue of every unit of this block.
 template <class G>
 __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::Shared& s,
-                                        int n_tiles, int total_units, const Cluster& cluster,
-                                        int consumer) {
+                                        int n_tiles, const Cluster& cluster, int consumer) {
     using T = Gemm<G>;
     const MegaLayout& l = s.layout;
     typename T::TiledMma tiled_mma;
@@ -710,13 +835,16 @@ __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::S
         make_identity_tensor(make_shape(Int<T::kBlockM>{}, Int<T::kBlockN>{})));
     Tensor accum = partition_fragment_C(tiled_mma, make_shape(Int<T::kBlockM>{}, Int<T::kBlockN>{}));
     const int k_blocks = p.k / T::kBlockK;
-    const int rows_per_warpgroup = T::kBlockM / (EP_MEGA_CONSUMERS / EP_MEGA_WARPGROUP);
     Ring ring{0, 0};
-    for (int unit = cluster.id; unit < total_units; unit += cluster.count) {
-        const MegaUnit u = ep_mega_unit(unit, n_tiles, cluster);
+    for (;;) {
+        const int unit = consumed_unit<G>(s, ring, consumer, cluster);
+        if (unit == EP_MEGA_NO_UNIT) {
+            break;
+        }
+        const MegaUnit u = ep_mega_unit(l, p.local_experts, unit, n_tiles, cluster);
         const MegaTile t = ep_mega_tile(l, p.local_experts, u.m_tile);
         const int n0 = u.n_tile * T::kBlockN;
-        if (t.rows <= warpgroup * rows_per_warpgroup) {
+        if (t.rows <= warpgroup * EP_MEGA_WARPGROUP_ROWS) {
             mainloop_skip<G>(s, ring, k_blocks, consumer, cluster);
         } else {
             if constexpr (G::kScaled) {
@@ -762,21 +890,25 @@ __device__ __forceinline__ void run(const MegaParams& p) {
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int seq = p.state[0] + 1;
-    const Cluster cluster{kCluster, kCluster > 1 ? static_cast<int>(block_rank_in_cluster()) : 0,
-                          static_cast<int>(blockIdx.x) / kCluster,
-                          static_cast<int>(gridDim.x) / kCluster};
+    const Cluster cluster{kCluster, kCluster > 1 ? static_cast<int>(block_rank_in_cluster()) : 0};
 
     if (threadIdx.x == 0) {
         for (int i = 0; i < T::kStages; ++i) {
             cutlass::arch::ClusterBarrier::init(&s.full[i], T::kFullArrivals);
             cutlass::arch::ClusterBarrier::init(&s.empty[i], T::kConsumerWarpgroups * kCluster);
         }
+        // Shared memory holds what an earlier kernel left: no post of this
+        // call before block 0 makes it (the cluster meets below first).
+        for (int i = 0; i < T::kMailbox; ++i) {
+            s.mailbox[i] = 0;
+        }
         cutlass::arch::fence_barrier_init();
     }
     ep_mega_load_layout(p, l, ep_last_barrier_passed(own_base),
                         dispatch ? EP_PHASE_DISPATCH : EP_PHASE_COMBINE, kCluster);
     if constexpr (kCluster > 1) {
-        // The partner's barriers are initialised before anything lands there.
+        // The partner's barriers and mailbox are initialised before anything
+        // lands there.
         cluster_sync();
     }
     const int n_tiles = (p.n + T::kBlockN - 1) / T::kBlockN;
@@ -793,7 +925,7 @@ __device__ __forceinline__ void run(const MegaParams& p) {
                               gridDim.x * EP_MEGA_COMM_WARPS, warp, lane);
         }
     } else {
-        consume<G>(p, s, n_tiles, total_units, cluster, threadIdx.x - EP_MEGA_WARPGROUP);
+        consume<G>(p, s, n_tiles, cluster, threadIdx.x - EP_MEGA_WARPGROUP);
     }
     // A combine's rows, once every block's GEMM is stored.
     if (!dispatch) {
@@ -811,6 +943,7 @@ __device__ __forceinline__ void run(const MegaParams& p) {
         __threadfence();
         if (atomicAdd(p.state + 1, 1) == static_cast<int>(gridDim.x) - 1) {
             p.state[1] = 0;
+            p.state[2] = 0;  // every block has taken its last unit
             p.state[0] = seq;
         }
     }

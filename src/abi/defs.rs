@@ -527,7 +527,8 @@ abi_struct! {
         /// `[1]`: (sequence number << 32) | blocks of that call that have
         /// stored theirs.
         gemm_count: u64 => "unsigned long long*",
-        /// `[2]`: the last call's sequence number, blocks finished.
+        /// `[3]`: the last call's sequence number, blocks finished, units
+        /// taken (the tile counter).
         state: u64 => "int*",
         abort_flag: u64 => "const int*",
         status: u64 => "EpDeviceStatus*",

@@ -52,7 +52,7 @@ pub struct MegaMode {
     /// The most m-tiles one call can have (the kernels refuse a layout
     /// with more).
     max_m_tiles: usize,
-    /// `[2]` the last call's sequence number, blocks finished.
+    /// `[3]` the last call's sequence number, blocks finished, units taken.
     state: DeviceBuffer,
 }
 
@@ -132,7 +132,7 @@ impl MegaMode {
             gemm_done: DeviceBuffer::zeroed(device, 4)?,
             gemm_count: DeviceBuffer::zeroed(device, 8)?,
             max_m_tiles,
-            state: DeviceBuffer::zeroed(device, 2 * 4)?,
+            state: DeviceBuffer::zeroed(device, 3 * 4)?,
         })
     }
 
