@@ -46,7 +46,14 @@
 // same register budget (168, of the launch bounds).
 // Stage s is guarded by two mbarriers: full[s] (the producer's expected
 // bytes, plus for FP8 the 32 producer lanes' cp.async arrivals) and empty[s]
-// (one arrival per consumer warpgroup once its MMAs have read the stage).
+// (one arrival per consumer warp once it is done with the stage: its MMAs
+// have read it, it has read the stage's unit). Per warp, not per
+// warpgroup: a warpgroup that skips its MMAs has nothing that keeps its
+// warps together, and a stage released by its first warp was refilled
+// while the others had yet to read it; they then read the next unit's
+// number, or waited for a phase of the barrier that had passed (the hang
+// of the clusters of 2, which have many tiles without rows: cuda-gdb
+// showed the warps of one warpgroup at different units, bench/RESULTS.md).
 //
 // ep_mega_dispatch_gemm = count, stage, barrier, pull (kernels/normal.cu,
 // with `skip_expert_rows`: the pull writes every output but the
@@ -439,9 +446,9 @@ struct Gemm {
         (kBlockM + kBlockN) * kBlockK * static_cast<uint32_t>(sizeof(Element));
     // full[s] waits for the producer's arrive (and, FP8, 32 cp.async arrivals).
     static constexpr uint32_t kFullArrivals = G::kScaled ? 33 : 1;
-    // empty[s] waits for each consumer warpgroup of every block of the
-    // cluster (a block's B half lands in its partner's stage too).
-    static constexpr uint32_t kConsumerWarpgroups = EP_MEGA_CONSUMERS / EP_MEGA_WARPGROUP;
+    // empty[s] waits for each consumer warp of every block of the cluster
+    // (a block's B half lands in its partner's stage too).
+    static constexpr uint32_t kConsumerWarps = EP_MEGA_CONSUMERS / 32;
     // Mailbox entries: block 0 of a cluster is at most kStages loads ahead
     // of its partner's, so at most kStages units ahead (it posts a unit at
     // the unit's start).
@@ -675,12 +682,13 @@ __device__ __forceinline__ void produce(const MegaParams& p, typename Gemm<G>::S
     }
 }
 
-// One consumer warpgroup's release of a stage: one arrival per warpgroup on
-// the stage of every block of the cluster, after its MMAs on the stage have
-// completed.
+// One consumer warp's release of a stage (every lane calls it): one arrival
+// per warp on the stage of every block of the cluster, once all its lanes
+// are done with it (its MMAs on the stage have completed).
 __device__ __forceinline__ void release_stage(uint64_t* empty, int consumer,
                                               const Cluster& cluster) {
-    if (consumer % EP_MEGA_WARPGROUP != 0) {
+    __syncwarp();
+    if (consumer % 32 != 0) {
         return;
     }
     if (cluster.size == 1) {
@@ -895,7 +903,7 @@ __device__ __forceinline__ void run(const MegaParams& p) {
     if (threadIdx.x == 0) {
         for (int i = 0; i < T::kStages; ++i) {
             cutlass::arch::ClusterBarrier::init(&s.full[i], T::kFullArrivals);
-            cutlass::arch::ClusterBarrier::init(&s.empty[i], T::kConsumerWarpgroups * kCluster);
+            cutlass::arch::ClusterBarrier::init(&s.empty[i], T::kConsumerWarps * kCluster);
         }
         // Shared memory holds what an earlier kernel left: no post of this
         // call before block 0 makes it (the cluster meets below first).
