@@ -28,8 +28,9 @@ use crate::runtime::sequence::Call;
 
 /// Blocks per cluster of the fused kernels unless `EP_MEGA_CLUSTER` says
 /// otherwise: 1. Clusters of 2 load each weight tile once for both blocks
-/// (half each, multicast); they pass the GPU tests but did not finish their
-/// first benchmark run (bench/RESULTS.md), so they stay opt-in.
+/// (half each, multicast); on 1 x H200 they were as fast or slower than
+/// single blocks at every measured shape (bench/RESULTS.md, 2026-11-26), so
+/// they stay opt-in.
 const DEFAULT_CLUSTER: u32 = 1;
 
 /// The fused kernels' state of one context.
