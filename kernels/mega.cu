@@ -105,7 +105,11 @@
 // with the context timeout and abort flag. A wait that fails records the error
 // and the block goes on without waiting any more (computing garbage, the
 // call having failed), so no block, and no consumer waiting on a stage,
-// hangs. The waits on stages are local to a block and always complete.
+// hangs. The waits on stages and on the mailbox are local to a cluster
+// (a block, or its pair) and complete once every warp of the cluster goes
+// on, whatever the routing: each consumer warp releases every stage it
+// waited for, and block 0 posts each unit before it waits for anything of
+// that unit.
 //
 // Blocks of one launch must all be resident (a dispatch's tiles wait for
 // rows other blocks move, a combine's blocks for every block's GEMM): the
