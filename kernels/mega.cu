@@ -23,9 +23,10 @@
 // one weight tile are neighbours. Blocks take units in that order from a
 // counter (state[2]), the next one as each nears the end of its loads for
 // the last (take_unit): units that share a weight tile start within
-// microseconds of each other and find it in L2. (With block b taking units b, b + grid, ... the blocks drifted
-// apart by whole tiles, a mostly empty tile finishing early, and at W3 the
-// BF16 GEMM read 17 GB from DRAM for 1.9 GB of weights: bench/RESULTS.md.)
+// microseconds of each other and find it in L2. (With block b taking units
+// b, b + grid, ... the blocks drifted apart by whole tiles, a mostly empty
+// tile finishing early, and at W3 the BF16 GEMM read 17 GB from DRAM for
+// 1.9 GB of weights: bench/RESULTS.md.)
 // The producer writes the unit's number into each k-block's stage; the
 // consumers read it from the first stage of the unit. After the last unit
 // the producer fills one stage with no data and unit EP_MEGA_NO_UNIT. In a
