@@ -592,6 +592,10 @@ fn bad_inputs_are_refused_with_their_status() {
             Box::new(|_, d, _| d.flags = EP_DISPATCH_REUSE_LAYOUT),
             &["EP_DISPATCH_REUSE_LAYOUT"],
         ),
+        (
+            Box::new(|_, d, _| d.flags = EP_DISPATCH_KEEP_PADDING),
+            &["EP_DISPATCH_KEEP_PADDING"],
+        ),
         (Box::new(|_, d, _| d.num_tokens = 4), &["num_tokens = 4"]),
         (Box::new(|a, _, _| a.num_sms = -1), &["num_sms = -1"]),
         (

@@ -142,7 +142,8 @@ pub const EP_DISPATCH_REUSE_LAYOUT: u32 = 2;
 /// skip padding rows, or whose results there are never read (the
 /// expert-major combine ignores them): with a large `expert_alignment` and
 /// few rows per expert, the padding is most of the output's bytes. Without
-/// the flag padding rows are zeros. Refused by `ep_mega_dispatch_gemm`.
+/// the flag padding rows are zeros. Refused by `ep_mega_dispatch_gemm` and
+/// `ep_moe_forward`, whose fused kernel multiplies the padding rows.
 pub const EP_DISPATCH_KEEP_PADDING: u32 = 4;
 
 /// `ep_combine_args_t.input_layout`: one row per received source-order row

@@ -159,6 +159,35 @@ impl DispatchOp {
         Ok(())
     }
 
+    /// `validate`, and what a fused call (`call`, which `needs` the
+    /// expert-major rows) asks of its dispatch besides: a layout of its
+    /// own, every padding row written (the fused kernel multiplies them),
+    /// and the expert-major rows with their source rows (the fused kernel
+    /// finds each row's token through its source row).
+    fn validate_fused(&self, cfg: &Config, call: &str, needs: &str) -> Result<()> {
+        if self.reuse_layout {
+            return Err(Error::invalid(format!(
+                "EP_DISPATCH_REUSE_LAYOUT: the dispatch of {call} cannot reuse a layout"
+            )));
+        }
+        if self.expert.is_some_and(|e| e.keep_padding) {
+            return Err(Error::invalid(format!(
+                "EP_DISPATCH_KEEP_PADDING: the fused kernel of {call} writes the padding rows it multiplies"
+            )));
+        }
+        let null = |name: &str| {
+            Error::new(
+                ErrorKind::NullPointer,
+                format!("`{name}` is NULL (required by {call}, {needs})"),
+            )
+        };
+        let expert = self.expert.ok_or_else(|| null("expert_x"))?;
+        if expert.src_row.is_null() {
+            return Err(null("expert_src_row"));
+        }
+        self.validate(cfg)
+    }
+
     pub fn facts(&self) -> Facts {
         Facts {
             tokens: self.num_tokens > 0,
@@ -364,29 +393,11 @@ pub struct MegaDispatchOp {
 impl MegaDispatchOp {
     pub fn validate(&self, cfg: &Config) -> Result<()> {
         let d = &self.dispatch;
-        if d.reuse_layout {
-            return Err(Error::invalid(
-                "EP_DISPATCH_REUSE_LAYOUT: a fused dispatch cannot reuse a layout",
-            ));
-        }
-        if d.expert.is_some_and(|e| e.keep_padding) {
-            return Err(Error::invalid(
-                "EP_DISPATCH_KEEP_PADDING: the fused kernel writes the padding rows it multiplies",
-            ));
-        }
-        // The GEMM reads the expert-major rows, and the fused kernel finds
-        // each row's token through its source row.
-        let null = |name: &str| {
-            Error::new(
-                ErrorKind::NullPointer,
-                format!("`{name}` is NULL (required by ep_mega_dispatch_gemm, whose GEMM multiplies the expert-major rows)"),
-            )
-        };
-        let expert = d.expert.ok_or_else(|| null("expert_x"))?;
-        if expert.src_row.is_null() {
-            return Err(null("expert_src_row"));
-        }
-        d.validate(cfg)?;
+        d.validate_fused(
+            cfg,
+            "ep_mega_dispatch_gemm",
+            "whose GEMM multiplies the expert-major rows",
+        )?;
         self.gemm.validate()?;
         if self.gemm.dtype != d.dtype {
             return Err(Error::invalid(
@@ -487,24 +498,11 @@ impl MoeOp {
     /// contract's, checked by the context).
     pub fn validate(&self, cfg: &Config) -> Result<()> {
         let d = &self.dispatch;
-        if d.reuse_layout {
-            return Err(Error::invalid(
-                "EP_DISPATCH_REUSE_LAYOUT: ep_moe_forward's dispatch cannot reuse a layout",
-            ));
-        }
-        // The experts multiply the expert-major rows, and the fused
-        // kernels find each row's token through its source row.
-        let null = |name: &str| {
-            Error::new(
-                ErrorKind::NullPointer,
-                format!("`{name}` is NULL (required by ep_moe_forward, whose experts multiply the expert-major rows)"),
-            )
-        };
-        let expert = d.expert.ok_or_else(|| null("expert_x"))?;
-        if expert.src_row.is_null() {
-            return Err(null("expert_src_row"));
-        }
-        d.validate(cfg)?;
+        d.validate_fused(
+            cfg,
+            "ep_moe_forward",
+            "whose experts multiply the expert-major rows",
+        )?;
         let i = self.experts.intermediate;
         if i == 0 || !i.is_multiple_of(SCALE_BLOCK) || i > MAX_INTERMEDIATE {
             return Err(Error::invalid(format!(
