@@ -124,13 +124,25 @@ fn round_up_to_pow2(s: f32) -> (f32, f32) {
 /// If `row.len()` is not a multiple of 128, `out.len() != row.len()` or
 /// `scales.len() != row.len() / 128`.
 pub fn quantize_row(row: &[bf16], ue8m0: bool, out: &mut [u8], scales: &mut [f32]) {
+    quantize_blocks(row, bf16::to_f32, ue8m0, out, scales);
+}
+
+/// [`quantize_row`]'s rule for a row of any element type that widens to
+/// `f32` exactly (`to_f32`).
+fn quantize_blocks<T: Copy>(
+    row: &[T],
+    to_f32: impl Fn(T) -> f32,
+    ue8m0: bool,
+    out: &mut [u8],
+    scales: &mut [f32],
+) {
     check_row_shapes(row.len(), out, scales);
     let blocks = row
         .chunks_exact(SCALE_BLOCK)
         .zip(out.chunks_exact_mut(SCALE_BLOCK))
         .zip(scales.iter_mut());
     for ((block, out_block), scale) in blocks {
-        let amax = block_amax(block.iter().map(|v| v.to_f32()));
+        let amax = block_amax(block.iter().map(|&v| to_f32(v)));
         let multiplier = if ue8m0 {
             let (pow2_scale, inverse) = round_up_to_pow2(amax / E4M3_MAX);
             *scale = pow2_scale;
@@ -140,15 +152,12 @@ pub fn quantize_row(row: &[bf16], ue8m0: bool, out: &mut [u8], scales: &mut [f32
             *scale = default_scale;
             multiplier
         };
-        for (q, v) in out_block.iter_mut().zip(block) {
-            *q = f32_to_e4m3(v.to_f32() * multiplier);
+        for (q, &v) in out_block.iter_mut().zip(block) {
+            *q = f32_to_e4m3(to_f32(v) * multiplier);
         }
     }
 }
 
-/// A block's absolute maximum, floored at [`AMAX_FLOOR`]. `f32::max`
-/// ignores a NaN operand, as the GPU's `fmaxf` does; the maximum does not
-/// depend on the order of the values, so a GPU may reduce them as a tree.
 /// The quantizers' shape rule: a row of a multiple of 128 channels, one
 /// output byte per channel, one scale per block.
 fn check_row_shapes(len: usize, out: &[u8], scales: &[f32]) {
@@ -161,6 +170,9 @@ fn check_row_shapes(len: usize, out: &[u8], scales: &[f32]) {
     );
 }
 
+/// A block's absolute maximum, floored at [`AMAX_FLOOR`]. `f32::max`
+/// ignores a NaN operand, as the GPU's `fmaxf` does; the maximum does not
+/// depend on the order of the values, so a GPU may reduce them as a tree.
 fn block_amax(values: impl Iterator<Item = f32>) -> f32 {
     values.fold(0.0f32, |m, v| m.max(v.abs())).max(AMAX_FLOOR)
 }
@@ -184,18 +196,7 @@ fn default_scale(amax: f32) -> (f32, f32) {
 /// If `row.len()` is not a multiple of 128, `out.len() != row.len()` or
 /// `scales.len() != row.len() / 128`.
 pub fn quantize_f32_row(row: &[f32], out: &mut [u8], scales: &mut [f32]) {
-    check_row_shapes(row.len(), out, scales);
-    let blocks = row
-        .chunks_exact(SCALE_BLOCK)
-        .zip(out.chunks_exact_mut(SCALE_BLOCK))
-        .zip(scales.iter_mut());
-    for ((block, out_block), scale) in blocks {
-        let (block_scale, multiplier) = default_scale(block_amax(block.iter().copied()));
-        *scale = block_scale;
-        for (q, &v) in out_block.iter_mut().zip(block) {
-            *q = f32_to_e4m3(v * multiplier);
-        }
-    }
+    quantize_blocks(row, |v| v, false, out, scales);
 }
 
 /// [`quantize_row`] (no UE8M0) of each row of `cols` channels of `values`:

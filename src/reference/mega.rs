@@ -35,6 +35,7 @@
 use super::fp8::e4m3_to_f32;
 use super::{Dtype, SCALE_BLOCK};
 use half::bf16;
+use std::ops::Range;
 
 /// `c` of the tolerance for BF16 GEMMs.
 pub const BF16_ERROR: f32 = 1.0 / 1024.0;
@@ -232,29 +233,18 @@ pub fn grouped_gemm(
 ) -> Vec<bf16> {
     let experts = weights.experts();
     let (n, k, dtype) = (weights.n, weights.k, weights.dtype);
-    assert_eq!(
-        offsets.len(),
-        experts + 1,
-        "one offset per expert, plus the end"
-    );
     assert_eq!(counts.len(), experts, "one count per expert");
-    let total = usize::try_from(offsets[experts]).expect("offsets are non-negative");
+    let (total, real) = real_rows(offsets, counts);
     let (row_bytes, row_scales) = (dtype.row_bytes(k), dtype.scales_per_row(k));
     assert!(rows.data.len() >= total * row_bytes, "input rows");
     assert!(rows.scales.len() >= total * row_scales, "input scales");
     let mut y = vec![bf16::ZERO; total * n];
-    for e in 0..experts {
-        let start = offsets[e] as usize;
-        let count = counts[e] as usize;
-        assert!(
-            start + count <= offsets[e + 1] as usize,
-            "expert {e}: {count} rows do not fit its segment"
-        );
-        if count == 0 {
+    for (e, rows_of_e) in real.into_iter().enumerate() {
+        if rows_of_e.is_empty() {
             continue;
         }
         let expert = DecodedExpert::new(weights, e);
-        for j in start..start + count {
+        for j in rows_of_e {
             let result = expert.row(
                 &rows.data[j * row_bytes..][..row_bytes],
                 &rows.scales[j * row_scales..][..row_scales],
@@ -263,6 +253,35 @@ pub fn grouped_gemm(
         }
     }
     y
+}
+
+/// The rows of an expert-major layout (local expert `e` owns rows
+/// `offsets[e]..offsets[e + 1]`, the first `counts[e]` of them real): all
+/// of them (`offsets[L]`), and each expert's real rows.
+///
+/// # Panics
+/// If there is not one offset per expert plus the end, or an expert's real
+/// rows do not fit its segment.
+pub fn real_rows(offsets: &[i32], counts: &[i32]) -> (usize, Vec<Range<usize>>) {
+    let experts = counts.len();
+    assert_eq!(
+        offsets.len(),
+        experts + 1,
+        "one offset per expert, plus the end"
+    );
+    let total = usize::try_from(offsets[experts]).expect("offsets are non-negative");
+    let real = (0..experts)
+        .map(|e| {
+            let start = offsets[e] as usize;
+            let count = counts[e] as usize;
+            assert!(
+                start + count <= offsets[e + 1] as usize,
+                "expert {e}: {count} rows do not fit its segment"
+            );
+            start..start + count
+        })
+        .collect();
+    (total, real)
 }
 
 #[cfg(test)]

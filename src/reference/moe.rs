@@ -29,7 +29,7 @@
 //! power of two built from bits.
 
 use super::fp8::quantize_f32_row;
-use super::mega::{grouped_gemm, ExpertWeights, GemmRows};
+use super::mega::{grouped_gemm, real_rows, ExpertWeights, GemmRows};
 use super::normal::{combine, dispatch, expert_partials, Dispatched, RankTokens, Returned};
 use super::{Dtype, Topology, SCALE_BLOCK};
 use half::bf16;
@@ -146,13 +146,7 @@ pub fn activate(
     offsets: &[i32],
     counts: &[i32],
 ) -> (Vec<u8>, Vec<f32>) {
-    let experts = counts.len();
-    assert_eq!(
-        offsets.len(),
-        experts + 1,
-        "one offset per expert, plus the end"
-    );
-    let rows = usize::try_from(offsets[experts]).expect("offsets are non-negative");
+    let (rows, real) = real_rows(offsets, counts);
     assert_eq!(y1.len(), rows * 2 * intermediate, "y1 length");
     let (row_bytes, row_scales) = (
         dtype.row_bytes(intermediate),
@@ -160,21 +154,13 @@ pub fn activate(
     );
     let mut act = vec![0u8; rows * row_bytes];
     let mut scales = vec![0f32; rows * row_scales];
-    for e in 0..experts {
-        let start = offsets[e] as usize;
-        let count = counts[e] as usize;
-        assert!(
-            start + count <= offsets[e + 1] as usize,
-            "expert {e}: {count} rows do not fit its segment"
+    for j in real.into_iter().flatten() {
+        activate_row(
+            dtype,
+            &y1[j * 2 * intermediate..][..2 * intermediate],
+            &mut act[j * row_bytes..][..row_bytes],
+            &mut scales[j * row_scales..][..row_scales],
         );
-        for j in start..start + count {
-            activate_row(
-                dtype,
-                &y1[j * 2 * intermediate..][..2 * intermediate],
-                &mut act[j * row_bytes..][..row_bytes],
-                &mut scales[j * row_scales..][..row_scales],
-            );
-        }
     }
     (act, scales)
 }

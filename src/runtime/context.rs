@@ -403,13 +403,7 @@ impl Context {
         inner
             .backend
             .mega_dispatch_gemm(call, op, &mut handle.state, stream)?;
-        handle.dispatch = Some(DispatchRecord {
-            call: call.number,
-            num_tokens: d.num_tokens,
-            source_order: d.recv.is_some(),
-            expert_major: true,
-            received: None,
-        });
+        handle.dispatch = Some(DispatchRecord::fused(call.number, d));
         Ok(())
     }
 
@@ -485,13 +479,7 @@ impl Context {
         inner
             .backend
             .moe_forward([first, second], op, &mut handle.state, stream)?;
-        handle.dispatch = Some(DispatchRecord {
-            call: first.number,
-            num_tokens: d.num_tokens,
-            source_order: d.recv.is_some(),
-            expert_major: true,
-            received: None,
-        });
+        handle.dispatch = Some(DispatchRecord::fused(first.number, d));
         Ok(())
     }
 }

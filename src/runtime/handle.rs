@@ -2,7 +2,7 @@
 //! dispatch produced, kept for the combine that follows it.
 
 use super::backend::HandleState;
-use super::ops::Received;
+use super::ops::{DispatchOp, Received};
 
 pub struct Handle {
     /// The context that made it; a handle is valid with that context only.
@@ -24,4 +24,19 @@ pub struct DispatchRecord {
     pub expert_major: bool,
     /// The rows it received, when the host learned them.
     pub received: Option<Received>,
+}
+
+impl DispatchRecord {
+    /// The dispatch half of a fused call (call number `call`): expert-major
+    /// rows always, source-order rows if asked for, and no host
+    /// synchronisation, so the host has not learned the rows it received.
+    pub fn fused(call: u64, op: &DispatchOp) -> DispatchRecord {
+        DispatchRecord {
+            call,
+            num_tokens: op.num_tokens,
+            source_order: op.recv.is_some(),
+            expert_major: true,
+            received: None,
+        }
+    }
 }

@@ -45,7 +45,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::reference::hierarchical;
 use crate::reference::layout::{dispatch_layout, validate_experts, InvalidExpert};
 use crate::reference::low_latency::{ll_combine, ll_dispatch, LlExpertOutputs, LlRankTokens};
-use crate::reference::mega::{grouped_gemm, ExpertWeights, GemmRows};
+use crate::reference::mega::{grouped_gemm, real_rows, ExpertWeights, GemmRows};
 use crate::reference::moe::activate_row;
 use crate::reference::normal::{
     combine, dispatch, expert_partials, Dispatched, RankTokens, Returned,
@@ -915,14 +915,12 @@ unsafe fn activate(op: &MoeOp, d: &Dispatched) {
     let y1 = caller(e.y1 as *const bf16, d.expert_rows * 2 * i);
     let mut act = vec![0u8; row_bytes];
     let mut scales = vec![0f32; row_scales];
-    for (expert, &count) in d.expert_counts.iter().enumerate() {
-        let start = d.expert_offsets[expert] as usize;
-        for j in start..start + count as usize {
-            activate_row(dtype, &y1[j * 2 * i..][..2 * i], &mut act, &mut scales);
-            give(e.act.add(j * row_bytes), &act);
-            if dtype == Dtype::Fp8E4m3 {
-                give(e.act_scales.add(j * row_scales), &scales);
-            }
+    let (_, real) = real_rows(&d.expert_offsets, &d.expert_counts);
+    for j in real.into_iter().flatten() {
+        activate_row(dtype, &y1[j * 2 * i..][..2 * i], &mut act, &mut scales);
+        give(e.act.add(j * row_bytes), &act);
+        if dtype == Dtype::Fp8E4m3 {
+            give(e.act_scales.add(j * row_scales), &scales);
         }
     }
 }
@@ -934,9 +932,12 @@ unsafe fn activate(op: &MoeOp, d: &Dispatched) {
 /// # Safety
 /// `dst` must have room for `d`'s expert-major rows.
 unsafe fn give_real_rows<T: Copy>(dst: *mut T, src: &[T], row_len: usize, d: &Dispatched) {
-    for (e, &count) in d.expert_counts.iter().enumerate() {
-        let start = d.expert_offsets[e] as usize * row_len;
-        give(dst.add(start), &src[start..][..count as usize * row_len]);
+    let (_, real) = real_rows(&d.expert_offsets, &d.expert_counts);
+    for rows in real {
+        give(
+            dst.add(rows.start * row_len),
+            &src[rows.start * row_len..rows.end * row_len],
+        );
     }
 }
 
