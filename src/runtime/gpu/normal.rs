@@ -347,7 +347,7 @@ impl NormalMode {
         unsafe {
             match (&self.hier, &handle.hier) {
                 (Some(hier), Some(hier_handle)) => {
-                    self.enqueue_count(rt, &params, op.num_tokens, stream)?;
+                    self.enqueue_count(rt, &params, chunks(op.num_tokens), stream)?;
                     hier.dispatch(rt, &params, hier_handle, stream)?;
                 }
                 _ => {
@@ -463,7 +463,8 @@ impl NormalMode {
     }
 
     /// Enqueues the dispatch's count kernel, which starts the collective
-    /// call.
+    /// call, on `blocks` blocks: one per chunk, or with
+    /// `params.stage_in_count` the SM budget's.
     ///
     /// # Safety
     /// `params` must come from [`Self::dispatch_params`], with every array
@@ -472,7 +473,7 @@ impl NormalMode {
         &self,
         rt: &Bound,
         params: &DispatchParams,
-        num_tokens: usize,
+        blocks: u32,
         stream: Stream,
     ) -> Result<()> {
         let columns = rt.cfg.topo.world + rt.cfg.topo.num_experts;
@@ -480,7 +481,7 @@ impl NormalMode {
         unsafe {
             rt.launch(
                 &rt.kernels.dispatch_count,
-                chunks(num_tokens),
+                blocks,
                 CHUNK_TOKENS as u32,
                 (CHUNK_WARPS * columns * 4) as u32,
                 stream,
@@ -515,16 +516,9 @@ impl NormalMode {
                     stage_in_count: 1,
                     ..*params
                 };
-                rt.launch(
-                    &k.dispatch_count,
-                    sms,
-                    CHUNK_TOKENS as u32,
-                    (CHUNK_WARPS * columns * 4) as u32,
-                    stream,
-                    &staging,
-                )?;
+                self.enqueue_count(rt, &staging, sms, stream)?;
             } else {
-                self.enqueue_count(rt, params, num_tokens, stream)?;
+                self.enqueue_count(rt, params, chunks(num_tokens), stream)?;
                 rt.launch(
                     &k.dispatch_stage,
                     chunks(num_tokens).max(sms),
