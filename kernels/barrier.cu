@@ -42,6 +42,18 @@
 // barrier compare the two words (ep_last_barrier_passed) to learn, from
 // device memory, whether the barrier failed.
 //
+// Roles (p.role): a plain barrier is only the above. The normal mode's
+// exchanges (src/runtime/gpu/normal.rs, `Exchange`) keep one more word per
+// rank, `*open_exchange`: the kind of the last exchange whose closing
+// barrier has not run. A middle barrier, when it passes, sets it to its
+// exchange's kind; a closing barrier of kind k returns at once, signalling
+// nothing, unless the word holds k, and sets it to EP_EXCHANGE_NONE when it
+// passes. Every rank runs the same exchanges in the same order, so every
+// rank's word holds the same kind at the same barrier and every rank skips
+// the same closing barriers: the epochs stay in step. The word lives on the
+// device so that CUDA-graph replays, which the host does not see, keep it
+// true.
+//
 // Launch: one block of at least `world` threads (a multiple of 32;
 // EP_BARRIER_THREADS covers every world size). Thread p signals and waits for
 // rank p; the other threads do nothing. Parameters: BarrierParams (ep_abi.h).
@@ -95,6 +107,10 @@ extern "C" __global__ void ep_barrier_kernel(const BarrierParams p) {
     if (!ep_last_barrier_passed(own_base)) {
         return;
     }
+    // A closing barrier with nothing of its kind open (see "Roles").
+    if (p.role == EP_BARRIER_CLOSING && *p.open_exchange != p.exchange) {
+        return;
+    }
     const int epoch = epoch_counter[0] + 1;
     const int call = ep_current_call(own_base);
     // Every thread has read the old count before thread 0 replaces it.
@@ -131,5 +147,10 @@ extern "C" __global__ void ep_barrier_kernel(const BarrierParams p) {
     }
     if (__syncthreads_and(arrived) && threadIdx.x == 0) {
         epoch_counter[1] = epoch;
+        if (p.role == EP_BARRIER_MIDDLE) {
+            *p.open_exchange = p.exchange;
+        } else if (p.role == EP_BARRIER_CLOSING) {
+            *p.open_exchange = EP_EXCHANGE_NONE;
+        }
     }
 }

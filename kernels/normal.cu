@@ -1,9 +1,10 @@
 // Normal mode: dispatch and combine of thousands of tokens over NVLink.
 //
 // Every rank owns one symmetric area (mapped by every peer, see
-// src/runtime/gpu/normal.rs for the byte layout). A dispatch is five
-// launches on the caller's stream; kernels of one rank only ever write their
-// own area, except the combine's send, which writes the peers' return rows:
+// src/runtime/gpu/normal.rs for the byte layout). A dispatch is at most
+// five launches on the caller's stream; kernels of one rank only ever write
+// their own area, except the stage, which pushes records into the peers'
+// areas, and the combine's send, which writes the peers' return rows:
 //
 //   1. count (source side): for every chunk of 256 tokens, how many tokens go
 //      to each rank and how many (token, slot) pairs to each expert, and the
@@ -27,9 +28,12 @@
 //      received token ONCE over NVLink into its source-order row and all its
 //      expert-major rows. Only the token data crosses NVLink here, so a row
 //      costs one remote round trip, not a chain of them.
-//   5. barrier: nobody restages (next dispatch) while a peer still reads.
+//   5. closing barrier: nobody restages (next dispatch) while a peer still
+//      reads. The runtime enqueues it only before the next dispatch, and
+//      only if no other exchange came between (a combine's middle barrier
+//      closes the dispatch too; src/runtime/gpu/normal.rs, `Exchange`).
 //
-// A combine is four launches:
+// A combine is at most four launches:
 //   1. send (expert side): for each received row, the caller's row (source
 //      order) or the weighted sum of its expert rows (expert-major, fp32, the
 //      products rounded before they are added, local experts ascending),
@@ -38,7 +42,9 @@
 //   2. barrier.
 //   3. reduce (source side): out[t] = BF16 of the fp32 sum of the returned
 //      rows of token t, ranks ascending; zeros for a token routed nowhere.
-//   4. barrier: nobody sends the next combine's rows before this reduce.
+//   4. closing barrier: nobody sends the next combine's rows before this
+//      reduce; enqueued, like the dispatch's, only when the next exchange
+//      is a combine.
 //
 // Both sums follow src/reference/normal.rs step by step, so the results are
 // bit-exact with the reference, not only close.

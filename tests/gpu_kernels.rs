@@ -264,7 +264,7 @@ struct Signals {
 
 impl Signals {
     fn new(device: &Device, world: usize) -> Signals {
-        const { assert!(abi::CALL_WORDS_OFFSET + 8 <= RANK_BYTES) };
+        const { assert!(abi::OPEN_EXCHANGE_OFFSET + 4 <= RANK_BYTES) };
         let buffers = upload(device, &vec![0u8; world * RANK_BYTES]);
         let table: Vec<CUdeviceptr> = (0..world)
             .map(|rank| buffers.ptr() + (rank * RANK_BYTES) as u64)
@@ -326,6 +326,50 @@ impl Signals {
             .collect()
     }
 
+    /// Runs the barrier kernel for `rank` (rank 0's words outside the
+    /// world) in the role `(role, exchange)` on the words as they are, to
+    /// the end.
+    fn run_barrier(
+        &self,
+        device: &Device,
+        module: &Module,
+        rank: usize,
+        (role, exchange): (i32, i32),
+        timeout: Duration,
+    ) {
+        let kernel = module
+            .function::<BarrierParams>(c"ep_barrier_kernel")
+            .unwrap();
+        let own = self.table_entry(if rank < self.world { rank } else { 0 });
+        let params = BarrierParams {
+            peer_signals: self.table.ptr(),
+            epoch_counter: own + abi::BARRIER_COUNTER_OFFSET as u64,
+            open_exchange: own + abi::OPEN_EXCHANGE_OFFSET as u64,
+            abort_flag: self.abort.device_ptr(),
+            status: self.status.device_ptr(),
+            timeout_ns: timeout.as_nanos() as u64,
+            rank: rank as i32,
+            world: self.world as i32,
+            role,
+            exchange,
+        };
+        // SAFETY: the parameters match the kernel's; everything outlives the
+        // synchronize.
+        unsafe {
+            let bound = device.bind().unwrap();
+            kernel
+                .launch(&bound, 1, BARRIER_THREADS as u32, 0, STREAM, &params)
+                .unwrap();
+            device.stream_synchronize(STREAM).unwrap();
+        }
+    }
+
+    /// The i32 at byte `offset` of rank `rank`'s buffer.
+    fn word(&self, device: &Device, rank: usize, offset: usize) -> i32 {
+        let at = rank * RANK_BYTES + offset;
+        i32::from_le_bytes(self.all(device)[at..at + 4].try_into().unwrap())
+    }
+
     /// Runs the barrier kernel for `rank` in call `call` as its barrier
     /// number `epoch` (its barrier words say `passed` barriers were passed)
     /// and returns its status and how long it took.
@@ -337,9 +381,6 @@ impl Signals {
         (epoch, passed, call): (i32, i32, i32),
         timeout: Duration,
     ) -> (DeviceStatus, Duration) {
-        let kernel = module
-            .function::<BarrierParams>(c"ep_barrier_kernel")
-            .unwrap();
         // A rank outside the world (refused by the kernel) gets rank 0's words.
         let own = if rank < self.world { rank } else { 0 };
         self.set_words(
@@ -349,26 +390,9 @@ impl Signals {
             &[epoch - 1, passed],
         );
         self.set_call(device, own, call);
-        let counter = self.table_entry(own) + abi::BARRIER_COUNTER_OFFSET as u64;
-        let params = BarrierParams {
-            peer_signals: self.table.ptr(),
-            epoch_counter: counter,
-            abort_flag: self.abort.device_ptr(),
-            status: self.status.device_ptr(),
-            timeout_ns: timeout.as_nanos() as u64,
-            rank: rank as i32,
-            world: self.world as i32,
-        };
+        let plain = (abi::BARRIER_PLAIN, abi::EXCHANGE_NONE);
         let start = Instant::now();
-        // SAFETY: the parameters match the kernel's; everything outlives the
-        // synchronize.
-        unsafe {
-            let bound = device.bind().unwrap();
-            kernel
-                .launch(&bound, 1, BARRIER_THREADS as u32, 0, STREAM, &params)
-                .unwrap();
-            device.stream_synchronize(STREAM).unwrap();
-        }
+        self.run_barrier(device, module, rank, plain, timeout);
         let elapsed = start.elapsed();
         let status = self.status.read(0);
         if status.code == abi::STATUS_OK && passed == epoch - 1 {
@@ -424,6 +448,55 @@ fn barrier_passes_when_every_peer_has_arrived() {
     let single = Signals::new(&device, 1);
     let (status, _) = single.barrier(&device, &module, 0, 1, call, Duration::from_secs(5));
     assert_eq!(status, DeviceStatus::default());
+}
+
+/// The normal mode's closing barriers run only when an exchange of their
+/// kind is open (kernels/barrier.cu, "Roles"); a skipped one counts no
+/// epoch, so every rank's epochs stay in step.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn closing_barriers_run_only_for_an_open_exchange_of_their_kind() {
+    let (device, module) = gpu();
+    let signals = Signals::new(&device, 1);
+    let timeout = Duration::from_secs(5);
+    let (epochs, open) = (abi::BARRIER_COUNTER_OFFSET, abi::OPEN_EXCHANGE_OFFSET);
+    let (dispatch, combine) = (abi::EXCHANGE_DISPATCH, abi::EXCHANGE_COMBINE);
+    // (role, exchange), then the epoch count and the open exchange after it.
+    for (step, (role, exchange, count, open_after)) in [
+        (abi::BARRIER_CLOSING, dispatch, 0, abi::EXCHANGE_NONE),
+        (abi::BARRIER_MIDDLE, dispatch, 1, dispatch),
+        (abi::BARRIER_CLOSING, combine, 1, dispatch),
+        (abi::BARRIER_MIDDLE, combine, 2, combine),
+        (abi::BARRIER_CLOSING, combine, 3, abi::EXCHANGE_NONE),
+        (abi::BARRIER_CLOSING, combine, 3, abi::EXCHANGE_NONE),
+        (
+            abi::BARRIER_PLAIN,
+            abi::EXCHANGE_NONE,
+            4,
+            abi::EXCHANGE_NONE,
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        signals.run_barrier(&device, &module, 0, (role, exchange), timeout);
+        assert_eq!(signals.status.read(0).code, abi::STATUS_OK, "step {step}");
+        assert_eq!(
+            signals.word(&device, 0, epochs),
+            count,
+            "step {step}: epochs"
+        );
+        assert_eq!(
+            signals.word(&device, 0, epochs + 4),
+            count,
+            "step {step}: passed"
+        );
+        assert_eq!(
+            signals.word(&device, 0, open),
+            open_after,
+            "step {step}: open"
+        );
+    }
 }
 
 #[test]
@@ -582,11 +655,14 @@ fn barriers_of_two_ranks_sharing_the_gpu_pass_in_any_order() {
     let params = |rank: usize| BarrierParams {
         peer_signals: signals.table.ptr(),
         epoch_counter: signals.table_entry(rank) + abi::BARRIER_COUNTER_OFFSET as u64,
+        open_exchange: signals.table_entry(rank) + abi::OPEN_EXCHANGE_OFFSET as u64,
         abort_flag: signals.abort.device_ptr(),
         status: signals.status.device_ptr(),
         timeout_ns: Duration::from_secs(5).as_nanos() as u64,
         rank: rank as i32,
         world: 2,
+        role: abi::BARRIER_PLAIN,
+        exchange: abi::EXCHANGE_NONE,
     };
     for round in 0..60 {
         let first = round % 2;

@@ -264,7 +264,8 @@ fn two_runs_of_random_iterations_are_identical() {
 }
 
 /// One run of the repeatability test: in iteration i every rank dispatches
-/// random BF16 tokens (counts from 0 to 128, 0 and 1 included, uneven and
+/// (every fourth iteration after a dispatch of other tokens) random BF16
+/// tokens (counts from 0 to 128, 0 and 1 included, uneven and
 /// skewed routing with dropped slots; alignment 1, 4 or 128; host sync or
 /// not) and combines its received rows twice, as source-order and as
 /// expert-major input. Hashed: every dispatch output the API defines (the
@@ -301,6 +302,7 @@ fn repeat_run(world: usize, iterations: usize) -> Vec<Vec<u64>> {
         // Input buffers for the most tokens.
         let largest = Input::random(&mut Rng::new(0), &topo, Dtype::Bf16, max_tokens, false);
         let dev = DeviceInput::new(&largest);
+        let first = DeviceInput::new(&largest);
         let out = Outputs::new(ctx, &topo, 128);
         let y = DevBuf::of::<bf16>(max_tokens * hidden);
         gate();
@@ -312,6 +314,18 @@ fn repeat_run(world: usize, iterations: usize) -> Vec<Vec<u64>> {
             let alignment = [1, 4, 128][i % 3];
             let what = format!("world {world} iteration {i} rank {rank} ({n} tokens)");
             dev.upload(&me);
+            // Every fourth iteration dispatches twice in a row: the second
+            // dispatch must not restage while a peer still pulls the
+            // first's rows (its closing barrier, which the runtime enqueues
+            // only before a dispatch that follows a dispatch).
+            if i % 4 == 3 {
+                let args = out.args(&first, max_tokens, Dtype::Bf16, alignment);
+                // SAFETY: device buffers of the sizes the arguments give.
+                ok(
+                    unsafe { ep_dispatch(ctx.0, &args, handle.0, stream()) },
+                    &format!("{what}: the first of two dispatches"),
+                );
+            }
             out.poison();
             let mut args = out.args(&dev, n, Dtype::Bf16, alignment);
             if i % 2 == 1 {

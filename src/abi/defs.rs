@@ -31,6 +31,24 @@ abi_consts! {
     /// on the device, then the call word of the call it is in, which peers
     /// read to tell a slow rank from one in another call.
     CALL_WORDS_OFFSET: usize = BARRIER_COUNTER_OFFSET + 8;
+    /// Then the normal mode's open-exchange word: the kind
+    /// (`EXCHANGE_DISPATCH` or `EXCHANGE_COMBINE`) of its last exchange
+    /// whose closing barrier has not run, or `EXCHANGE_NONE`
+    /// (src/runtime/gpu/normal.rs, `Exchange`).
+    OPEN_EXCHANGE_OFFSET: usize = CALL_WORDS_OFFSET + 8;
+    /// Normal-mode exchanges, for the open-exchange word: none open.
+    EXCHANGE_NONE: i32 = 0;
+    /// A dispatch (or the dispatch of a fused call) is open.
+    EXCHANGE_DISPATCH: i32 = 1;
+    /// A combine (or the combine of a fused call) is open.
+    EXCHANGE_COMBINE: i32 = 2;
+    /// Barrier roles (`BarrierParams::role`): a barrier of its own,
+    BARRIER_PLAIN: i32 = 0;
+    /// the middle barrier of an exchange, which leaves it open,
+    BARRIER_MIDDLE: i32 = 1;
+    /// the closing barrier of an open exchange of kind
+    /// `BarrierParams::exchange`, which does nothing when none is open.
+    BARRIER_CLOSING: i32 = 2;
     /// A call word is `op << CALL_NUMBER_BITS | number mod 2^CALL_NUMBER_BITS`:
     /// the operation's code (`Collective` of src/runtime/sequence.rs) and
     /// the call number counted on the device (so CUDA-graph replays count).
@@ -210,11 +228,18 @@ abi_struct! {
         peer_signals: u64 => "uint64_t* const*",
         /// This rank's two barrier words (`BARRIER_COUNTER_OFFSET`).
         epoch_counter: u64 => "int*",
+        /// This rank's open-exchange word (`OPEN_EXCHANGE_OFFSET`).
+        open_exchange: u64 => "int*",
         abort_flag: u64 => "const int*",
         status: u64 => "EpDeviceStatus*",
         timeout_ns: u64,
         rank: i32,
         world: i32,
+        /// `BARRIER_PLAIN`, `BARRIER_MIDDLE` or `BARRIER_CLOSING`.
+        role: i32,
+        /// With `BARRIER_MIDDLE` or `BARRIER_CLOSING`: the exchange's kind
+        /// (`EXCHANGE_DISPATCH` or `EXCHANGE_COMBINE`).
+        exchange: i32,
     }
 }
 

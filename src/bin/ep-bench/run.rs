@@ -886,6 +886,20 @@ impl Rank {
                 let mut a = source_order(EP_DTYPE_FP8_E4M3);
                 let d_fp8 = dispatch(&mut a, "ep_dispatch FP8", &mut hc);
                 self.barrier();
+                // A dispatch right after a dispatch first runs the earlier
+                // one's closing barrier; every other timed dispatch follows
+                // a combine, as in a model's layers (untimed combines below
+                // keep it so).
+                let mut a = source_order(EP_DTYPE_BF16);
+                let d_after_d = dispatch(&mut a, "ep_dispatch BF16 after a dispatch", &mut hc);
+                self.barrier();
+                combine(
+                    EP_COMBINE_SOURCE_ORDER,
+                    &recv_x,
+                    "ep_combine source-order",
+                    false,
+                );
+                self.barrier();
                 let expert_major = |flags: u32| {
                     let mut a = base(EP_DTYPE_BF16);
                     a.flags = flags;
@@ -914,9 +928,24 @@ impl Rank {
                     &mut hc,
                 );
                 self.barrier();
+                combine(
+                    EP_COMBINE_EXPERT_MAJOR,
+                    &expert_x,
+                    "ep_combine expert-major",
+                    false,
+                );
+                self.barrier();
                 let d_host = dispatch_host_us();
+                self.barrier();
+                combine(
+                    EP_COMBINE_SOURCE_ORDER,
+                    &recv_x,
+                    "ep_combine source-order",
+                    false,
+                );
+                self.barrier();
                 vec![
-                    d_bf16, d_fp8, d_em, c_src, c_em, d_host, c_src_host, d_em_kept,
+                    d_bf16, d_fp8, d_em, c_src, c_em, d_host, c_src_host, d_em_kept, d_after_d,
                 ]
             });
             host_counts = hc;
@@ -942,6 +971,8 @@ impl Rank {
                     .floor((sent_rows + received_rows) * bf16_row, copy_gbps),
                 row("dispatch FP8", &s[1], fp8, nc[1])
                     .floor((sent_rows + received_rows) * fp8_row, copy_gbps),
+                row("dispatch BF16 after a dispatch", &s[8], bf16, nc[0])
+                    .floor((sent_rows + received_rows) * bf16_row, copy_gbps),
                 row("dispatch BF16 expert-major", &s[2], bf16, nc[0])
                     .floor((sent_rows + padded) * bf16_row, copy_gbps),
                 row(

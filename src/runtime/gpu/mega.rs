@@ -11,7 +11,7 @@
 //!   once every tile is stored), then the normal combine's barrier, reduce,
 //!   barrier.
 
-use super::normal::{combined, Dispatched, GpuHandle, NormalMode};
+use super::normal::{combined, Dispatched, Exchange, GpuHandle, NormalMode};
 use super::{ptr, Bound, Runtime};
 use crate::abi::{
     MegaParams, MEGA_BF16_BLOCK_K, MEGA_BF16_BLOCK_N, MEGA_BLOCK_M, MEGA_FP8_BLOCK_K,
@@ -152,7 +152,7 @@ impl MegaMode {
     pub fn dispatch_gemm(
         &mut self,
         rt: &Bound,
-        normal: &NormalMode,
+        normal: &mut NormalMode,
         call: Call,
         op: &MegaDispatchOp,
         handle: &mut HandleState,
@@ -176,10 +176,11 @@ impl MegaMode {
         // the stream has run the kernels, API rule), the handle's and the
         // context's buffers.
         unsafe {
+            normal.open(rt, Exchange::Dispatch, stream)?;
             normal.enqueue_routing(rt, &routing, d.num_tokens, stream)?;
             self.launch(rt, &op.gemm, &params, stream)?;
-            rt.barrier(stream)?;
         }
+        normal.leave_open(Exchange::Dispatch);
         handle.dispatched = Some(Dispatched::on_device(d.num_tokens, Some(expert.capacity)));
         Ok(())
     }
@@ -188,7 +189,7 @@ impl MegaMode {
     pub fn gemm_combine(
         &mut self,
         rt: &Bound,
-        normal: &NormalMode,
+        normal: &mut NormalMode,
         call: Call,
         op: &MegaCombineOp,
         handle: &HandleState,
@@ -214,6 +215,7 @@ impl MegaMode {
         params.expert_layout = handle.expert_layout.ptr();
         // SAFETY: as in `dispatch_gemm`.
         unsafe {
+            normal.open(rt, Exchange::Combine, stream)?;
             self.launch(rt, &op.gemm, &params, stream)?;
             normal.enqueue_reduce(rt, &reduce, stream)
         }

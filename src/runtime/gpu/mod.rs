@@ -45,7 +45,8 @@ use super::ops::{
 use super::sequence::{Call, Collective};
 use crate::abi::{
     self, BarrierParams, CombineParams, DispatchParams, HierParams, LayoutParams, LlParams,
-    MegaParams, MoeParams, NcclPeerBasesParams, BARRIER_COUNTER_OFFSET, BARRIER_THREADS,
+    MegaParams, MoeParams, NcclPeerBasesParams, BARRIER_COUNTER_OFFSET, BARRIER_PLAIN,
+    BARRIER_THREADS, EXCHANGE_NONE, OPEN_EXCHANGE_OFFSET,
 };
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
@@ -615,6 +616,20 @@ impl Deref for Bound<'_> {
 }
 
 impl Bound<'_> {
+    /// Whether `stream` is capturing work into a CUDA graph.
+    ///
+    /// # Safety
+    /// `stream` must be a stream of this context's device (or null).
+    pub unsafe fn capturing(&self, stream: Stream) -> Result<bool> {
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: the caller vouches for the stream; the context is current.
+        crate::runtime::cuda::check(
+            unsafe { sys::cuStreamIsCapturing(stream as _, &mut status) },
+            "cuStreamIsCapturing",
+        )?;
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
     /// Launches `kernel` on `stream` (see `Kernel::launch`).
     ///
     /// # Safety
@@ -664,26 +679,23 @@ impl Bound<'_> {
         }
     }
 
-    /// Enqueues a barrier of all ranks on `stream`: work enqueued after it
-    /// sees every write any rank enqueued before it (see kernels/barrier.cu).
+    /// Enqueues a barrier of all ranks on `stream` in the role `role`
+    /// (`BARRIER_MIDDLE` or `BARRIER_CLOSING`) for a normal-mode exchange
+    /// of kind `exchange` (see `normal::Exchange` and kernels/barrier.cu):
+    /// work enqueued after a barrier that runs sees every write any rank
+    /// enqueued before it.
     ///
     /// # Safety
     /// `stream` must be a stream of this context's device (or null).
-    pub unsafe fn barrier(&self, stream: Stream) -> Result<()> {
+    pub unsafe fn exchange_barrier(&self, role: i32, exchange: i32, stream: Stream) -> Result<()> {
+        let (table, rank, world) = (self.memory.peer_bases(), self.cfg.rank, self.cfg.world());
         // SAFETY: passed on from the caller.
-        unsafe {
-            self.barrier_over(
-                self.memory.peer_bases(),
-                self.cfg.rank,
-                self.cfg.world(),
-                stream,
-            )
-        }
+        unsafe { self.launch_barrier(table, rank, world, (role, exchange), stream) }
     }
 
     /// Enqueues a barrier of the `world` ranks whose buffers `table` (a
     /// device array of `world` bases) lists, this rank being entry `rank`
-    /// (kernels/barrier.cu; [`Bound::barrier`] is the one of all ranks).
+    /// (kernels/barrier.cu, a plain barrier).
     ///
     /// # Safety
     /// `stream` must be a stream of this context's device (or null);
@@ -695,14 +707,35 @@ impl Bound<'_> {
         world: usize,
         stream: Stream,
     ) -> Result<()> {
+        let plain = (BARRIER_PLAIN, EXCHANGE_NONE);
+        // SAFETY: passed on from the caller.
+        unsafe { self.launch_barrier(table, rank, world, plain, stream) }
+    }
+
+    /// The barrier kernel over `table` with `(role, exchange)`.
+    ///
+    /// # Safety
+    /// As [`Bound::barrier_over`].
+    unsafe fn launch_barrier(
+        &self,
+        table: u64,
+        rank: usize,
+        world: usize,
+        (role, exchange): (i32, i32),
+        stream: Stream,
+    ) -> Result<()> {
+        let own = self.memory.own_base();
         let params = BarrierParams {
             peer_signals: table,
-            epoch_counter: self.memory.own_base() + BARRIER_COUNTER_OFFSET as u64,
+            epoch_counter: own + BARRIER_COUNTER_OFFSET as u64,
+            open_exchange: own + OPEN_EXCHANGE_OFFSET as u64,
             abort_flag: self.abort_ptr(),
             status: self.status_ptr(),
             timeout_ns: self.timeout_ns,
             rank: rank as i32,
             world: world as i32,
+            role,
+            exchange,
         };
         // SAFETY: the context's own buffers and words.
         unsafe {
@@ -845,7 +878,7 @@ impl Backend for GpuBackend {
         stream: Stream,
     ) -> Result<()> {
         self.mega
-            .dispatch_gemm(&self.rt.bind()?, &self.normal, call, op, handle, stream)
+            .dispatch_gemm(&self.rt.bind()?, &mut self.normal, call, op, handle, stream)
     }
 
     fn mega_gemm_combine(
@@ -856,7 +889,7 @@ impl Backend for GpuBackend {
         stream: Stream,
     ) -> Result<()> {
         self.mega
-            .gemm_combine(&self.rt.bind()?, &self.normal, call, op, handle, stream)
+            .gemm_combine(&self.rt.bind()?, &mut self.normal, call, op, handle, stream)
     }
 
     fn moe_forward(
@@ -868,7 +901,7 @@ impl Backend for GpuBackend {
     ) -> Result<()> {
         moe::forward(
             &self.rt.bind()?,
-            &self.normal,
+            &mut self.normal,
             &mut self.mega,
             calls,
             op,

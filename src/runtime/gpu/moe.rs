@@ -2,13 +2,15 @@
 //! activation between them, all enqueued on the caller's stream, never
 //! synchronising with the host (capturable in a CUDA graph):
 //! - the dispatch and the gate+up GEMM into `y1` (`MegaMode::dispatch_gemm`:
-//!   routing kernels, the fused kernel, barrier), the first collective call;
+//!   routing kernels, the fused kernel), the first collective call;
 //! - SwiGLU of the real expert-major rows of `y1` into `act`, BF16 or
 //!   requantized to FP8 (kernels/moe.cu, one launch; it reads the layout
 //!   the dispatch wrote into the handle, so the host needs no counts);
 //! - the down GEMM of `act` into `y2` and the combine into the caller's
-//!   `out` (`MegaMode::gemm_combine`: the fused kernel, barrier, reduce,
-//!   barrier), the second collective call.
+//!   `out` (`MegaMode::gemm_combine`: the fused kernel, barrier, reduce),
+//!   the second collective call. Neither needs a closing barrier: the
+//!   combine's middle barrier closes the dispatch, and the next call's
+//!   closes the combine when it needs it (`normal::Exchange`).
 
 use super::mega::MegaMode;
 use super::normal::{GpuHandle, NormalMode};
@@ -23,7 +25,7 @@ use crate::runtime::sequence::Call;
 /// `ep_moe_forward` (calls `calls[0]` and `calls[1]`).
 pub fn forward(
     rt: &Bound,
-    normal: &NormalMode,
+    normal: &mut NormalMode,
     mega: &mut MegaMode,
     calls: [Call; 2],
     op: &MoeOp,

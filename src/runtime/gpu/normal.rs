@@ -9,8 +9,8 @@
 use super::hierarchical::{HierHandle, Hierarchy};
 use super::{ptr, Bound, Runtime};
 use crate::abi::{
-    CombineParams, DispatchParams, LayoutParams, NormalOffsets, CHUNK_TOKENS, LAYOUT_THREADS,
-    MOVE_THREADS,
+    CombineParams, DispatchParams, LayoutParams, NormalOffsets, BARRIER_CLOSING, BARRIER_MIDDLE,
+    CHUNK_TOKENS, EXCHANGE_COMBINE, EXCHANGE_DISPATCH, LAYOUT_THREADS, MOVE_THREADS,
 };
 use crate::error::{Error, Result};
 use crate::reference::{normal::worst_case_rows, Dtype};
@@ -233,6 +233,63 @@ impl Dispatched {
     }
 }
 
+/// The mode's two exchanges, for the barrier that closes them.
+///
+/// Closing barriers: after an exchange, peers may still be reading what it
+/// left in the areas: after a dispatch, this rank's staged rows and totals
+/// and the records it pushed into their areas (their pulls); after a
+/// combine, the rows it sent into their return rows (their reduces). The
+/// next exchange of the same kind overwrites exactly those, so it must not
+/// start before every rank has passed a barrier after them. An exchange of
+/// the other kind writes none of them, and every exchange has a barrier of
+/// all ranks in its middle, which every rank passes only after finishing
+/// its earlier work on its stream (calls run on the GPU in the order they
+/// are made, API rule). So the closing barrier of an exchange is left for
+/// later and runs only before the next exchange of the mode when that is of
+/// the same kind: a dispatch/combine pair, as a model's layers make them,
+/// runs two barriers instead of four.
+///
+/// Which exchange is open is known on the device (the open-exchange word,
+/// kernels/barrier.cu, "Roles"): CUDA-graph replays run exchanges the host
+/// does not see. The host keeps a copy of it to skip the closing barrier's
+/// launch, and stops trusting the copy once a call of the context has been
+/// captured: from then on it launches every closing barrier, and the
+/// device skips those with nothing open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i32)]
+pub(super) enum Exchange {
+    /// `ep_dispatch`, or the dispatch of a fused call.
+    Dispatch = EXCHANGE_DISPATCH,
+    /// `ep_combine`, or the combine of a fused call.
+    Combine = EXCHANGE_COMBINE,
+}
+
+/// The host's copy of the open exchange (see [`Exchange`]).
+#[derive(Debug, Default)]
+struct Unclosed {
+    /// The last exchange enqueued, unless a closing barrier followed it.
+    open: Option<Exchange>,
+    /// Whether a call was captured into a CUDA graph: `open` may be stale.
+    graphs: bool,
+}
+
+impl Unclosed {
+    /// Before an exchange of kind `next` (`captured` into a graph): whether
+    /// to launch the closing barrier of kind `next`. It runs exactly when
+    /// the open exchange is of that kind; either way nothing is open after
+    /// `next`'s middle barrier.
+    fn open(&mut self, next: Exchange, captured: bool) -> bool {
+        self.graphs |= captured;
+        self.open.take() == Some(next) || self.graphs
+    }
+
+    /// After an exchange of kind `done` was enqueued, with its middle
+    /// barrier and without its closing one.
+    fn leave(&mut self, done: Exchange) {
+        self.open = Some(done);
+    }
+}
+
 pub struct NormalMode {
     /// Where the mode's area starts in every rank's buffer.
     offset: usize,
@@ -245,6 +302,8 @@ pub struct NormalMode {
     hier: Option<Hierarchy>,
     /// Arrays for the handles (made here, not per handle).
     spares: SpareArrays,
+    /// The last single-node exchange, when its closing barrier has not run.
+    unclosed: Unclosed,
 }
 
 impl NormalMode {
@@ -273,7 +332,42 @@ impl NormalMode {
             host_counts: MappedHost::new(&rt.device, 1 + rt.cfg.local_experts())?,
             hier,
             spares,
+            unclosed: Unclosed::default(),
         })
+    }
+
+    /// Enqueues, before a single-node exchange of kind `next`, the closing
+    /// barrier of the last exchange if `next` may need it (see
+    /// [`Exchange`]). The caller then enqueues the exchange, with
+    /// [`Self::middle_barrier`] in it, and calls [`Self::leave_open`].
+    ///
+    /// # Safety
+    /// `stream` must be a stream of this context's device (or null).
+    pub(super) unsafe fn open(&mut self, rt: &Bound, next: Exchange, stream: Stream) -> Result<()> {
+        // SAFETY: passed on from the caller.
+        unsafe {
+            if self.unclosed.open(next, rt.capturing(stream)?) {
+                rt.exchange_barrier(BARRIER_CLOSING, next as i32, stream)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The barrier in the middle of an exchange of kind `exchange`: every
+    /// rank's writes before it are visible to every rank after it, and the
+    /// exchange stays open on the device.
+    ///
+    /// # Safety
+    /// As [`Self::open`].
+    unsafe fn middle_barrier(rt: &Bound, exchange: Exchange, stream: Stream) -> Result<()> {
+        // SAFETY: passed on from the caller.
+        unsafe { rt.exchange_barrier(BARRIER_MIDDLE, exchange as i32, stream) }
+    }
+
+    /// Records that a single-node exchange of kind `done` was enqueued
+    /// without its closing barrier.
+    pub(super) fn leave_open(&mut self, done: Exchange) {
+        self.unclosed.leave(done);
     }
 
     pub fn layout(&mut self, rt: &Bound, op: &LayoutOp, stream: Stream) -> Result<()> {
@@ -351,8 +445,9 @@ impl NormalMode {
                     hier.dispatch(rt, &params, hier_handle, stream)?;
                 }
                 _ => {
+                    self.open(rt, Exchange::Dispatch, stream)?;
                     self.enqueue_routing(rt, &params, op.num_tokens, stream)?;
-                    rt.barrier(stream)?;
+                    self.leave_open(Exchange::Dispatch);
                 }
             }
         }
@@ -492,7 +587,8 @@ impl NormalMode {
 
     /// Enqueues the single-node dispatch up to its rows: count, stage,
     /// barrier, pull (which moves the expert-major rows too unless
-    /// `params.skip_expert_rows`). The caller enqueues the closing barrier.
+    /// `params.skip_expert_rows`). The caller opens the exchange before and
+    /// leaves it open after (see [`Exchange`]).
     /// A dispatch of one chunk (at most `CHUNK_TOKENS` tokens) has no stage
     /// launch: its count kernel, on the SM budget's grid, does that work
     /// too (`stage_in_count`), one launch less at every world size.
@@ -528,7 +624,7 @@ impl NormalMode {
                     params,
                 )?;
             }
-            rt.barrier(stream)?;
+            Self::middle_barrier(rt, Exchange::Dispatch, stream)?;
             rt.launch(
                 &k.dispatch_pull,
                 sms,
@@ -555,6 +651,7 @@ impl NormalMode {
             if let (Some(hier), Some(hier_handle)) = (&self.hier, &handle.hier) {
                 return hier.combine(rt, &params, hier_handle, stream);
             }
+            self.open(rt, Exchange::Combine, stream)?;
             rt.launch(
                 &rt.kernels.combine_send,
                 rt.normal_grid(),
@@ -600,20 +697,21 @@ impl NormalMode {
         }
     }
 
-    /// Enqueues the combine after its send: barrier, reduce, barrier.
+    /// Enqueues the combine after its send: barrier, reduce; the closing
+    /// barrier is left for later (see [`Exchange`]).
     ///
     /// # Safety
     /// `params` must come from [`Self::combine_params`], with every array
     /// valid until the stream has run the kernels.
     pub(super) unsafe fn enqueue_reduce(
-        &self,
+        &mut self,
         rt: &Bound,
         params: &CombineParams,
         stream: Stream,
     ) -> Result<()> {
         // SAFETY: the caller vouches for the arrays.
         unsafe {
-            rt.barrier(stream)?;
+            Self::middle_barrier(rt, Exchange::Combine, stream)?;
             rt.launch(
                 &rt.kernels.combine_reduce,
                 rt.normal_grid(),
@@ -622,8 +720,9 @@ impl NormalMode {
                 stream,
                 params,
             )?;
-            rt.barrier(stream)
         }
+        self.leave_open(Exchange::Combine);
+        Ok(())
     }
 }
 
@@ -658,4 +757,51 @@ fn padded_rows(counts: &[i32], alignment: usize) -> usize {
         .iter()
         .map(|&c| (c as usize).div_ceil(alignment) * alignment)
         .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Exchange, Unclosed};
+    use Exchange::{Combine, Dispatch};
+
+    /// Which calls of `calls` enqueue the closing barrier of the one before.
+    fn closing_barriers(calls: &[Exchange]) -> Vec<bool> {
+        let mut unclosed = Unclosed::default();
+        calls
+            .iter()
+            .map(|&call| {
+                let barrier = unclosed.open(call, false);
+                unclosed.leave(call);
+                barrier
+            })
+            .collect()
+    }
+
+    #[test]
+    fn only_an_exchange_of_the_same_kind_closes_the_last_one() {
+        // A model's layers: dispatch/combine pairs, no closing barriers.
+        assert_eq!(
+            closing_barriers(&[Dispatch, Combine, Dispatch, Combine]),
+            [false; 4]
+        );
+        // Two dispatches (or combines) in a row: the second one first
+        // closes the first; a third closes the second.
+        assert_eq!(
+            closing_barriers(&[Dispatch, Dispatch, Dispatch, Combine, Combine, Dispatch]),
+            [false, true, true, false, true, false]
+        );
+    }
+
+    #[test]
+    fn after_a_capture_every_closing_barrier_is_launched() {
+        let mut unclosed = Unclosed::default();
+        assert!(!unclosed.open(Dispatch, false));
+        unclosed.leave(Dispatch);
+        // Captured: launched, though a combine follows a dispatch (a
+        // replay may follow a combine).
+        assert!(unclosed.open(Combine, true));
+        unclosed.leave(Combine);
+        // Not captured, but a replay may have run since: still launched.
+        assert!(unclosed.open(Dispatch, false));
+    }
 }
