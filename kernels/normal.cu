@@ -180,17 +180,14 @@ __device__ void ep_stage_rows(const DispatchParams& p, bool all_tokens) {
 
 // The stage of a dispatch of one chunk, by block 0 of its count kernel
 // once the chunk's positions are written: the chunk's counts are the
-// totals, its tokens' records start at 0 (no earlier chunk), then the
-// block's share of the copy. `scratch` is the count kernel's shared memory,
-// `columns` ints of it are used.
+// totals (which the count wrote too), its tokens' records start at 0 (no
+// earlier chunk), then the block's share of the copy. `scratch` is the
+// count kernel's shared memory, `columns` ints of it are used.
 __device__ void ep_stage_single_chunk(const DispatchParams& p, int* scratch, int columns) {
-    const int* chunk_counts = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_counts);
-    int* totals = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_totals);
-    // The block's global stores (positions, counts) are visible to all of
-    // its threads after the barrier.
+    // The block's global stores (positions) are visible to all of its
+    // threads after the barrier.
     __syncthreads();
     for (int c = threadIdx.x; c < columns; c += blockDim.x) {
-        totals[c] = chunk_counts[c];
         scratch[c] = 0;
     }
     __syncthreads();
@@ -198,6 +195,18 @@ __device__ void ep_stage_single_chunk(const DispatchParams& p, int* scratch, int
         ep_push_records(p, threadIdx.x, scratch);
     }
     ep_stage_rows(p, true);
+}
+
+// The dispatch's first kernel starts the collective call (ep_device.cuh,
+// "Collective calls"); the barriers carry its word. Whether this thread
+// does it: thread 0 of a block that counts no chunk when there is one (the
+// last block of a one-chunk dispatch on a grid of several, at its start,
+// off the path of block 0, which counts and stages), else of block 0, last,
+// so that the block's other warps do not wait for its system-scope fence.
+__device__ __forceinline__ bool ep_count_starts_call(const DispatchParams& p) {
+    const bool idle_block = p.stage_in_count && gridDim.x > 1;
+    const unsigned starter = idle_block ? gridDim.x - 1 : 0;
+    return blockIdx.x == starter && threadIdx.x == 0;
 }
 
 // ---------------------------------------------------------------------------
@@ -222,8 +231,12 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
     // (32 r + l) % topk); ids fit 16 bits (EP_MAX_EXPERTS).
     __shared__ int16_t warp_pairs[EP_CHUNK_WARPS][32 * EP_MAX_TOPK];
     // One chunk with `stage_in_count`: block 0 counts and then stages (see
-    // the end), the other blocks only copy the tokens for the peers.
+    // the end), the other blocks only copy the tokens for the peers, and
+    // the last one starts the call (ep_count_starts_call).
     if (p.stage_in_count && blockIdx.x > 0) {
+        if (ep_count_starts_call(p)) {
+            ep_begin_collective(p.peer_bases[p.rank], p.collective);
+        }
         ep_stage_rows(p, true);
         return;
     }
@@ -309,7 +322,8 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
     __syncthreads();
 
     // Per-warp counts -> per-warp bases (exclusive, token order), and the
-    // chunk's totals.
+    // chunk's totals (with one chunk, the dispatch's totals too).
+    int* const totals = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_totals);
     for (int c = threadIdx.x; c < columns; c += blockDim.x) {
         int running = 0;
         for (int w = 0; w < EP_CHUNK_WARPS; ++w) {
@@ -318,6 +332,9 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
             running += count;
         }
         chunk_counts[static_cast<int64_t>(blockIdx.x) * columns + c] = running;
+        if (p.stage_in_count) {
+            totals[c] = running;
+        }
     }
     __syncthreads();
 
@@ -342,10 +359,7 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
     if (p.stage_in_count) {
         ep_stage_single_chunk(p, warp_counts, columns);
     }
-    // The dispatch's first kernel starts the collective call (ep_device.cuh,
-    // "Collective calls"); the barriers carry its word. Last, so that the
-    // block's other warps do not wait for its system-scope fence.
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (ep_count_starts_call(p)) {
         ep_begin_collective(p.peer_bases[p.rank], p.collective);
     }
 }
@@ -602,7 +616,8 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
         uint8_t* dst = p.recv_x == nullptr ? nullptr
                                            : p.recv_x + static_cast<int64_t>(row) * p.row_bytes;
         if (dst != nullptr || num_extra > 0) {
-            ep_warp_copy_row(src, dst, p.expert_x, extra_rows, num_extra, p.row_bytes, lane);
+            ep_warp_copy_row<EP_PULL_COPY_UNROLL>(src, dst, p.expert_x, extra_rows, num_extra,
+                                                  p.row_bytes, lane);
         }
 
         if (p.scale_cols > 0 && (dst != nullptr || num_extra > 0)) {

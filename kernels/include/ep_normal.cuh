@@ -19,6 +19,12 @@
 #define EP_MOVE_WARPS (EP_MOVE_THREADS / 32)
 // 16-byte vectors each lane has in flight when copying a row.
 #define EP_COPY_UNROLL 8
+// The same for the dispatch's pull, whose rows are latency-bound at small
+// batches (a warp per row): a 7168-wide BF16 row (896 vectors) in two
+// rounds of loads instead of four. The pull has the registers for it (64
+// of the 128 a thread may use at EP_MOVE_THREADS); the send kernel (122)
+// and the fused kernel do not.
+#define EP_PULL_COPY_UNROLL 16
 
 // ---------------------------------------------------------------------------
 // Small helpers
@@ -55,17 +61,18 @@ __device__ __forceinline__ const float* ep_token_scales(const DispatchParams& p,
 
 // Copies `bytes` (a multiple of 16) from `src` to `dst` (unless nullptr)
 // and to the rows `extra_rows[0..num_extra)` of `extra_base`, with the
-// whole warp: every lane keeps EP_COPY_UNROLL 16-byte loads in flight before
-// it stores, so a remote (NVLink) source is read at full speed.
+// whole warp: every lane keeps kUnroll 16-byte loads in flight before it
+// stores, so a remote (NVLink) source is read at full speed.
+template <int kUnroll = EP_COPY_UNROLL>
 __device__ __forceinline__ void ep_warp_copy_row(const uint8_t* src, uint8_t* dst,
                                                  uint8_t* extra_base, const int* extra_rows,
                                                  int num_extra, int bytes, int lane) {
     const int4* s = reinterpret_cast<const int4*>(src);
     const int vectors = bytes / 16;
-    for (int base = 0; base < vectors; base += 32 * EP_COPY_UNROLL) {
-        int4 v[EP_COPY_UNROLL];
+    for (int base = 0; base < vectors; base += 32 * kUnroll) {
+        int4 v[kUnroll];
 #pragma unroll
-        for (int u = 0; u < EP_COPY_UNROLL; ++u) {
+        for (int u = 0; u < kUnroll; ++u) {
             const int i = base + u * 32 + lane;
             if (i < vectors) {
                 v[u] = s[i];
@@ -73,7 +80,7 @@ __device__ __forceinline__ void ep_warp_copy_row(const uint8_t* src, uint8_t* ds
         }
         if (dst != nullptr) {
 #pragma unroll
-            for (int u = 0; u < EP_COPY_UNROLL; ++u) {
+            for (int u = 0; u < kUnroll; ++u) {
                 const int i = base + u * 32 + lane;
                 if (i < vectors) {
                     reinterpret_cast<int4*>(dst)[i] = v[u];
@@ -84,7 +91,7 @@ __device__ __forceinline__ void ep_warp_copy_row(const uint8_t* src, uint8_t* ds
             int4* row =
                 reinterpret_cast<int4*>(extra_base + static_cast<int64_t>(extra_rows[e]) * bytes);
 #pragma unroll
-            for (int u = 0; u < EP_COPY_UNROLL; ++u) {
+            for (int u = 0; u < kUnroll; ++u) {
                 const int i = base + u * 32 + lane;
                 if (i < vectors) {
                     row[i] = v[u];
