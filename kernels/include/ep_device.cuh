@@ -332,16 +332,30 @@ __device__ __forceinline__ bool ep_last_barrier_passed(uint64_t own_base) {
 // Warps, routing and BF16 vectors
 // ---------------------------------------------------------------------------
 
+// Chunk counts a thread loads at once when summing them: a 4096-token
+// dispatch (16 chunks) sums in one round trip instead of a chain of them.
+#define EP_SUM_CHUNKS_IN_FLIGHT 16
+
 // A dispatch's per-chunk counts (`chunk_counts`, [chunks][columns])
 // summed over the first `chunks` chunks, for every column, into `sums`: the
 // totals (all chunks) or a chunk's bases (the chunks before it). The block's
-// threads share the columns.
+// threads share the columns; each has EP_SUM_CHUNKS_IN_FLIGHT loads in
+// flight before it adds them.
 __device__ __forceinline__ void ep_sum_chunk_counts(const int* chunk_counts, int columns,
                                                     int chunks, int* sums) {
     for (int c = threadIdx.x; c < columns; c += blockDim.x) {
         int sum = 0;
-        for (int b = 0; b < chunks; ++b) {
-            sum += chunk_counts[static_cast<int64_t>(b) * columns + c];
+        for (int first = 0; first < chunks; first += EP_SUM_CHUNKS_IN_FLIGHT) {
+            int counts[EP_SUM_CHUNKS_IN_FLIGHT];
+#pragma unroll
+            for (int i = 0; i < EP_SUM_CHUNKS_IN_FLIGHT; ++i) {
+                const int b = first + i;
+                counts[i] = b < chunks ? chunk_counts[static_cast<int64_t>(b) * columns + c] : 0;
+            }
+#pragma unroll
+            for (int i = 0; i < EP_SUM_CHUNKS_IN_FLIGHT; ++i) {
+                sum += counts[i];
+            }
         }
         sums[c] = sum;
     }
