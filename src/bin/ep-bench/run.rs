@@ -859,6 +859,14 @@ impl Rank {
                 us
             };
 
+            // Between barriers, an untimed combine of the handle's dispatch,
+            // so that the next timed dispatch follows a combine.
+            let untimed_combine = |layout: i32, x: &Buf| {
+                self.barrier();
+                combine(layout, x, "ep_combine (untimed)", false);
+                self.barrier();
+            };
+
             // Poisoned device row count, checked after the first dispatch.
             recv_num.fill(dev, 0xFF);
             let mut hc = host_counts.clone();
@@ -892,14 +900,7 @@ impl Rank {
                 // keep it so).
                 let mut a = source_order(EP_DTYPE_BF16);
                 let d_after_d = dispatch(&mut a, "ep_dispatch BF16 after a dispatch", &mut hc);
-                self.barrier();
-                combine(
-                    EP_COMBINE_SOURCE_ORDER,
-                    &recv_x,
-                    "ep_combine source-order",
-                    false,
-                );
-                self.barrier();
+                untimed_combine(EP_COMBINE_SOURCE_ORDER, &recv_x);
                 let expert_major = |flags: u32| {
                     let mut a = base(EP_DTYPE_BF16);
                     a.flags = flags;
@@ -927,23 +928,9 @@ impl Rank {
                     "ep_dispatch BF16 expert-major, padding kept",
                     &mut hc,
                 );
-                self.barrier();
-                combine(
-                    EP_COMBINE_EXPERT_MAJOR,
-                    &expert_x,
-                    "ep_combine expert-major",
-                    false,
-                );
-                self.barrier();
+                untimed_combine(EP_COMBINE_EXPERT_MAJOR, &expert_x);
                 let d_host = dispatch_host_us();
-                self.barrier();
-                combine(
-                    EP_COMBINE_SOURCE_ORDER,
-                    &recv_x,
-                    "ep_combine source-order",
-                    false,
-                );
-                self.barrier();
+                untimed_combine(EP_COMBINE_SOURCE_ORDER, &recv_x);
                 vec![
                     d_bf16, d_fp8, d_em, c_src, c_em, d_host, c_src_host, d_em_kept, d_after_d,
                 ]
