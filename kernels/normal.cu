@@ -2,24 +2,22 @@
 //
 // Every rank owns one symmetric area (mapped by every peer, see
 // src/runtime/gpu/normal.rs for the byte layout). A dispatch is at most
-// five launches on the caller's stream; kernels of one rank only ever write
+// four launches on the caller's stream; kernels of one rank only ever write
 // their own area, except the stage, which pushes records into the peers'
 // areas, and the combine's send, which writes the peers' return rows:
 //
 //   1. count (source side): for every chunk of 256 tokens, how many tokens go
 //      to each rank and how many (token, slot) pairs to each expert, and the
 //      position of every token / pair inside its chunk.
-//   2. stage (source side): turns chunk positions into positions over all
-//      tokens (the prefix over earlier chunks), writes the totals, pushes a
-//      small record per (token, destination rank) into the destination's
-//      area (token index, and per slot the local expert, its weight and the
-//      pair's position among this source's pairs of that expert), and
-//      copies the tokens (and scales) that another rank receives into its
-//      own area for the peers to pull; the pull reads the rank's own tokens
-//      from the caller's `x`, so with one rank nothing is staged. A dispatch
-//      of one chunk has no stage launch: block 0 of its count kernel (whose
-//      grid is then the SM budget) stages after counting, and the other
-//      blocks copy the tokens (`stage_in_count`).
+//   2. stage (source side, in the same kernel: "Dispatch 1"): turns chunk
+//      positions into positions over all tokens (the prefix over earlier
+//      chunks, which each chunk's block waits for), writes the totals,
+//      pushes a small record per (token, destination rank) into the
+//      destination's area (token index, and per slot the local expert, its
+//      weight and the pair's position among this source's pairs of that
+//      expert), and copies the tokens (and scales) into its own area for
+//      the peers to pull; the pull reads the rank's own tokens from the
+//      caller's `x`, so with one rank nothing is copied.
 //   3. barrier: every rank's stage is complete and visible.
 //   4. pull (receiver side): reads every source's totals, lays out the
 //      source-order rows (by source rank, then token order) and the
@@ -55,12 +53,13 @@
 // with EP_STATUS_MISMATCH, and the kernels after a failed barrier do nothing
 // (ep_last_barrier_passed): no rank uses what a peer wrote for another call.
 //
-// Waiting: only the barrier kernel (one block) waits for other ranks; the
-// count, stage, pull, send and reduce kernels never wait for another block,
-// so any number of their blocks may be resident. The row-moving grids are
-// the config's SM budget, at most the rank's share of the GPU when ranks
-// share it (src/runtime/gpu/placement.rs; kernels/low_latency.cu,
-// "Co-residency", says why every rank's waiting kernel then finds room).
+// Waiting: only the barrier kernel (one block) waits for other ranks. Of
+// the other kernels only the count waits for other blocks, and only for
+// blocks that took an earlier ticket ("Dispatch 1"), so any number of their
+// blocks may be resident. The row-moving grids are the config's SM budget,
+// at most the rank's share of the GPU when ranks share it
+// (src/runtime/gpu/placement.rs; kernels/low_latency.cu, "Co-residency",
+// says why every rank's waiting kernel then finds room).
 //
 // Optional outputs: every output pointer that the API lets the caller pass
 // as NULL (recv_topk_idx, recv_topk_weights, recv_src_info, recv_num_rows,
@@ -85,19 +84,8 @@
 
 // ---------------------------------------------------------------------------
 // Staging: the records of a token and the copy of the rows peers pull (the
-// stage kernel's work; the count kernel's for a dispatch of one chunk)
+// count kernel's work after counting, "Dispatch 1")
 // ---------------------------------------------------------------------------
-
-// Whole warp: whether a token goes to a rank other than `rank`, from its
-// `[world]` positions (`rank_pos`, -1 where it does not go).
-__device__ __forceinline__ bool ep_goes_to_peer(const int* rank_pos, int world, int rank,
-                                                int lane) {
-    bool peer = false;
-    for (int r = lane; r < world; r += 32) {
-        peer = peer || (r != rank && rank_pos[r] >= 0);
-    }
-    return __any_sync(0xffffffffu, peer);
-}
 
 // One token's part of the stage: the handle's is-token-in-rank, and the
 // token's record in the area of every rank it goes to, at its position in
@@ -147,13 +135,13 @@ __device__ void ep_push_records(const DispatchParams& p, int token, const int* c
     }
 }
 
-// The stage's copy, a warp per token over the whole grid: the tokens (and
-// scales) that another rank receives go into this rank's area for the peers
-// to pull; this rank's own rows are pulled from `x` itself (ep_token_row),
-// so with one rank nothing is copied. `all_tokens`: copy every token when
-// there are peers, without reading the count kernel's positions (for the
-// blocks of a count kernel that stages, which must not wait for block 0).
-__device__ void ep_stage_rows(const DispatchParams& p, bool all_tokens) {
+// The stage's copy, a warp per token over the whole grid: with peers, every
+// token (and its scales) goes into this rank's area for the peers to pull,
+// without waiting for the count (a token that no peer receives is copied
+// too: with uniform routing of 8 slots over 2 ranks, 1 in 256); this rank's
+// own rows are pulled from `x` itself (ep_token_row), so with one rank
+// nothing is copied.
+__device__ void ep_stage_rows(const DispatchParams& p) {
     if (p.world == 1) {
         return;
     }
@@ -162,12 +150,7 @@ __device__ void ep_stage_rows(const DispatchParams& p, bool all_tokens) {
     const int warps = gridDim.x * (blockDim.x / 32);
     uint8_t* staged_x = ep_area<uint8_t>(p.peer_bases, p.rank, p.normal.area, p.normal.off_staged_x);
     float* staged_scales = ep_area<float>(p.peer_bases, p.rank, p.normal.area, p.normal.off_staged_scales);
-    const int* rank_pos = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_rank_pos);
     for (int token = blockIdx.x * (blockDim.x / 32) + warp; token < p.num_tokens; token += warps) {
-        if (!all_tokens &&
-            !ep_goes_to_peer(rank_pos + static_cast<int64_t>(token) * p.world, p.world, p.rank, lane)) {
-            continue;
-        }
         const int64_t row = static_cast<int64_t>(token) * p.row_bytes;
         ep_warp_copy_row(reinterpret_cast<const uint8_t*>(p.x) + row, staged_x + row, nullptr,
                          nullptr, 0, p.row_bytes, lane);
@@ -178,78 +161,64 @@ __device__ void ep_stage_rows(const DispatchParams& p, bool all_tokens) {
     }
 }
 
-// The stage of a dispatch of one chunk, by block 0 of its count kernel
-// once the chunk's positions are written: the chunk's counts are the
-// totals (which the count wrote too), its tokens' records start at 0 (no
-// earlier chunk), then the block's share of the copy. `scratch` is the
-// count kernel's shared memory, `columns` ints of it are used.
-__device__ void ep_stage_single_chunk(const DispatchParams& p, int* scratch, int columns) {
-    // The block's global stores (positions) are visible to all of its
-    // threads after the barrier.
-    __syncthreads();
-    for (int c = threadIdx.x; c < columns; c += blockDim.x) {
-        scratch[c] = 0;
-    }
-    __syncthreads();
-    if (static_cast<int>(threadIdx.x) < p.num_tokens) {
-        ep_push_records(p, threadIdx.x, scratch);
-    }
-    ep_stage_rows(p, true);
-}
-
-// The dispatch's first kernel starts the collective call (ep_device.cuh,
-// "Collective calls"); the barriers carry its word. Whether this thread
-// does it: thread 0 of a block that counts no chunk when there is one (the
-// last block of a one-chunk dispatch on a grid of several, at its start,
-// off the path of block 0, which counts and stages), else of block 0, last,
-// so that the block's other warps do not wait for its system-scope fence.
-__device__ __forceinline__ bool ep_count_starts_call(const DispatchParams& p) {
-    const bool idle_block = p.stage_in_count && gridDim.x > 1;
-    const unsigned starter = idle_block ? gridDim.x - 1 : 0;
-    return blockIdx.x == starter && threadIdx.x == 0;
-}
-
 // ---------------------------------------------------------------------------
-// Dispatch 1: count (grid = max(1, chunks), EP_CHUNK_TOKENS threads,
-// dynamic shared memory EP_CHUNK_WARPS * (world + experts) ints)
+// Dispatch 1: count and stage (EP_CHUNK_TOKENS threads, dynamic shared
+// memory EP_CHUNK_WARPS * (world + experts) ints)
 // ---------------------------------------------------------------------------
 
-// For chunk b = blockIdx.x, writes
-//   chunk_counts[b][r]         tokens of the chunk that go to rank r,
-//   chunk_counts[b][world + e] (token, slot) pairs of the chunk for expert e,
-//   rank_pos[t][r]             position of token t among the chunk's tokens
-//                              for rank r, or -1 when t does not go there,
-//   slot_rank[t][k]            position of (t, k) among the chunk's pairs of
-//                              its expert (effective experts only).
+// With `stage_in_count` (every single-node dispatch; grid max(chunks, SM
+// budget)) one kernel counts and stages. Blocks take tickets as they start
+// (`chunk_sync`, EP_CHUNK_SYNC_TICKET): tickets below the chunk count are
+// chunks to count. A block that has counted its chunk publishes its counts
+// (ready flag c, a GPU-scope release), waits for the counts of every
+// earlier chunk (acquires), sums them into its chunk's bases and stages its
+// tokens; the last chunk also writes the totals. Then every block takes its
+// share of the copy for the peers. A block only ever waits for chunks of
+// lower tickets, whose blocks are running (they took their tickets first)
+// and wait for nobody later, so the waits end whatever the residency. The
+// last block to finish (EP_CHUNK_SYNC_DONE) clears the tickets and flags
+// for the next dispatch, which runs after this kernel on the stream.
+// Without `stage_in_count` (the hierarchical mode, which stages in its own
+// kernels) block b counts chunk b and stops.
+//
+// The words of `chunk_sync` (normal.off_chunk_sync, EP_CHUNK_SYNC_HEADER
+// words, then a ready flag per chunk).
+#define EP_CHUNK_SYNC_TICKET 0
+#define EP_CHUNK_SYNC_DONE 1
+
+// Per warp, the effective expert of each of its 32 tokens' slots in
+// token-major order (pair 32 r + l is token (32 r + l) / topk's slot
+// (32 r + l) % topk); ids fit 16 bits (EP_MAX_EXPERTS).
+typedef int16_t EpWarpPairs[32 * EP_MAX_TOPK];
+
+__device__ __forceinline__ int ep_chunk_count(int num_tokens) {
+    return max(1, (num_tokens + EP_CHUNK_TOKENS - 1) / EP_CHUNK_TOKENS);
+}
+
+// For chunk `chunk`, by the whole block, writes
+//   chunk_counts[chunk][r]         tokens of the chunk that go to rank r,
+//   chunk_counts[chunk][world + e] (token, slot) pairs of the chunk for e,
+//   rank_pos[t][r]                 position of token t among the chunk's
+//                                  tokens for rank r, or -1 when t does not
+//                                  go there,
+//   slot_rank[t][k]                position of (t, k) among the chunk's
+//                                  pairs of its expert (effective experts).
 // Positions follow token order: a warp takes 32 tokens, finds ranks inside
-// the warp with ballots (ranks) and __match_any_sync (experts), and the warps'
-// counts are then turned into per-warp bases in token order.
-extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
-    extern __shared__ int warp_counts[];  // [EP_CHUNK_WARPS][world + experts]
-    // Per warp, the effective expert of each of its 32 tokens' slots in
-    // token-major order (pair 32 r + l is token (32 r + l) / topk's slot
-    // (32 r + l) % topk); ids fit 16 bits (EP_MAX_EXPERTS).
-    __shared__ int16_t warp_pairs[EP_CHUNK_WARPS][32 * EP_MAX_TOPK];
-    // One chunk with `stage_in_count`: block 0 counts and then stages (see
-    // the end), the other blocks only copy the tokens for the peers, and
-    // the last one starts the call (ep_count_starts_call).
-    if (p.stage_in_count && blockIdx.x > 0) {
-        if (ep_count_starts_call(p)) {
-            ep_begin_collective(p.peer_bases[p.rank], p.collective);
-        }
-        ep_stage_rows(p, true);
-        return;
-    }
+// the warp with ballots (ranks) and __match_any_sync (experts), and the
+// warps' counts are then turned into per-warp bases in token order.
+// `warp_counts` is the kernel's dynamic shared memory, `warp_pairs` one
+// EpWarpPairs per warp.
+__device__ void ep_count_chunk(const DispatchParams& p, int chunk, int* warp_counts,
+                               EpWarpPairs* warp_pairs) {
     const int columns = p.world + p.num_experts;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int local_experts = p.num_experts / p.world;
-    const int first_token = blockIdx.x * EP_CHUNK_TOKENS + warp * 32;
+    const int first_token = chunk * EP_CHUNK_TOKENS + warp * 32;
     int* const my_counts = warp_counts + warp * columns;
     int* const slot_rank = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_slot_rank);
     int* const rank_pos = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_rank_pos);
     int* const chunk_counts = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_counts);
-
     for (int i = threadIdx.x; i < EP_CHUNK_WARPS * columns; i += blockDim.x) {
         warp_counts[i] = 0;
     }
@@ -322,8 +291,7 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
     __syncthreads();
 
     // Per-warp counts -> per-warp bases (exclusive, token order), and the
-    // chunk's totals (with one chunk, the dispatch's totals too).
-    int* const totals = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_totals);
+    // chunk's totals.
     for (int c = threadIdx.x; c < columns; c += blockDim.x) {
         int running = 0;
         for (int w = 0; w < EP_CHUNK_WARPS; ++w) {
@@ -331,10 +299,7 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
             warp_counts[w * columns + c] = running;
             running += count;
         }
-        chunk_counts[static_cast<int64_t>(blockIdx.x) * columns + c] = running;
-        if (p.stage_in_count) {
-            totals[c] = running;
-        }
+        chunk_counts[static_cast<int64_t>(chunk) * columns + c] = running;
     }
     __syncthreads();
 
@@ -356,43 +321,109 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
                 goes ? my_counts[r] + __popc(going & ep_lanemask_lt()) : -1;
         }
     }
-    if (p.stage_in_count) {
-        ep_stage_single_chunk(p, warp_counts, columns);
+}
+
+// After ep_count_chunk, with `stage_in_count`: publishes the chunk's counts,
+// waits for the earlier chunks' (see "Dispatch 1"), and stages the chunk's
+// tokens from their bases (`scratch`: `columns` ints of the kernel's shared
+// memory); the last chunk writes the totals. Returns false when a wait
+// failed (recorded), and then stages nothing.
+__device__ bool ep_stage_chunk(const DispatchParams& p, int chunk, int chunks, int* scratch) {
+    const int columns = p.world + p.num_experts;
+    const int* chunk_counts = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_counts);
+    int* const ready = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_sync) +
+                       EP_CHUNK_SYNC_HEADER;
+    // The block's stores (counts, positions) are done, and visible to its
+    // own threads; the fence and the release publish the counts to the
+    // blocks that wait for them.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        ep_st_release_gpu(ready + chunk, 1);
     }
-    if (ep_count_starts_call(p)) {
-        ep_begin_collective(p.peer_bases[p.rank], p.collective);
+    // The wait has no peer: its "peer call" is this chunk's own flag, set
+    // to 1 above, so ep_wait_until's test for a peer in another call never
+    // fires.
+    const EpPeerCall no_peer{ready + chunk, 1};
+    bool arrived = true;
+    for (int earlier = threadIdx.x; earlier < chunk && arrived; earlier += blockDim.x) {
+        const auto look = [&] { return ep_ld_acquire_gpu(ready + earlier); };
+        arrived = ep_wait_until(look, 1, ep_deadline_after(p.timeout_ns), p.abort_flag, p.status,
+                                p.rank, EP_PHASE_DISPATCH, no_peer);
+    }
+    if (!__syncthreads_and(arrived)) {
+        return false;
+    }
+    ep_sum_chunk_counts(chunk_counts, columns, chunk, scratch);
+    __syncthreads();
+    if (chunk == chunks - 1) {
+        int* totals = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_totals);
+        for (int c = threadIdx.x; c < columns; c += blockDim.x) {
+            totals[c] = scratch[c] + chunk_counts[static_cast<int64_t>(chunk) * columns + c];
+        }
+    }
+    const int token = chunk * EP_CHUNK_TOKENS + threadIdx.x;
+    if (token < p.num_tokens) {
+        ep_push_records(p, token, scratch);
+    }
+    return true;
+}
+
+// The block's ticket (see "Dispatch 1"), by thread 0.
+__device__ __forceinline__ int ep_take_ticket(const DispatchParams& p) {
+    int* sync = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_sync);
+    return atomicAdd(sync + EP_CHUNK_SYNC_TICKET, 1);
+}
+
+// At the end of a staging count kernel, by every block: the last one to
+// finish clears the tickets and the ready flags for the next dispatch.
+__device__ void ep_finish_tickets(const DispatchParams& p, int chunks) {
+    int* sync = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_sync);
+    __shared__ bool last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(sync + EP_CHUNK_SYNC_DONE, 1) == static_cast<int>(gridDim.x) - 1;
+    }
+    __syncthreads();
+    if (!last) {
+        return;
+    }
+    for (int i = threadIdx.x; i < EP_CHUNK_SYNC_HEADER + chunks; i += blockDim.x) {
+        sync[i] = 0;
     }
 }
 
-// ---------------------------------------------------------------------------
-// Dispatch 2: stage (grid >= max(1, chunks), EP_CHUNK_TOKENS threads,
-// dynamic shared memory (world + experts) ints)
-// ---------------------------------------------------------------------------
-
-// Blocks below the chunk count finish their chunk's positions (adding the
-// counts of earlier chunks), push the records of their tokens to the
-// destination ranks and write the handle's is-token-in-rank; block 0 also
-// writes the totals peers read. Then all blocks copy the tokens and scales
-// into the area.
-extern "C" __global__ void ep_dispatch_stage_kernel(const DispatchParams p) {
-    extern __shared__ int chunk_base[];  // [world + experts]
-    const int columns = p.world + p.num_experts;
-    const int chunks = (p.num_tokens + EP_CHUNK_TOKENS - 1) / EP_CHUNK_TOKENS;
-    const int* chunk_counts = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_counts);
-
-    if (blockIdx.x == 0) {
-        int* totals = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_totals);
-        ep_sum_chunk_counts(chunk_counts, columns, chunks, totals);
+extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
+    extern __shared__ int warp_counts[];  // [EP_CHUNK_WARPS][world + experts]
+    __shared__ EpWarpPairs warp_pairs[EP_CHUNK_WARPS];
+    __shared__ int ticket;
+    const int chunks = ep_chunk_count(p.num_tokens);
+    // The dispatch's first kernel starts the collective call (ep_device.cuh,
+    // "Collective calls"); the barriers carry its word. Without staging,
+    // block 0 does it last, so that its other warps do not wait for its
+    // system-scope fence; with staging, the block of the last ticket at its
+    // start, which counts no chunk when the grid has more blocks than chunks.
+    if (!p.stage_in_count) {
+        ep_count_chunk(p, blockIdx.x, warp_counts, warp_pairs);
+        if (blockIdx.x == 0 && threadIdx.x == 0) {
+            ep_begin_collective(p.peer_bases[p.rank], p.collective);
+        }
+        return;
     }
-    if (static_cast<int>(blockIdx.x) < chunks) {
-        ep_sum_chunk_counts(chunk_counts, columns, blockIdx.x, chunk_base);
-        __syncthreads();
-        const int token = blockIdx.x * EP_CHUNK_TOKENS + threadIdx.x;
-        if (token < p.num_tokens) {
-            ep_push_records(p, token, chunk_base);
+    if (threadIdx.x == 0) {
+        ticket = ep_take_ticket(p);
+        if (ticket == static_cast<int>(gridDim.x) - 1) {
+            ep_begin_collective(p.peer_bases[p.rank], p.collective);
         }
     }
-    ep_stage_rows(p, false);
+    __syncthreads();
+    const int chunk = ticket;
+    if (chunk < chunks) {
+        ep_count_chunk(p, chunk, warp_counts, warp_pairs);
+        ep_stage_chunk(p, chunk, chunks, warp_counts);
+    }
+    ep_stage_rows(p);
+    ep_finish_tickets(p, chunks);
 }
 
 // ---------------------------------------------------------------------------

@@ -340,7 +340,8 @@ __device__ __forceinline__ bool ep_last_barrier_passed(uint64_t own_base) {
 // summed over the first `chunks` chunks, for every column, into `sums`: the
 // totals (all chunks) or a chunk's bases (the chunks before it). The block's
 // threads share the columns; each has EP_SUM_CHUNKS_IN_FLIGHT loads in
-// flight before it adds them.
+// flight before it adds them. The loads go to L2 (`__ldcg`): the counts may
+// come from other blocks of the same kernel.
 __device__ __forceinline__ void ep_sum_chunk_counts(const int* chunk_counts, int columns,
                                                     int chunks, int* sums) {
     for (int c = threadIdx.x; c < columns; c += blockDim.x) {
@@ -350,7 +351,7 @@ __device__ __forceinline__ void ep_sum_chunk_counts(const int* chunk_counts, int
 #pragma unroll
             for (int i = 0; i < EP_SUM_CHUNKS_IN_FLIGHT; ++i) {
                 const int b = first + i;
-                counts[i] = b < chunks ? chunk_counts[static_cast<int64_t>(b) * columns + c] : 0;
+                counts[i] = b < chunks ? __ldcg(chunk_counts + static_cast<int64_t>(b) * columns + c) : 0;
             }
 #pragma unroll
             for (int i = 0; i < EP_SUM_CHUNKS_IN_FLIGHT; ++i) {

@@ -39,8 +39,7 @@ __device__ __forceinline__ T* ep_area(const uint64_t* peer_bases, int r, int64_t
 
 // Where the pull reads a received token (row and FP8 scales): a peer's
 // token from the peer's staging area, one of this rank's own tokens from the
-// caller's `x` itself (the stage kernel stages only the tokens another rank
-// receives, so with one rank nothing is staged).
+// caller's `x` itself (with one rank nothing is staged).
 __device__ __forceinline__ const uint8_t* ep_token_row(const DispatchParams& p, int source,
                                                        int token) {
     const uint8_t* rows = source == p.rank

@@ -61,6 +61,9 @@ abi_consts! {
     /// Normal mode: tokens (= threads) per block of the count and stage
     /// kernels.
     CHUNK_TOKENS: usize = 256;
+    /// Normal mode: words of the count kernel's `chunk_sync` before its
+    /// per-chunk ready flags (kernels/normal.cu, "Dispatch 1").
+    CHUNK_SYNC_HEADER: usize = 2;
     /// Normal mode: threads per block of the pull, send and reduce kernels.
     MOVE_THREADS: usize = 512;
 
@@ -282,6 +285,10 @@ abi_struct! {
         off_chunk_counts: i64,
         /// `[world + experts]` tokens per rank, then pairs per expert.
         off_totals: i64,
+        /// `[CHUNK_SYNC_HEADER + chunks]` the staging count kernel's
+        /// tickets, finished blocks, then a ready flag per chunk (zero
+        /// between dispatches).
+        off_chunk_sync: i64,
         /// Records pushed by the sources, `[world, max_tokens]` rows: the
         /// token index, then per slot the local expert or -1, the position
         /// in the expert, and the weight.
@@ -336,6 +343,9 @@ abi_struct! {
         /// expert; nullptr when the host does not wait for them.
         host_counts: u64 => "int*",
         status: u64 => "EpDeviceStatus*",
+        abort_flag: u64 => "const int*",
+        /// Bound of the staging count kernel's waits for earlier chunks.
+        timeout_ns: u64,
         normal: NormalOffsets,
         recv_capacity: i64,
         expert_capacity: i64,
@@ -360,8 +370,9 @@ abi_struct! {
         /// Non-zero (`EP_DISPATCH_KEEP_PADDING`): the padding rows of
         /// `expert_x` and `expert_scales` are not written.
         keep_padding: i32,
-        /// Non-zero: a dispatch of one chunk, whose count kernel (grid of
-        /// the SM budget) also does the stage kernel's work.
+        /// Non-zero: the count kernel (grid max(chunks, SM budget)) also
+        /// stages (every single-node dispatch); zero: the hierarchical
+        /// mode's count, which stages in its own kernels.
         stage_in_count: i32,
     }
 }

@@ -10,7 +10,8 @@ use super::hierarchical::{HierHandle, Hierarchy};
 use super::{ptr, Bound, Runtime};
 use crate::abi::{
     CombineParams, DispatchParams, LayoutParams, NormalOffsets, BARRIER_CLOSING, BARRIER_MIDDLE,
-    CHUNK_TOKENS, EXCHANGE_COMBINE, EXCHANGE_DISPATCH, LAYOUT_THREADS, MOVE_THREADS,
+    CHUNK_SYNC_HEADER, CHUNK_TOKENS, EXCHANGE_COMBINE, EXCHANGE_DISPATCH, LAYOUT_THREADS,
+    MOVE_THREADS,
 };
 use crate::error::{Error, Result};
 use crate::reference::{normal::worst_case_rows, Dtype};
@@ -52,6 +53,9 @@ pub(super) struct Area {
     pub(super) chunk_counts: usize,
     /// `[W + E]` tokens per rank, then pairs per expert (read by peers).
     pub(super) totals: usize,
+    /// `[CHUNK_SYNC_HEADER + chunks]` the staging count kernel's tickets
+    /// and per-chunk ready flags.
+    pub(super) chunk_sync: usize,
     /// Records the sources push here, one per token they send, `[W, T]`
     /// rows: the token index, and per slot the local expert (or -1), its
     /// position among that source's pairs of the expert, and the weight.
@@ -85,6 +89,7 @@ impl Area {
             rank_pos: take(tokens * world * 4),
             chunk_counts: take(chunks * columns * 4),
             totals: take(columns * 4),
+            chunk_sync: take((CHUNK_SYNC_HEADER + chunks) * 4),
             in_token: take(world * tokens * 4),
             in_local: take(world * tokens * t.topk * 4),
             in_rank: take(world * tokens * t.topk * 4),
@@ -107,6 +112,7 @@ impl Area {
             off_rank_pos: self.rank_pos as i64,
             off_chunk_counts: self.chunk_counts as i64,
             off_totals: self.totals as i64,
+            off_chunk_sync: self.chunk_sync as i64,
             off_in_token: self.in_token as i64,
             off_in_local: self.in_local as i64,
             off_in_rank: self.in_rank as i64,
@@ -538,6 +544,8 @@ impl NormalMode {
                 0
             },
             status: rt.status_ptr(),
+            abort_flag: rt.abort_ptr(),
+            timeout_ns: rt.timeout_ns,
             normal: a.offsets(self.offset),
             recv_capacity: recv.map_or(0, |r| r.capacity as i64),
             expert_capacity: expert.map_or(0, |e| e.capacity as i64),
@@ -559,7 +567,7 @@ impl NormalMode {
 
     /// Enqueues the dispatch's count kernel, which starts the collective
     /// call, on `blocks` blocks: one per chunk, or with
-    /// `params.stage_in_count` the SM budget's.
+    /// `params.stage_in_count` at least one per chunk.
     ///
     /// # Safety
     /// `params` must come from [`Self::dispatch_params`], with every array
@@ -585,13 +593,11 @@ impl NormalMode {
         }
     }
 
-    /// Enqueues the single-node dispatch up to its rows: count, stage,
+    /// Enqueues the single-node dispatch up to its rows: count and stage in
+    /// one kernel (`stage_in_count`, on max(chunks, SM budget) blocks),
     /// barrier, pull (which moves the expert-major rows too unless
     /// `params.skip_expert_rows`). The caller opens the exchange before and
     /// leaves it open after (see [`Exchange`]).
-    /// A dispatch of one chunk (at most `CHUNK_TOKENS` tokens) has no stage
-    /// launch: its count kernel, on the SM budget's grid, does that work
-    /// too (`stage_in_count`), one launch less at every world size.
     ///
     /// # Safety
     /// As [`Self::enqueue_count`].
@@ -602,28 +608,15 @@ impl NormalMode {
         num_tokens: usize,
         stream: Stream,
     ) -> Result<()> {
-        let columns = rt.cfg.topo.world + rt.cfg.topo.num_experts;
         let sms = rt.normal_grid();
         let k = &rt.kernels;
+        let staging = DispatchParams {
+            stage_in_count: 1,
+            ..*params
+        };
         // SAFETY: the caller vouches for the arrays.
         unsafe {
-            if chunks(num_tokens) == 1 {
-                let staging = DispatchParams {
-                    stage_in_count: 1,
-                    ..*params
-                };
-                self.enqueue_count(rt, &staging, sms, stream)?;
-            } else {
-                self.enqueue_count(rt, params, chunks(num_tokens), stream)?;
-                rt.launch(
-                    &k.dispatch_stage,
-                    chunks(num_tokens).max(sms),
-                    CHUNK_TOKENS as u32,
-                    (columns * 4) as u32,
-                    stream,
-                    params,
-                )?;
-            }
+            self.enqueue_count(rt, &staging, chunks(num_tokens).max(sms), stream)?;
             Self::middle_barrier(rt, Exchange::Dispatch, stream)?;
             rt.launch(
                 &k.dispatch_pull,
