@@ -192,9 +192,6 @@
 #define EP_LL_LANE_VECS (EP_LL_CHUNK_VECS / 32)
 // Rows whose chunks a combine warp loads before it adds or stores them.
 #define EP_LL_ROWS_IN_FLIGHT 4
-// src/reference/fp8.rs: AMAX_FLOOR and E4M3_MAX.
-#define EP_LL_AMAX_FLOOR 1e-4f
-#define EP_LL_E4M3_MAX 448.0f
 
 // The kernels' parameters (LlParams) and this rank's counters (LlCounters)
 // are defined in src/abi/defs.rs and reach this file through ep_abi.h.
@@ -404,12 +401,12 @@ __device__ __forceinline__ Fp8Vector quantize_16(const int4& lo, const int4& hi,
     for (int offset = 4; offset > 0; offset /= 2) {
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     }
-    amax = fmaxf(amax, EP_LL_AMAX_FLOOR);
+    amax = fmaxf(amax, EP_AMAX_FLOOR);
     float scale, multiplier;
     if (ue8m0) {
         // Round amax / 448 up to a power of two on the bits; the reciprocal
         // of 2^(E-127) is 2^(127-E), biased exponent 254 - E (exact).
-        const unsigned bits = __float_as_uint(__fdiv_rn(amax, EP_LL_E4M3_MAX));
+        const unsigned bits = __float_as_uint(__fdiv_rn(amax, EP_E4M3_MAX));
         unsigned exponent = bits >> 23;
         if (bits & 0x007fffffu) {
             ++exponent;
@@ -417,8 +414,8 @@ __device__ __forceinline__ Fp8Vector quantize_16(const int4& lo, const int4& hi,
         scale = __uint_as_float(exponent << 23);
         multiplier = exponent < 255 ? __uint_as_float((254 - exponent) << 23) : 0.0f;
     } else {
-        scale = __fdiv_rn(amax, EP_LL_E4M3_MAX);
-        multiplier = __fdiv_rn(EP_LL_E4M3_MAX, amax);
+        scale = __fdiv_rn(amax, EP_E4M3_MAX);
+        multiplier = __fdiv_rn(EP_E4M3_MAX, amax);
     }
     Fp8Vector q;
     uint8_t* codes = reinterpret_cast<uint8_t*>(&q.codes);

@@ -48,9 +48,6 @@
 #define EP_MOE_VECTOR 8
 // Lanes whose vectors make one FP8 scale block (128 channels).
 #define EP_MOE_BLOCK_LANES (EP_HIDDEN_ALIGNMENT / EP_MOE_VECTOR)
-// src/reference/fp8.rs: AMAX_FLOOR and E4M3_MAX.
-#define EP_MOE_AMAX_FLOOR 1e-4f
-#define EP_MOE_E4M3_MAX 448.0f
 
 // src/reference/moe.rs, exp: the constants as bits (so no compiler rounds
 // a decimal literal), and the range outside which e^x is +inf or 0.
@@ -161,8 +158,8 @@ __device__ __forceinline__ void ep_moe_row_fp8(const MoeParams& p, int64_t j, in
         for (int offset = EP_MOE_BLOCK_LANES / 2; offset > 0; offset /= 2) {
             amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
         }
-        amax = fmaxf(amax, EP_MOE_AMAX_FLOOR);
-        const float multiplier = __fdiv_rn(EP_MOE_E4M3_MAX, amax);
+        amax = fmaxf(amax, EP_AMAX_FLOOR);
+        const float multiplier = __fdiv_rn(EP_E4M3_MAX, amax);
         if (!mine) {
             continue;
         }
@@ -173,7 +170,7 @@ __device__ __forceinline__ void ep_moe_row_fp8(const MoeParams& p, int64_t j, in
         }
         out[v] = *reinterpret_cast<const uint2*>(codes);
         if (v % EP_MOE_BLOCK_LANES == 0) {
-            scales[v / EP_MOE_BLOCK_LANES] = __fdiv_rn(amax, EP_MOE_E4M3_MAX);
+            scales[v / EP_MOE_BLOCK_LANES] = __fdiv_rn(amax, EP_E4M3_MAX);
         }
     }
 }

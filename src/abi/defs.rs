@@ -21,6 +21,11 @@ abi_consts! {
     /// Hidden sizes and FP8 scaling blocks are multiples of this (mirrors
     /// the public `EP_HIDDEN_ALIGNMENT`).
     HIDDEN_ALIGNMENT: usize = 128;
+    /// Largest finite FP8 E4M3 magnitude (src/reference/fp8.rs).
+    E4M3_MAX: f32 = 448.0;
+    /// Lower bound on an FP8 block's absolute maximum, so all-zero blocks
+    /// get a finite scale (src/reference/fp8.rs).
+    AMAX_FLOOR: f32 = 1e-4;
 
     /// Every rank's symmetric buffer starts with the barrier's `[world]`
     /// 64-bit signal slots (epoch in the low half, the signalling rank's

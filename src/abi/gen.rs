@@ -153,9 +153,39 @@ macro_rules! abi_struct {
     (@name $name:ident $c_name:literal) => { $c_name };
 }
 
+/// How a constant's value is written in C: integers as they are, an `f32`
+/// as a float literal (`448.0f`, not the double `448`), printed so that it
+/// reads back as the same `f32`.
+pub trait CLiteral {
+    fn c_literal(&self) -> String;
+}
+
+impl CLiteral for usize {
+    fn c_literal(&self) -> String {
+        self.to_string()
+    }
+}
+impl CLiteral for u32 {
+    fn c_literal(&self) -> String {
+        self.to_string()
+    }
+}
+impl CLiteral for i32 {
+    fn c_literal(&self) -> String {
+        self.to_string()
+    }
+}
+impl CLiteral for f32 {
+    fn c_literal(&self) -> String {
+        // `{:?}` always has a decimal point or an exponent, and is the
+        // shortest text that reads back as this value.
+        format!("{self:?}f")
+    }
+}
+
 /// Defines constants shared by the runtime and the kernels: `pub const`s in
 /// Rust and `c_constants()`, the same values as `#define EP_<NAME> <value>`
-/// lines (each after its doc comment).
+/// lines (each after its doc comment; see [`CLiteral`]).
 macro_rules! abi_consts {
     (
         $(
@@ -173,7 +203,11 @@ macro_rules! abi_consts {
             let mut out = String::new();
             $(
                 push_docs(&mut out, "", &[$($doc),*]);
-                out.push_str(&format!("#define EP_{} {}\n", stringify!($name), $name));
+                out.push_str(&format!(
+                    "#define EP_{} {}\n",
+                    stringify!($name),
+                    CLiteral::c_literal(&$name)
+                ));
             )*
             out
         }

@@ -10,11 +10,10 @@
 use super::SCALE_BLOCK;
 use half::bf16;
 
-/// Largest finite E4M3 magnitude.
-pub const E4M3_MAX: f32 = 448.0;
-
-/// Lower bound on a block's absolute maximum, so all-zero blocks get a finite scale.
-pub const AMAX_FLOOR: f32 = 1e-4;
+/// The largest finite E4M3 magnitude and the floor of a block's absolute
+/// maximum, defined once with the kernels' constants (`EP_E4M3_MAX`,
+/// `EP_AMAX_FLOOR`).
+pub use crate::abi::{AMAX_FLOOR, E4M3_MAX};
 
 /// The encoding of NaN that [`f32_to_e4m3`] produces.
 pub const E4M3_NAN: u8 = 0x7f;
