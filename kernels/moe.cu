@@ -1,9 +1,9 @@
 // ep_moe_forward's activation: SwiGLU between the experts' two GEMMs.
 //
 // ep_moe_forward = the fused dispatch + gate/up GEMM (kernels/mega.cu, mode
-// dispatch: routing kernels, the fused kernel, barrier), THIS kernel, then
-// the fused down GEMM + combine (kernels/mega.cu, mode combine, and the
-// normal combine's barrier, reduce, barrier), all on the caller's stream,
+// dispatch: routing kernels, the fused kernel), THIS kernel, then the fused
+// down GEMM + combine (kernels/mega.cu, mode combine, and the normal
+// combine's barrier and reduce), all on the caller's stream,
 // without a host synchronisation (capturable in a CUDA graph). The
 // semantics are src/reference/moe.rs, bit for bit given the same y1.
 //

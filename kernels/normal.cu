@@ -326,9 +326,9 @@ __device__ void ep_count_chunk(const DispatchParams& p, int chunk, int* warp_cou
 // After ep_count_chunk, with `stage_in_count`: publishes the chunk's counts,
 // waits for the earlier chunks' (see "Dispatch 1"), and stages the chunk's
 // tokens from their bases (`scratch`: `columns` ints of the kernel's shared
-// memory); the last chunk writes the totals. Returns false when a wait
-// failed (recorded), and then stages nothing.
-__device__ bool ep_stage_chunk(const DispatchParams& p, int chunk, int chunks, int* scratch) {
+// memory); the last chunk writes the totals. After a failed wait (recorded)
+// it stages nothing.
+__device__ void ep_stage_chunk(const DispatchParams& p, int chunk, int chunks, int* scratch) {
     const int columns = p.world + p.num_experts;
     const int* chunk_counts = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_counts);
     int* const ready = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_sync) +
@@ -352,7 +352,7 @@ __device__ bool ep_stage_chunk(const DispatchParams& p, int chunk, int chunks, i
                                 p.rank, EP_PHASE_DISPATCH, no_peer);
     }
     if (!__syncthreads_and(arrived)) {
-        return false;
+        return;
     }
     ep_sum_chunk_counts(chunk_counts, columns, chunk, scratch);
     __syncthreads();
@@ -366,7 +366,6 @@ __device__ bool ep_stage_chunk(const DispatchParams& p, int chunk, int chunks, i
     if (token < p.num_tokens) {
         ep_push_records(p, token, scratch);
     }
-    return true;
 }
 
 // The block's ticket (see "Dispatch 1"), by thread 0.

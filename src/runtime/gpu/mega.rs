@@ -5,11 +5,16 @@
 //! This side keeps the fused kernels' flags (a sequence number per row, and
 //! one for the end of a combine's GEMM, never cleared, see kernels/mega.cu),
 //! makes the TMA descriptors of each call's rows and weights, and enqueues:
-//! - dispatch + GEMM: count, stage, barrier, pull without the expert-major
-//!   rows (the normal mode's, see `normal.rs`), the fused kernel, barrier;
+//! - dispatch + GEMM: count and stage, barrier, pull without the
+//!   expert-major rows (the normal mode's, see `normal.rs`), the fused
+//!   kernel;
 //! - GEMM + combine: the fused kernel (the GEMM, then the combine's send
-//!   once every tile is stored), then the normal combine's barrier, reduce,
-//!   barrier.
+//!   once every tile is stored), then the normal combine's barrier and
+//!   reduce.
+//!
+//! Both leave their exchange open, like the normal mode's calls
+//! (`normal::Exchange`): its closing barrier runs only before an exchange
+//! of the same kind.
 
 use super::normal::{combined, Dispatched, Exchange, GpuHandle, NormalMode};
 use super::{ptr, Bound, Runtime};
@@ -176,11 +181,9 @@ impl MegaMode {
         // the stream has run the kernels, API rule), the handle's and the
         // context's buffers.
         unsafe {
-            normal.open(rt, Exchange::Dispatch, stream)?;
             normal.enqueue_routing(rt, &routing, d.num_tokens, stream)?;
             self.launch(rt, &op.gemm, &params, stream)?;
         }
-        normal.leave_open(Exchange::Dispatch);
         handle.dispatched = Some(Dispatched::on_device(d.num_tokens, Some(expert.capacity)));
         Ok(())
     }

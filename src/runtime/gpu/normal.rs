@@ -344,8 +344,10 @@ impl NormalMode {
 
     /// Enqueues, before a single-node exchange of kind `next`, the closing
     /// barrier of the last exchange if `next` may need it (see
-    /// [`Exchange`]). The caller then enqueues the exchange, with
-    /// [`Self::middle_barrier`] in it, and calls [`Self::leave_open`].
+    /// [`Exchange`]). The exchange then follows, with
+    /// [`Self::middle_barrier`] in it, and [`Self::leave_open`] after it:
+    /// [`Self::enqueue_routing`] does both for a dispatch;
+    /// [`Self::enqueue_reduce`] leaves a combine open.
     ///
     /// # Safety
     /// `stream` must be a stream of this context's device (or null).
@@ -372,7 +374,7 @@ impl NormalMode {
 
     /// Records that a single-node exchange of kind `done` was enqueued
     /// without its closing barrier.
-    pub(super) fn leave_open(&mut self, done: Exchange) {
+    fn leave_open(&mut self, done: Exchange) {
         self.unclosed.leave(done);
     }
 
@@ -450,11 +452,7 @@ impl NormalMode {
                     self.enqueue_count(rt, &params, chunks(op.num_tokens), stream)?;
                     hier.dispatch(rt, &params, hier_handle, stream)?;
                 }
-                _ => {
-                    self.open(rt, Exchange::Dispatch, stream)?;
-                    self.enqueue_routing(rt, &params, op.num_tokens, stream)?;
-                    self.leave_open(Exchange::Dispatch);
-                }
+                _ => self.enqueue_routing(rt, &params, op.num_tokens, stream)?,
             }
         }
         let host_counts = if host_sync {
@@ -593,16 +591,17 @@ impl NormalMode {
         }
     }
 
-    /// Enqueues the single-node dispatch up to its rows: count and stage in
-    /// one kernel (`stage_in_count`, on max(chunks, SM budget) blocks),
-    /// barrier, pull (which moves the expert-major rows too unless
-    /// `params.skip_expert_rows`). The caller opens the exchange before and
-    /// leaves it open after (see [`Exchange`]).
+    /// Enqueues the single-node dispatch up to its rows: the closing barrier
+    /// of the last dispatch if it needs one, count and stage in one kernel
+    /// (`stage_in_count`, on max(chunks, SM budget) blocks), barrier, pull
+    /// (which moves the expert-major rows too unless
+    /// `params.skip_expert_rows`); the dispatch is then left open (see
+    /// [`Exchange`]).
     ///
     /// # Safety
     /// As [`Self::enqueue_count`].
     pub(super) unsafe fn enqueue_routing(
-        &self,
+        &mut self,
         rt: &Bound,
         params: &DispatchParams,
         num_tokens: usize,
@@ -616,6 +615,7 @@ impl NormalMode {
         };
         // SAFETY: the caller vouches for the arrays.
         unsafe {
+            self.open(rt, Exchange::Dispatch, stream)?;
             self.enqueue_count(rt, &staging, chunks(num_tokens).max(sms), stream)?;
             Self::middle_barrier(rt, Exchange::Dispatch, stream)?;
             rt.launch(
@@ -625,8 +625,10 @@ impl NormalMode {
                 0,
                 stream,
                 params,
-            )
+            )?;
         }
+        self.leave_open(Exchange::Dispatch);
+        Ok(())
     }
 
     pub fn combine(
