@@ -40,7 +40,10 @@
 //   warps 1-3     communication: the dispatch's row copies (a combine's
 //                 wait at the block barrier while the GEMM runs);
 //   warpgroups 1-2 consumers: warpgroup MMA over the stages (64 rows each),
-//                 then the epilogue stores the BF16 tile into y.
+//                 then the epilogue stores the BF16 tile into y: through
+//                 a box in shared memory with TMA stores (store_rows_tma),
+//                 or, for a warpgroup whose 64 rows are not all real (an
+//                 expert's last tile), straight from its registers.
 // After a combine's GEMM every warp of the block (all 12) sends rows.
 // A consumer warpgroup whose 64 rows of a tile are all padding (a tile of at
 // most 64 real rows, as at decode) skips its MMAs. Every thread has the
@@ -76,8 +79,11 @@
 //   1. GEMM. The producer and consumers run every tile of the block (the
 //      GEMM reads the caller's rows: no wait); the communication warps wait
 //      at the block barrier (a hardware barrier, no memory traffic).
-//   2. Combine, once EVERY block's tiles are stored. Each thread fences its
-//      stores of y and the block meets; thread 0 counts the block in
+//   2. Combine, once EVERY block's tiles are stored. The thread that
+//      issued a warpgroup's TMA stores waits until they have written y and
+//      orders them before its generic accesses (fence.proxy.async); each
+//      thread fences its stores of y and the block meets; thread 0 counts
+//      the block in
 //      gemm_count (an acquire-release compare-and-swap of (sequence number,
 //      blocks)), and the block whose count completes the grid release-stores
 //      the sequence number into gemm_done. Thread 0 acquire-loads gemm_done
@@ -140,6 +146,11 @@
 #define EP_MEGA_SCALE_BLOCK EP_HIDDEN_ALIGNMENT
 // Rows of a tile that one consumer warpgroup computes.
 #define EP_MEGA_WARPGROUP_ROWS (EP_MEGA_BLOCK_M / (EP_MEGA_CONSUMERS / EP_MEGA_WARPGROUP))
+// Named barriers (bar.sync ids; 0 is __syncthreads) of the two consumer
+// warpgroups' TMA stores: EP_MEGA_STORE_BARRIER + warpgroup.
+#define EP_MEGA_STORE_BARRIER 1
+// Bytes of one row of a store box (MEGA_STORE_COLS BF16 columns).
+#define EP_MEGA_STORE_ROW_BYTES (EP_MEGA_STORE_COLS * 2)
 // Shared memory a Hopper block may have (227 KiB); the host launches every
 // fused kernel with the device's maximum, and each checks it is enough.
 #define EP_MEGA_MAX_SHARED_BYTES (227 * 1024)
@@ -471,6 +482,10 @@ struct Gemm {
     struct alignas(1024) Shared {
         Element a[kStages * kBlockM * kBlockK];
         Element b[kStages * kBlockN * kBlockK];
+        // Each consumer warpgroup's store box (store_rows_tma), 128-byte
+        // swizzled as the y tensor map says.
+        alignas(1024) uint8_t store[EP_MEGA_CONSUMERS / EP_MEGA_WARPGROUP]
+                                   [EP_MEGA_STORE_ROWS * EP_MEGA_STORE_ROW_BYTES];
         float a_scales[kStages][kBlockM];
         float b_scales[kStages][kBScales];
         uint64_t full[kStages];
@@ -814,6 +829,82 @@ __device__ __forceinline__ void store_tile(const MegaParams& p, const MegaTile& 
     }
 }
 
+// One consumer warpgroup's named barrier (its 128 threads).
+__device__ __forceinline__ void warpgroup_sync(int warpgroup) {
+    if (warpgroup == 0) {
+        asm volatile("bar.sync %0, %1;" ::"n"(EP_MEGA_STORE_BARRIER), "n"(EP_MEGA_WARPGROUP)
+                     : "memory");
+    } else {
+        asm volatile("bar.sync %0, %1;" ::"n"(EP_MEGA_STORE_BARRIER + 1), "n"(EP_MEGA_WARPGROUP)
+                     : "memory");
+    }
+}
+
+// Stores a consumer warpgroup's 64 rows of a tile, when all are real rows
+// (else store_tile), with TMA: EP_MEGA_STORE_COLS columns at a time, the
+// warpgroup writes its accumulators as BF16 into its box in shared memory,
+// then one thread (`issuer`) stores the box into y (the tensor map `c`,
+// which clips the columns past n). The store is asynchronous: the
+// warpgroup goes on, and waits only before it writes the box again, until
+// the TMA has read it. (Before, every thread stored its accumulators
+// straight into y, 4 bytes at a time, half a 32-byte sector per row and
+// instruction; the fused kernels with TMA stores are 3 to 9 % faster at W3
+// on 1 x H200: bench/RESULTS.md.)
+//
+// Where a value goes: by the warpgroup MMA's accumulator layout, thread t
+// of the warpgroup (warp w, lane l) holds element i = 4 g + 2 h + e at row
+// 16 w + l / 4 + 8 h of its 64 and column 8 g + 2 (l % 4) + e. The box is
+// 128-byte swizzled, as the tensor map says: the 16-byte piece j of box
+// row r lies at piece j ^ (r % 8), and r % 8 = l / 4; so the 8 rows one
+// store instruction of a warp covers fall in different banks.
+template <int kBlockN, class Frag>
+__device__ __forceinline__ void store_rows_tma(const MegaParams& p, uint8_t* box,
+                                               const MegaTile& t, int n0, int warpgroup,
+                                               const Frag& accum, int thread) {
+    static_assert(EP_MEGA_STORE_ROWS == EP_MEGA_WARPGROUP_ROWS, "a box holds a warpgroup's rows");
+    static_assert(EP_MEGA_STORE_ROW_BYTES == 128, "a box row spans the 128-byte swizzle");
+    static_assert(kBlockN % EP_MEGA_STORE_COLS == 0, "an n-tile is whole boxes");
+    constexpr int kGroups = EP_MEGA_STORE_COLS / 8;  // 8-column groups per box
+    const int lane = thread % 32;
+    const int quad = lane / 4;
+    const bool issuer = thread == 0;
+    // This thread's first byte in the box, as a shared-memory address.
+    const uint32_t mine = cute::cast_smem_ptr_to_uint(box) +
+                          (16 * (thread / 32) + quad) * EP_MEGA_STORE_ROW_BYTES + 4 * (lane % 4);
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < kBlockN / EP_MEGA_STORE_COLS; ++c) {
+        const int col0 = n0 + c * EP_MEGA_STORE_COLS;
+        if (col0 >= p.n) {
+            break;
+        }
+        // The box is free once the TMA has read its last contents.
+        if (issuer) {
+            tma_store_wait<0>();
+        }
+        warpgroup_sync(warpgroup);
+        CUTLASS_PRAGMA_UNROLL
+        for (int g = 0; g < kGroups; ++g) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int h = 0; h < 2; ++h) {
+                const int i = 4 * (c * kGroups + g) + 2 * h;
+                const __nv_bfloat162 pair = __floats2bfloat162_rn(accum(i), accum(i + 1));
+                asm volatile("st.shared.b32 [%0], %1;" ::"r"(mine + h * 8 * EP_MEGA_STORE_ROW_BYTES +
+                                                             (g ^ quad) * 16),
+                             "r"(*reinterpret_cast<const uint32_t*>(&pair))
+                             : "memory");
+            }
+        }
+        // Release to the TMA: the box's generic stores before its
+        // (async-proxy) reads, then the warpgroup meets.
+        cutlass::arch::fence_view_async_shared();
+        warpgroup_sync(warpgroup);
+        if (issuer) {
+            SM90_TMA_STORE_2D::copy(&p.c, box, col0, t.first_row + warpgroup * EP_MEGA_WARPGROUP_ROWS);
+            tma_store_arrive();  // its own bulk group
+        }
+    }
+}
+
 // The unit of the stage at `ring` (waiting for the stage to be full; the
 // mainloop's wait for it then passes at once), or EP_MEGA_NO_UNIT, whose
 // stage is released here.
@@ -868,8 +959,21 @@ __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::S
             } else {
                 mainloop_bf16<G>(s, ring, k_blocks, accum, tCrA, tCrB, consumer, cluster);
             }
-            store_tile(p, t, n0, accum, tCcC);
+            if (t.rows >= (warpgroup + 1) * EP_MEGA_WARPGROUP_ROWS) {
+                store_rows_tma<T::kBlockN>(p, s.store[warpgroup], t, n0, warpgroup, accum,
+                                           consumer % EP_MEGA_WARPGROUP);
+            } else {
+                store_tile(p, t, n0, accum, tCcC);
+            }
         }
+    }
+    if (consumer % EP_MEGA_WARPGROUP == 0) {
+        // Every TMA store of the warpgroup has written y (and its box may
+        // go) before the block counts its tiles as stored (ep_mega_combine)
+        // or ends; then its async-proxy writes are ordered before the
+        // thread's later generic release.
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+        asm volatile("fence.proxy.async.global;" ::: "memory");
     }
 }
 

@@ -126,6 +126,11 @@ abi_consts! {
     /// scale block).
     MEGA_FP8_BLOCK_N: usize = 128;
     MEGA_FP8_BLOCK_K: usize = 128;
+    /// Fused kernels: the box in which a consumer warpgroup stores its
+    /// rows of a tile with TMA: 64 BF16 columns (128 bytes, the swizzle's
+    /// span) by the warpgroup's 64 rows.
+    MEGA_STORE_COLS: usize = 64;
+    MEGA_STORE_ROWS: usize = 64;
     /// `MegaParams::mode`: dispatch + GEMM.
     MEGA_MODE_DISPATCH: i32 = 0;
     /// `MegaParams::mode`: GEMM + combine.
@@ -546,6 +551,9 @@ abi_struct! {
         a: TmaDescriptor,
         /// The weights, 3-D (k, n, local experts).
         b: TmaDescriptor,
+        /// The output `y`, 2-D (n, rows), box (`MEGA_STORE_COLS`,
+        /// `MEGA_STORE_ROWS`).
+        c: TmaDescriptor,
         /// Mode dispatch: the routing of this call (its pull ran with
         /// `skip_expert_rows`).
         dispatch: DispatchParams,

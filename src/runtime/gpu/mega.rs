@@ -20,7 +20,8 @@ use super::normal::{combined, Dispatched, Exchange, GpuHandle, NormalMode};
 use super::{ptr, Bound, Runtime};
 use crate::abi::{
     MegaParams, MEGA_BF16_BLOCK_K, MEGA_BF16_BLOCK_N, MEGA_BLOCK_M, MEGA_FP8_BLOCK_K,
-    MEGA_FP8_BLOCK_N, MEGA_MODE_COMBINE, MEGA_MODE_DISPATCH, MEGA_THREADS,
+    MEGA_FP8_BLOCK_N, MEGA_MODE_COMBINE, MEGA_MODE_DISPATCH, MEGA_STORE_COLS, MEGA_STORE_ROWS,
+    MEGA_THREADS,
 };
 use crate::error::{Error, Result};
 use crate::reference::normal::worst_case_rows;
@@ -266,10 +267,18 @@ impl MegaMode {
             &[k * size, n * k * size],
             &[block_k, block_n, 1],
         )?;
+        let c = tensor_map(
+            TensorElement::Bf16,
+            ptr(gemm.y),
+            &[n, rows.max(1) as u64],
+            &[n * 2],
+            &[MEGA_STORE_COLS as u32, MEGA_STORE_ROWS as u32],
+        )?;
         let fp8 = gemm.dtype == Dtype::Fp8E4m3;
         Ok(MegaParams {
             a,
             b,
+            c,
             y: ptr(gemm.y),
             a_scales: if fp8 { ptr(x_scales) } else { 0 },
             b_scales: if fp8 { ptr(gemm.weight_scales) } else { 0 },
