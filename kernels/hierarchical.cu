@@ -187,10 +187,7 @@ __device__ void signal_remote_nodes(const HierParams& p, int kind, int* arrivals
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence_system();
-        last = ep_atomic_add_acq_rel_gpu(arrivals, 1) == static_cast<int>(gridDim.x) - 1;
-        if (last) {
-            *arrivals = 0;
-        }
+        last = ep_last_block_to_arrive(arrivals);
     }
     __syncthreads();
     const int step = 1 + static_cast<int>(threadIdx.x);

@@ -526,8 +526,7 @@ __device__ LlCall begin_call(const LlParams& p, int* seq_counter, int* arrivals,
         s_word = p.do_send ? ep_call_word(p.collective, calls + 1)
                            : *reinterpret_cast<volatile int*>(call_store);
         // The arrival orders the reads above before the last block's stores.
-        if (p.do_send && ep_atomic_add_acq_rel_gpu(arrivals, 1) == static_cast<int>(gridDim.x) - 1) {
-            *arrivals = 0;
+        if (p.do_send && ep_last_block_to_arrive(arrivals)) {
             *seq_counter = seq;
             *call_store = ep_begin_collective(own_base, p.collective);
         }

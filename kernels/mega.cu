@@ -1057,9 +1057,7 @@ __device__ __forceinline__ void run(const MegaParams& p) {
     }
     // The last block to finish publishes this call's sequence number.
     if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(p.state + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-            p.state[1] = 0;
+        if (ep_last_block_to_arrive(p.state + 1)) {
             p.state[2] = 0;  // every block has taken its last unit
             p.state[0] = seq;
         }

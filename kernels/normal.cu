@@ -381,7 +381,7 @@ __device__ void ep_finish_tickets(const DispatchParams& p, int chunks) {
     __shared__ bool last;
     __syncthreads();
     if (threadIdx.x == 0) {
-        last = atomicAdd(sync + EP_CHUNK_SYNC_DONE, 1) == static_cast<int>(gridDim.x) - 1;
+        last = ep_last_block_to_arrive(sync + EP_CHUNK_SYNC_DONE);
     }
     __syncthreads();
     if (!last) {

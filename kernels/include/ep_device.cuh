@@ -97,6 +97,19 @@ __device__ __forceinline__ int ep_atomic_add_acq_rel_gpu(int* addr, int value) {
     return old;
 }
 
+// By one thread of each block of a launch: counts the block in `*arrivals`
+// and says whether it is the last block of the grid to arrive; the last
+// one resets the count for the next launch. The count is an acquire-release
+// at GPU scope: what each block did before it arrived is visible to the
+// last one.
+__device__ __forceinline__ bool ep_last_block_to_arrive(int* arrivals) {
+    if (ep_atomic_add_acq_rel_gpu(arrivals, 1) != static_cast<int>(gridDim.x) - 1) {
+        return false;
+    }
+    *arrivals = 0;
+    return true;
+}
+
 // ---------------------------------------------------------------------------
 // Time
 // ---------------------------------------------------------------------------

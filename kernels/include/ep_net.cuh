@@ -260,8 +260,7 @@ __device__ inline int ep_next_call(int* counter) {
     if (threadIdx.x == 0) {
         const int call = *reinterpret_cast<volatile int*>(counter) + 1;
         s_call = call;
-        if (ep_atomic_add_acq_rel_gpu(counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-            counter[1] = 0;
+        if (ep_last_block_to_arrive(counter + 1)) {
             counter[0] = call;
         }
     }
