@@ -829,7 +829,8 @@ __device__ __forceinline__ void store_tile(const MegaParams& p, const MegaTile& 
     }
 }
 
-// One consumer warpgroup's named barrier (its 128 threads).
+// One consumer warpgroup's named barrier (its 128 threads). The ids are
+// immediates: with an id in a register ptxas reserves all 16 barriers.
 __device__ __forceinline__ void warpgroup_sync(int warpgroup) {
     if (warpgroup == 0) {
         asm volatile("bar.sync %0, %1;" ::"n"(EP_MEGA_STORE_BARRIER), "n"(EP_MEGA_WARPGROUP)

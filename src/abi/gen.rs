@@ -160,21 +160,17 @@ pub trait CLiteral {
     fn c_literal(&self) -> String;
 }
 
-impl CLiteral for usize {
-    fn c_literal(&self) -> String {
-        self.to_string()
-    }
+macro_rules! integer_c_literal {
+    ($($t:ty),*) => {
+        $(impl CLiteral for $t {
+            fn c_literal(&self) -> String {
+                self.to_string()
+            }
+        })*
+    };
 }
-impl CLiteral for u32 {
-    fn c_literal(&self) -> String {
-        self.to_string()
-    }
-}
-impl CLiteral for i32 {
-    fn c_literal(&self) -> String {
-        self.to_string()
-    }
-}
+integer_c_literal!(usize, u32, i32);
+
 impl CLiteral for f32 {
     fn c_literal(&self) -> String {
         // `{:?}` always has a decimal point or an exponent, and is the

@@ -345,8 +345,9 @@ impl NormalMode {
     /// Enqueues, before a single-node exchange of kind `next`, the closing
     /// barrier of the last exchange if `next` may need it (see
     /// [`Exchange`]). The exchange then follows, with
-    /// [`Self::middle_barrier`] in it, and [`Self::leave_open`] after it:
-    /// [`Self::enqueue_routing`] does both for a dispatch;
+    /// [`Self::middle_barrier`] in it, and is then recorded as left open
+    /// (`Unclosed::leave`): [`Self::enqueue_routing`] does both for a
+    /// dispatch;
     /// [`Self::enqueue_reduce`] leaves a combine open.
     ///
     /// # Safety
@@ -354,7 +355,9 @@ impl NormalMode {
     pub(super) unsafe fn open(&mut self, rt: &Bound, next: Exchange, stream: Stream) -> Result<()> {
         // SAFETY: passed on from the caller.
         unsafe {
-            if self.unclosed.open(next, rt.capturing(stream)?) {
+            // Once a call was captured the answer no longer matters.
+            let captured = self.unclosed.graphs || rt.capturing(stream)?;
+            if self.unclosed.open(next, captured) {
                 rt.exchange_barrier(BARRIER_CLOSING, next as i32, stream)?;
             }
         }
@@ -370,12 +373,6 @@ impl NormalMode {
     unsafe fn middle_barrier(rt: &Bound, exchange: Exchange, stream: Stream) -> Result<()> {
         // SAFETY: passed on from the caller.
         unsafe { rt.exchange_barrier(BARRIER_MIDDLE, exchange as i32, stream) }
-    }
-
-    /// Records that a single-node exchange of kind `done` was enqueued
-    /// without its closing barrier.
-    fn leave_open(&mut self, done: Exchange) {
-        self.unclosed.leave(done);
     }
 
     pub fn layout(&mut self, rt: &Bound, op: &LayoutOp, stream: Stream) -> Result<()> {
@@ -627,7 +624,7 @@ impl NormalMode {
                 params,
             )?;
         }
-        self.leave_open(Exchange::Dispatch);
+        self.unclosed.leave(Exchange::Dispatch);
         Ok(())
     }
 
@@ -716,7 +713,7 @@ impl NormalMode {
                 params,
             )?;
         }
-        self.leave_open(Exchange::Combine);
+        self.unclosed.leave(Exchange::Combine);
         Ok(())
     }
 }
