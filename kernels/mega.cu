@@ -47,7 +47,9 @@
 // After a combine's GEMM every warp of the block (all 12) sends rows.
 // A consumer warpgroup whose 64 rows of a tile are all padding (a tile of at
 // most 64 real rows, as at decode) skips its MMAs. Every thread has the
-// same register budget (168, of the launch bounds).
+// same register budget (168, of the launch bounds), except in the FP8
+// kernels' GEMM, where the consumers take registers from the producer
+// warpgroup (EP_MEGA_CONSUMER_REGS).
 // Stage s is guarded by two mbarriers: full[s] (the producer's expected
 // bytes, plus for FP8 the 32 producer lanes' cp.async arrivals) and empty[s]
 // (one arrival per consumer warp once it is done with the stage: its MMAs
@@ -131,6 +133,7 @@
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 
 // Threads of a warpgroup; the fused block (EP_MEGA_THREADS, ep_abi.h) has 3.
 #define EP_MEGA_WARPGROUP 128
@@ -151,6 +154,25 @@
 #define EP_MEGA_STORE_BARRIER 1
 // Bytes of one row of a store box (MEGA_STORE_COLS BF16 columns).
 #define EP_MEGA_STORE_ROW_BYTES (EP_MEGA_STORE_COLS * 2)
+// Registers per thread of the FP8 kernels while the GEMM runs (warpgroup
+// register reallocation, setmaxnreg): the producer warpgroup (the producer
+// warp, the communication warps) gives registers up to the consumers, whose
+// FP8 mainloop holds two 128 x 192 accumulators (a k-block's and the
+// total: 192 registers a thread). 128 * 56 + 256 * 224 registers fit the
+// SM's registers. After the GEMM every warpgroup goes back to
+// EP_MEGA_EVEN_REGS (= the launch bounds' 168), for a combine's rows.
+#define EP_MEGA_PRODUCER_REGS 56
+#define EP_MEGA_CONSUMER_REGS 224
+// Registers of a Hopper SM; setmaxnreg counts in multiples of 8.
+#define EP_MEGA_SM_REGISTERS 65536
+#define EP_MEGA_EVEN_REGS (EP_MEGA_SM_REGISTERS / EP_MEGA_THREADS / 8 * 8)
+static_assert(EP_MEGA_WARPGROUP * EP_MEGA_PRODUCER_REGS +
+                      (EP_MEGA_THREADS - EP_MEGA_WARPGROUP) * EP_MEGA_CONSUMER_REGS <=
+                  EP_MEGA_SM_REGISTERS,
+              "the warpgroups' registers fit the SM");
+// 16-byte vectors a communication warp's lane of an FP8 kernel has in flight
+// when it copies a row: few, to fit EP_MEGA_PRODUCER_REGS.
+#define EP_MEGA_FP8_COPY_UNROLL 4
 // Shared memory a Hopper block may have (227 KiB); the host launches every
 // fused kernel with the device's maximum, and each checks it is enough.
 #define EP_MEGA_MAX_SHARED_BYTES (227 * 1024)
@@ -283,7 +305,9 @@ __device__ __forceinline__ void ep_mega_zero_row(uint8_t* row, int64_t bytes, in
 }
 
 // Dispatch: the expert-major rows, ascending, `warp` of `warps`; `slot`:
-// the warp in its block (its scratch).
+// the warp in its block (its scratch); `kUnroll`: 16-byte vectors in flight
+// per lane (ep_warp_copy_row).
+template <int kUnroll>
 __device__ __forceinline__ void ep_mega_move_rows(const MegaParams& p, MegaLayout& l, int seq, int warp, int warps,
                                   int slot, int lane) {
     const DispatchParams& d = p.dispatch;
@@ -318,7 +342,7 @@ __device__ __forceinline__ void ep_mega_move_rows(const MegaParams& p, MegaLayou
         const int source = d.handle_row_src[2 * row];
         const int token = d.handle_row_src[2 * row + 1];
         const uint8_t* src = ep_token_row(d, source, token);
-        ep_warp_copy_row(src, nullptr, d.expert_x, dests, num, d.row_bytes, lane);
+        ep_warp_copy_row<kUnroll>(src, nullptr, d.expert_x, dests, num, d.row_bytes, lane);
         if (d.scale_cols > 0) {
             const float* scales = ep_token_scales(d, source, token);
             for (int c = lane; c < d.scale_cols; c += 32) {
@@ -429,26 +453,36 @@ __device__ __forceinline__ void ep_mega_unsupported(const MegaParams& p) {
 namespace ep_mega {
 using namespace cute;
 
-// BF16: 128 x 256 tiles, k-blocks of 64, 4 stages (48 KiB each).
+// BF16: 128 x 256 tiles, k-blocks of 64, 4 stages (48 KiB each); one
+// store box per consumer warpgroup, reused for the tile's four.
 struct Bf16Gemm {
     using Element = bfloat16_t;
     using Atom = SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>;
     static constexpr int kBlockN = EP_MEGA_BF16_BLOCK_N;
     static constexpr int kBlockK = EP_MEGA_BF16_BLOCK_K;
     static constexpr int kStages = 4;
+    static constexpr int kStoreBoxes = 1;
     static constexpr bool kScaled = false;
 };
 
-// FP8: 128 x 128 tiles, k-blocks of 128 (one scale block), 6 stages
-// (32 KiB each); two accumulators (a k-block's and the total) per thread.
+// FP8: 128 x 192 tiles, k-blocks of 128 (one scale block), 4 stages
+// (40 KiB each); two accumulators (a k-block's and the total) per thread,
+// which need the consumers' larger register budget
+// (EP_MEGA_CONSUMER_REGS); a store box per 64 columns of the tile, so the
+// epilogue never waits for its own stores. (128 x 128 tiles kept the
+// tensor cores busy under half the time at W3: bench/RESULTS.md.)
 struct Fp8Gemm {
     using Element = float_e4m3_t;
-    using Atom = SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
+    using Atom = SM90::GMMA::MMA_64x192x32_F32E4M3E4M3_SS_TN<>;
     static constexpr int kBlockN = EP_MEGA_FP8_BLOCK_N;
     static constexpr int kBlockK = EP_MEGA_FP8_BLOCK_K;
-    static constexpr int kStages = 6;
+    static constexpr int kStages = 4;
+    static constexpr int kStoreBoxes = EP_MEGA_FP8_BLOCK_N / EP_MEGA_STORE_COLS;
     static constexpr bool kScaled = true;
 };
+
+// The greatest common divisor, for the scale blocks an n-tile spans.
+__host__ __device__ constexpr int ep_gcd(int a, int b) { return b == 0 ? a : ep_gcd(b, a % b); }
 
 template <class G>
 struct Gemm {
@@ -457,7 +491,13 @@ struct Gemm {
     static constexpr int kBlockN = G::kBlockN;
     static constexpr int kBlockK = G::kBlockK;
     static constexpr int kStages = G::kStages;
-    static constexpr int kBScales = (kBlockN + EP_MEGA_SCALE_BLOCK - 1) / EP_MEGA_SCALE_BLOCK;
+    static constexpr int kStoreBoxes = G::kStoreBoxes;
+    // An n-tile starts at a multiple of kBlockN, so its first column is a
+    // multiple of kScaleAlign into its weight scale block, and the tile
+    // spans at most kBScales blocks.
+    static constexpr int kScaleAlign = ep_gcd(kBlockN, EP_MEGA_SCALE_BLOCK);
+    static constexpr int kBScales =
+        (EP_MEGA_SCALE_BLOCK - kScaleAlign + kBlockN + EP_MEGA_SCALE_BLOCK - 1) / EP_MEGA_SCALE_BLOCK;
     static constexpr uint32_t kStageBytes =
         (kBlockM + kBlockN) * kBlockK * static_cast<uint32_t>(sizeof(Element));
     // full[s] waits for the producer's arrive (and, FP8, 32 cp.async arrivals).
@@ -482,9 +522,9 @@ struct Gemm {
     struct alignas(1024) Shared {
         Element a[kStages * kBlockM * kBlockK];
         Element b[kStages * kBlockN * kBlockK];
-        // Each consumer warpgroup's store box (store_rows_tma), 128-byte
+        // Each consumer warpgroup's store boxes (store_rows_tma), 128-byte
         // swizzled as the y tensor map says.
-        alignas(1024) uint8_t store[EP_MEGA_CONSUMERS / EP_MEGA_WARPGROUP]
+        alignas(1024) uint8_t store[EP_MEGA_CONSUMERS / EP_MEGA_WARPGROUP][kStoreBoxes]
                                    [EP_MEGA_STORE_ROWS * EP_MEGA_STORE_ROW_BYTES];
         float a_scales[kStages][kBlockM];
         float b_scales[kStages][kBScales];
@@ -769,21 +809,37 @@ __device__ __forceinline__ void mainloop_bf16(typename Gemm<G>::Shared& s, Ring&
     }
 }
 
-// FP8 mainloop of one tile: per k-block, the MMAs into `block` from zero,
-// then total += (row scale * weight block scale) * block. A thread's
-// accumulator fragment holds two rows of one n-tile (one weight block): by
-// the warpgroup MMA's accumulator layout, element i is in row `row1` when
-// bit 1 of i is set, else in `row0`.
+// Whether the tile's column `col` (a multiple of 8, known at compile time
+// once the promotion is unrolled) lies in the tile's second weight scale
+// block; `first_cols`: the columns of the tile in its first block, a
+// multiple of kScaleAlign. Only a column between kScaleAlign and one scale
+// block needs the runtime test (a select, not an index into an array,
+// which would put the scales in local memory).
+template <class T>
+__device__ __forceinline__ bool in_second_scale_block(int col, int first_cols) {
+    static_assert(T::kBScales <= 2, "an FP8 n-tile spans at most two weight scale blocks");
+    if (T::kBScales == 1 || col < T::kScaleAlign) {
+        return false;
+    }
+    return col >= EP_MEGA_SCALE_BLOCK || col >= first_cols;
+}
+
+// FP8 mainloop of one tile (its first column n0): per k-block, the MMAs
+// into `block` from zero, then total += (row scale * weight block scale) *
+// block. A thread's accumulator fragment holds two rows: by the warpgroup
+// MMA's accumulator layout, element i is in row `row1` when bit 1 of i is
+// set, else in `row0`, and in the group of 8 columns starting at column
+// 8 (i / 4) of the tile, all in one weight scale block.
 template <class G, class Frag, class FragA, class FragB, class Coords>
 __device__ __forceinline__ void mainloop_fp8(typename Gemm<G>::Shared& s, Ring& ring, int k_blocks,
-                                             Frag& total, Frag& block, FragA& tCrA, FragB& tCrB,
-                                             const Coords& tCcC, int consumer,
+                                             int n0, Frag& total, Frag& block, FragA& tCrA,
+                                             FragB& tCrB, const Coords& tCcC, int consumer,
                                              const Cluster& cluster) {
     using T = Gemm<G>;
-    static_assert(T::kBScales == 1, "an FP8 n-tile spans one weight scale block");
     typename T::TiledMma tiled_mma;
     const int row0 = get<0>(tCcC(0));
     const int row1 = get<0>(tCcC(2));
+    const int first_cols = EP_MEGA_SCALE_BLOCK - n0 % EP_MEGA_SCALE_BLOCK;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(total); ++i) {
         total(i) = 0.0f;
@@ -801,13 +857,20 @@ __device__ __forceinline__ void mainloop_fp8(typename Gemm<G>::Shared& s, Ring& 
         warpgroup_commit_batch();
         warpgroup_wait<0>();
         warpgroup_fence_operand(block);
-        const float b_scale = s.b_scales[ring.stage][0];
-        const float scale[2] = {s.a_scales[ring.stage][row0] * b_scale,
-                                s.a_scales[ring.stage][row1] * b_scale};
+        // first[h], second[h]: the scales of row h of the thread with the
+        // tile's first and second weight block.
+        const float a_scale[2] = {s.a_scales[ring.stage][row0], s.a_scales[ring.stage][row1]};
+        const float b_first = s.b_scales[ring.stage][0];
+        const float b_second = s.b_scales[ring.stage][T::kBScales - 1];
+        const float first[2] = {a_scale[0] * b_first, a_scale[1] * b_first};
+        const float second[2] = {a_scale[0] * b_second, a_scale[1] * b_second};
         release_stage(&s.empty[ring.stage], consumer, cluster);
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(total); ++i) {
-            total(i) = fmaf(scale[(i >> 1) & 1], block(i), total(i));
+            const int h = (i >> 1) & 1;
+            const float scale =
+                in_second_scale_block<T>(8 * (i / 4), first_cols) ? second[h] : first[h];
+            total(i) = fmaf(scale, block(i), total(i));
         }
         ring.advance<T::kStages>();
     }
@@ -842,66 +905,80 @@ __device__ __forceinline__ void warpgroup_sync(int warpgroup) {
 }
 
 // Stores a consumer warpgroup's 64 rows of a tile, when all are real rows
-// (else store_tile), with TMA: EP_MEGA_STORE_COLS columns at a time, the
-// warpgroup writes its accumulators as BF16 into its box in shared memory,
-// then one thread (`issuer`) stores the box into y (the tensor map `c`,
-// which clips the columns past n). The store is asynchronous: the
-// warpgroup goes on, and waits only before it writes the box again, until
-// the TMA has read it. (Before, every thread stored its accumulators
-// straight into y, 4 bytes at a time, half a 32-byte sector per row and
-// instruction; the fused kernels with TMA stores are 3 to 9 % faster at W3
-// on 1 x H200: bench/RESULTS.md.)
+// (else store_tile), with TMA, EP_MEGA_STORE_COLS columns (a box) at a
+// time, in rounds of kBoxes boxes: the warpgroup writes its accumulators as
+// BF16 into its boxes in shared memory, then one thread (`issuer`) stores
+// them into y (the tensor map `c`, which clips the columns past n). The
+// stores are asynchronous: the warpgroup goes on, and waits only before it
+// writes the boxes again, until the TMA has read them; with a box for each
+// 64 columns of the tile (FP8) that wait is for the stores of the tile
+// before, issued a whole mainloop earlier. (Before, every thread stored its
+// accumulators straight into y, 4 bytes at a time, half a 32-byte sector
+// per row and instruction; the fused kernels with TMA stores are 3 to 9 %
+// faster at W3 on 1 x H200: bench/RESULTS.md.)
 //
 // Where a value goes: by the warpgroup MMA's accumulator layout, thread t
 // of the warpgroup (warp w, lane l) holds element i = 4 g + 2 h + e at row
-// 16 w + l / 4 + 8 h of its 64 and column 8 g + 2 (l % 4) + e. The box is
+// 16 w + l / 4 + 8 h of its 64 and column 8 g + 2 (l % 4) + e. A box is
 // 128-byte swizzled, as the tensor map says: the 16-byte piece j of box
 // row r lies at piece j ^ (r % 8), and r % 8 = l / 4; so the 8 rows one
 // store instruction of a warp covers fall in different banks.
-template <int kBlockN, class Frag>
-__device__ __forceinline__ void store_rows_tma(const MegaParams& p, uint8_t* box,
+template <int kBlockN, int kBoxes, class Frag>
+__device__ __forceinline__ void store_rows_tma(const MegaParams& p, uint8_t* boxes,
                                                const MegaTile& t, int n0, int warpgroup,
                                                const Frag& accum, int thread) {
     static_assert(EP_MEGA_STORE_ROWS == EP_MEGA_WARPGROUP_ROWS, "a box holds a warpgroup's rows");
     static_assert(EP_MEGA_STORE_ROW_BYTES == 128, "a box row spans the 128-byte swizzle");
-    static_assert(kBlockN % EP_MEGA_STORE_COLS == 0, "an n-tile is whole boxes");
+    static_assert(kBlockN % (kBoxes * EP_MEGA_STORE_COLS) == 0, "an n-tile is whole rounds");
     constexpr int kGroups = EP_MEGA_STORE_COLS / 8;  // 8-column groups per box
+    constexpr int kBoxBytes = EP_MEGA_STORE_ROWS * EP_MEGA_STORE_ROW_BYTES;
     const int lane = thread % 32;
     const int quad = lane / 4;
     const bool issuer = thread == 0;
-    // This thread's first byte in the box, as a shared-memory address.
-    const uint32_t mine = cute::cast_smem_ptr_to_uint(box) +
+    // This thread's first byte in box 0, as a shared-memory address.
+    const uint32_t mine = cute::cast_smem_ptr_to_uint(boxes) +
                           (16 * (thread / 32) + quad) * EP_MEGA_STORE_ROW_BYTES + 4 * (lane % 4);
     CUTLASS_PRAGMA_UNROLL
-    for (int c = 0; c < kBlockN / EP_MEGA_STORE_COLS; ++c) {
-        const int col0 = n0 + c * EP_MEGA_STORE_COLS;
-        if (col0 >= p.n) {
+    for (int round = 0; round < kBlockN / (kBoxes * EP_MEGA_STORE_COLS); ++round) {
+        const int round_col = n0 + round * kBoxes * EP_MEGA_STORE_COLS;
+        if (round_col >= p.n) {
             break;
         }
-        // The box is free once the TMA has read its last contents.
+        // The boxes are free once the TMA has read their last contents.
         if (issuer) {
             tma_store_wait<0>();
         }
         warpgroup_sync(warpgroup);
         CUTLASS_PRAGMA_UNROLL
-        for (int g = 0; g < kGroups; ++g) {
+        for (int box = 0; box < kBoxes; ++box) {
             CUTLASS_PRAGMA_UNROLL
-            for (int h = 0; h < 2; ++h) {
-                const int i = 4 * (c * kGroups + g) + 2 * h;
-                const __nv_bfloat162 pair = __floats2bfloat162_rn(accum(i), accum(i + 1));
-                asm volatile("st.shared.b32 [%0], %1;" ::"r"(mine + h * 8 * EP_MEGA_STORE_ROW_BYTES +
-                                                             (g ^ quad) * 16),
-                             "r"(*reinterpret_cast<const uint32_t*>(&pair))
-                             : "memory");
+            for (int g = 0; g < kGroups; ++g) {
+                CUTLASS_PRAGMA_UNROLL
+                for (int h = 0; h < 2; ++h) {
+                    const int i = 4 * ((round * kBoxes + box) * kGroups + g) + 2 * h;
+                    const __nv_bfloat162 pair = __floats2bfloat162_rn(accum(i), accum(i + 1));
+                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(mine + box * kBoxBytes +
+                                                                 h * 8 * EP_MEGA_STORE_ROW_BYTES +
+                                                                 (g ^ quad) * 16),
+                                 "r"(*reinterpret_cast<const uint32_t*>(&pair))
+                                 : "memory");
+                }
             }
         }
-        // Release to the TMA: the box's generic stores before its
+        // Release to the TMA: the boxes' generic stores before its
         // (async-proxy) reads, then the warpgroup meets.
         cutlass::arch::fence_view_async_shared();
         warpgroup_sync(warpgroup);
         if (issuer) {
-            SM90_TMA_STORE_2D::copy(&p.c, box, col0, t.first_row + warpgroup * EP_MEGA_WARPGROUP_ROWS);
-            tma_store_arrive();  // its own bulk group
+            CUTLASS_PRAGMA_UNROLL
+            for (int box = 0; box < kBoxes; ++box) {
+                const int col0 = round_col + box * EP_MEGA_STORE_COLS;
+                if (col0 < p.n) {
+                    SM90_TMA_STORE_2D::copy(&p.c, boxes + box * kBoxBytes, col0,
+                                            t.first_row + warpgroup * EP_MEGA_WARPGROUP_ROWS);
+                }
+            }
+            tma_store_arrive();  // the round's bulk group
         }
     }
 }
@@ -955,13 +1032,14 @@ __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::S
             if constexpr (G::kScaled) {
                 Tensor block = partition_fragment_C(
                     tiled_mma, make_shape(Int<T::kBlockM>{}, Int<T::kBlockN>{}));
-                mainloop_fp8<G>(s, ring, k_blocks, accum, block, tCrA, tCrB, tCcC, consumer,
+                mainloop_fp8<G>(s, ring, k_blocks, n0, accum, block, tCrA, tCrB, tCcC, consumer,
                                 cluster);
             } else {
                 mainloop_bf16<G>(s, ring, k_blocks, accum, tCrA, tCrB, consumer, cluster);
             }
             if (t.rows >= (warpgroup + 1) * EP_MEGA_WARPGROUP_ROWS) {
-                store_rows_tma<T::kBlockN>(p, s.store[warpgroup], t, n0, warpgroup, accum,
+                store_rows_tma<T::kBlockN, T::kStoreBoxes>(p, s.store[warpgroup][0], t, n0,
+                                                           warpgroup, accum,
                                            consumer % EP_MEGA_WARPGROUP);
             } else {
                 store_tile(p, t, n0, accum, tCcC);
@@ -1034,16 +1112,34 @@ __device__ __forceinline__ void run(const MegaParams& p) {
         l.usable ? l.tile_start[p.local_experts] / kCluster * n_tiles : 0;
 
     // The GEMM, and a dispatch's row moves beside it.
-    if (threadIdx.x < EP_MEGA_WARPGROUP) {
+    const bool producer_group = threadIdx.x < EP_MEGA_WARPGROUP;
+    if constexpr (G::kScaled) {
+        if (producer_group) {
+            cutlass::arch::warpgroup_reg_dealloc<EP_MEGA_PRODUCER_REGS>();
+        } else {
+            cutlass::arch::warpgroup_reg_alloc<EP_MEGA_CONSUMER_REGS>();
+        }
+    }
+    if (producer_group) {
         if (warp == 0) {
             produce<G>(p, s, seq, n_tiles, total_units, cluster, lane);
         } else if (dispatch && l.usable) {
             const int comm_warp = warp - 1;
-            ep_mega_move_rows(p, l, seq, blockIdx.x * EP_MEGA_COMM_WARPS + comm_warp,
-                              gridDim.x * EP_MEGA_COMM_WARPS, warp, lane);
+            constexpr int unroll = G::kScaled ? EP_MEGA_FP8_COPY_UNROLL : EP_COPY_UNROLL;
+            ep_mega_move_rows<unroll>(p, l, seq, blockIdx.x * EP_MEGA_COMM_WARPS + comm_warp,
+                                      gridDim.x * EP_MEGA_COMM_WARPS, warp, lane);
         }
     } else {
         consume<G>(p, s, n_tiles, cluster, threadIdx.x - EP_MEGA_WARPGROUP);
+    }
+    if constexpr (G::kScaled) {
+        // Back to even budgets. The consumers give back first: the producer
+        // warpgroup's increase waits until the registers are free.
+        if (producer_group) {
+            cutlass::arch::warpgroup_reg_alloc<EP_MEGA_EVEN_REGS>();
+        } else {
+            cutlass::arch::warpgroup_reg_dealloc<EP_MEGA_EVEN_REGS>();
+        }
     }
     // A combine's rows, once every block's GEMM is stored.
     if (!dispatch) {

@@ -122,9 +122,9 @@ abi_consts! {
     /// Fused BF16 kernel: columns of an n-tile, and of k per stage.
     MEGA_BF16_BLOCK_N: usize = 256;
     MEGA_BF16_BLOCK_K: usize = 64;
-    /// Fused FP8 kernel: columns of an n-tile, and of k per stage (one
-    /// scale block).
-    MEGA_FP8_BLOCK_N: usize = 128;
+    /// Fused FP8 kernel: columns of an n-tile (which spans at most two
+    /// weight scale blocks), and of k per stage (one scale block).
+    MEGA_FP8_BLOCK_N: usize = 192;
     MEGA_FP8_BLOCK_K: usize = 128;
     /// Fused kernels: the box in which a consumer warpgroup stores its
     /// rows of a tile with TMA: 64 BF16 columns (128 bytes, the swizzle's
