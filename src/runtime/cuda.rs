@@ -231,6 +231,11 @@ impl Device {
         self.inner.ordinal
     }
 
+    /// The device's primary context (retained while this handle lives).
+    pub fn context(&self) -> sys::CUcontext {
+        self.inner.context
+    }
+
     /// The driver's handle of the device.
     pub fn handle(&self) -> sys::CUdevice {
         self.inner.handle
@@ -418,7 +423,7 @@ impl Module {
 
     /// The kernel called `name` (its `extern "C"` name), which takes one
     /// parameter of type `P`: looked up and loaded onto the device once,
-    /// when a context loads its kernels, not at every launch.
+    /// when the kernels are loaded (once per device), not at every launch.
     ///
     /// Errors: `Cuda` with `CUDA_ERROR_NOT_FOUND` when there is none.
     pub fn function<P>(&self, name: &'static CStr) -> Result<Kernel<P>> {

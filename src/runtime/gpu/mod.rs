@@ -67,8 +67,9 @@ use symmetric::{NativeMemory, NcclMemory, SymmetricMemory};
 /// `BARRIER_COUNTER_OFFSET` and its call words at `CALL_WORDS_OFFSET`.
 const SIGNAL_BYTES: usize = 64 * 1024;
 
-/// Every kernel of the library, looked up once when a context loads the
-/// module, each typed by its parameter struct.
+/// Every kernel of the library, looked up once when the first context on a
+/// device loads the module (`loaded_kernels`), each typed by its parameter
+/// struct.
 pub struct Kernels {
     pub layout: Kernel<LayoutParams>,
     pub barrier: Kernel<BarrierParams>,
@@ -125,6 +126,49 @@ impl Kernels {
     }
 }
 
+/// A device's kernels, loaded into its primary context `context` (its
+/// address).
+struct DeviceKernels {
+    ordinal: usize,
+    context: usize,
+    module: Arc<Module>,
+    kernels: Arc<Kernels>,
+}
+
+/// The kernels of every device this process has made a context on.
+static LOADED_KERNELS: Mutex<Vec<DeviceKernels>> = Mutex::new(Vec::new());
+
+/// The kernels of `device`, loaded by the first context made on it and kept
+/// for the life of the process (the module holds the device's primary
+/// context). Not per context: the driver does not give back the device
+/// memory of the loaded functions' code when their module is unloaded (CUDA
+/// 13.0, driver 580.159: about 650 KiB for our kernels), so a process that
+/// made and destroyed contexts while something else kept the primary
+/// context (torch does) lost that much at each one. Loaded again if the
+/// primary context is not the one they were loaded into (a device reset).
+fn loaded_kernels(device: &Device) -> Result<(Arc<Module>, Arc<Kernels>)> {
+    let mut loaded = LOADED_KERNELS
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    let (ordinal, context) = (device.ordinal(), device.context() as usize);
+    if let Some(k) = loaded
+        .iter()
+        .find(|k| k.ordinal == ordinal && k.context == context)
+    {
+        return Ok((k.module.clone(), k.kernels.clone()));
+    }
+    let module = Arc::new(Module::load(device)?);
+    let kernels = Arc::new(Kernels::load(&module)?);
+    loaded.retain(|k| k.ordinal != ordinal);
+    loaded.push(DeviceKernels {
+        ordinal,
+        context,
+        module: module.clone(),
+        kernels: kernels.clone(),
+    });
+    Ok((module, kernels))
+}
+
 pub fn create(
     cfg: &mut Config,
     unique_id: &[u8; 128],
@@ -143,8 +187,7 @@ pub fn create(
     cfg.resolve_nodes(boot.local_ranks())?;
     agree_on_config(&boot, cfg)?;
     let placement = Placement::exchange(&device, &boot)?;
-    let module = Module::load(&device)?;
-    let kernels = Kernels::load(&module)?;
+    let (module, kernels) = loaded_kernels(&device)?;
     log_summary(cfg, &device, &module);
     let one_host = boot.local_ranks().len() == cfg.world();
     let memory: Box<dyn SymmetricMemory> = if one_host && !nccl_requested()? {
@@ -264,8 +307,7 @@ pub unsafe fn create_from_nccl(
     cfg.resolve_nodes(&lsa_ranks)?;
     agree_on_config(&group, cfg)?;
     let placement = Placement::exchange(&device, &group)?;
-    let module = Module::load(&device)?;
-    let kernels = Kernels::load(&module)?;
+    let (module, kernels) = loaded_kernels(&device)?;
     log_summary(cfg, &device, &module);
     let gin = gin_signals(cfg, &comm);
     let memory = NcclMemory::new(comm, &device, &kernels, &group, buffer_bytes(cfg), gin)?;
@@ -284,7 +326,7 @@ pub unsafe fn create_from_nccl(
 fn finish(
     cfg: &Config,
     device: Device,
-    (module, kernels): (Module, Kernels),
+    (module, kernels): (Arc<Module>, Arc<Kernels>),
     (group, placement): (Box<dyn HostGroup>, Placement),
     memory: Box<dyn SymmetricMemory>,
     aborted: Arc<AtomicBool>,
@@ -551,9 +593,10 @@ impl Monitor for GpuMonitor {
 pub struct Runtime {
     pub cfg: Config,
     pub device: Device,
-    /// Keeps the kernels' code loaded; `kernels` are its functions.
-    pub module: Module,
-    pub kernels: Kernels,
+    /// Keeps the kernels' code loaded; `kernels` are its functions (both
+    /// shared by the device's contexts, see [`loaded_kernels`]).
+    pub module: Arc<Module>,
+    pub kernels: Arc<Kernels>,
     /// The host collectives of the ranks (kept for the context's life).
     pub group: Box<dyn HostGroup>,
     pub memory: Box<dyn SymmetricMemory>,
