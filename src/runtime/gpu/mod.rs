@@ -594,7 +594,7 @@ pub struct Runtime {
     pub cfg: Config,
     pub device: Device,
     /// Keeps the kernels' code loaded; `kernels` are its functions (both
-    /// shared by the device's contexts, see [`loaded_kernels`]).
+    /// shared by the device's contexts, see `loaded_kernels`).
     pub module: Arc<Module>,
     pub kernels: Arc<Kernels>,
     /// The host collectives of the ranks (kept for the context's life).

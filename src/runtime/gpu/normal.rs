@@ -347,8 +347,7 @@ impl NormalMode {
     /// [`Exchange`]). The exchange then follows, with
     /// [`Self::middle_barrier`] in it, and is then recorded as left open
     /// (`Unclosed::leave`): [`Self::enqueue_routing`] does both for a
-    /// dispatch;
-    /// [`Self::enqueue_reduce`] leaves a combine open.
+    /// dispatch, [`Self::enqueue_reduce`] leaves a combine open.
     ///
     /// # Safety
     /// `stream` must be a stream of this context's device (or null).
