@@ -152,6 +152,10 @@
 // Named barriers (bar.sync ids; 0 is __syncthreads) of the two consumer
 // warpgroups' TMA stores: EP_MEGA_STORE_BARRIER + warpgroup.
 #define EP_MEGA_STORE_BARRIER 1
+// Named barrier of the FP8 kernels' return to even register budgets: the
+// consumers arrive once they have given registers back, the producer
+// warpgroup waits there before it takes them (give_back_registers).
+#define EP_MEGA_REGISTERS_BARRIER (EP_MEGA_STORE_BARRIER + 2)
 // Bytes of one row of a store box (MEGA_STORE_COLS BF16 columns).
 #define EP_MEGA_STORE_ROW_BYTES (EP_MEGA_STORE_COLS * 2)
 // Registers per thread of the FP8 kernels while the GEMM runs (warpgroup
@@ -855,15 +859,16 @@ __device__ __forceinline__ void mainloop_fp8(typename Gemm<G>::Shared& s, Ring& 
             tiled_mma.accumulate_ = GMMA::ScaleOut::One;
         }
         warpgroup_commit_batch();
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(block);
         // first[h], second[h]: the scales of row h of the thread with the
-        // tile's first and second weight block.
+        // tile's first and second weight block, read while the MMAs run
+        // (the stage is ours until release_stage).
         const float a_scale[2] = {s.a_scales[ring.stage][row0], s.a_scales[ring.stage][row1]};
         const float b_first = s.b_scales[ring.stage][0];
         const float b_second = s.b_scales[ring.stage][T::kBScales - 1];
         const float first[2] = {a_scale[0] * b_first, a_scale[1] * b_first};
         const float second[2] = {a_scale[0] * b_second, a_scale[1] * b_second};
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(block);
         release_stage(&s.empty[ring.stage], consumer, cluster);
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(total); ++i) {
@@ -1056,6 +1061,28 @@ __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::S
     }
 }
 
+// The FP8 kernels' return to even register budgets after the GEMM
+// (EP_MEGA_EVEN_REGS, for a combine's rows): the consumers give registers
+// back and arrive at a named barrier; the producer warpgroup waits there
+// (a hardware barrier: a waiting warp issues nothing), then takes them.
+// Without the barrier the producer warpgroup's increase, which finds the
+// registers still taken, retried in a loop from the end of its loads (its
+// communication warps: from the end of their row moves) until the
+// consumers' last tile: at W3 that loop was 41 % of the dispatch+GEMM
+// kernel's issued instructions, on the schedulers of the consumer warps
+// (ncu, bench/RESULTS.md).
+__device__ __forceinline__ void even_registers(bool producer_group) {
+    if (producer_group) {
+        asm volatile("bar.sync %0, %1;" ::"n"(EP_MEGA_REGISTERS_BARRIER), "n"(EP_MEGA_THREADS)
+                     : "memory");
+        cutlass::arch::warpgroup_reg_alloc<EP_MEGA_EVEN_REGS>();
+    } else {
+        cutlass::arch::warpgroup_reg_dealloc<EP_MEGA_EVEN_REGS>();
+        asm volatile("bar.arrive %0, %1;" ::"n"(EP_MEGA_REGISTERS_BARRIER), "n"(EP_MEGA_THREADS)
+                     : "memory");
+    }
+}
+
 // The whole fused kernel for one GEMM type, launched in clusters of
 // `kCluster` blocks (1, or 2 that share each weight tile).
 template <class G, int kCluster>
@@ -1063,8 +1090,11 @@ __device__ __forceinline__ void run(const MegaParams& p) {
     using T = Gemm<G>;
     extern __shared__ uint8_t smem_raw[];
     // The swizzled stages need 1024-byte alignment; the host adds the slack.
-    auto& s = *reinterpret_cast<typename T::Shared*>(
-        (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+    // An offset from the shared array, not an address rounded as an integer:
+    // so the compiler knows `s` is shared memory and reads its scales and
+    // units with shared-memory loads, not generic ones.
+    const uint32_t misalignment = cute::cast_smem_ptr_to_uint(smem_raw) % 1024;
+    auto& s = *reinterpret_cast<typename T::Shared*>(smem_raw + (1024 - misalignment) % 1024);
     MegaLayout& l = s.layout;
     static_assert(sizeof(typename T::Shared) + 1024 <= EP_MEGA_MAX_SHARED_BYTES,
                   "the stages do not fit the shared memory of an SM");
@@ -1133,13 +1163,7 @@ __device__ __forceinline__ void run(const MegaParams& p) {
         consume<G>(p, s, n_tiles, cluster, threadIdx.x - EP_MEGA_WARPGROUP);
     }
     if constexpr (G::kScaled) {
-        // Back to even budgets. The consumers give back first: the producer
-        // warpgroup's increase waits until the registers are free.
-        if (producer_group) {
-            cutlass::arch::warpgroup_reg_alloc<EP_MEGA_EVEN_REGS>();
-        } else {
-            cutlass::arch::warpgroup_reg_dealloc<EP_MEGA_EVEN_REGS>();
-        }
+        even_registers(producer_group);
     }
     // A combine's rows, once every block's GEMM is stored.
     if (!dispatch) {
