@@ -308,14 +308,22 @@ __device__ __forceinline__ void ep_mega_zero_row(uint8_t* row, int64_t bytes, in
     }
 }
 
-// Dispatch: the expert-major rows, ascending, `warp` of `warps`; `slot`:
-// the warp in its block (its scratch); `kUnroll`: 16-byte vectors in flight
-// per lane (ep_warp_copy_row).
+// Dispatch: the expert-major rows, ascending, `warp` of `warps`, each moved
+// into its row by its own task, so rows are ready in ascending order (the
+// GEMM's units start with the first expert): a token's first row from the
+// source rank's staged row (the only read of the token from its source, as
+// the token crosses once), every later row of the token from that first row
+// (local, once it is ready: its task, of a smaller row, was taken earlier,
+// so the smallest row still waited for never waits for one that is not
+// taken). `kUnroll`: 16-byte vectors in flight per lane (ep_warp_copy_row).
+// (When the first row's task moved the token into all its rows at once, an
+// expert's rows were ready only once every task of its rows had written up
+// to topk rows: at W3 the GEMM's producers waited for rows for a quarter of
+// the kernel, bench/RESULTS.md.)
 template <int kUnroll>
-__device__ __forceinline__ void ep_mega_move_rows(const MegaParams& p, MegaLayout& l, int seq, int warp, int warps,
-                                  int slot, int lane) {
+__device__ __forceinline__ void ep_mega_move_rows(const MegaParams& p, MegaLayout& l, int seq,
+                                                  int warp, int warps, int lane) {
     const DispatchParams& d = p.dispatch;
-    int* const dests = l.warp_rows[slot];
     const int total = l.offset[p.local_experts];
     for (int j = warp; j < total; j += warps) {
         const int row = d.expert_src_row[j];
@@ -329,38 +337,33 @@ __device__ __forceinline__ void ep_mega_move_rows(const MegaParams& p, MegaLayou
                              static_cast<int64_t>(p.n) * 2, lane);
             continue;
         }
-        // The token's expert-major rows; the task of the first one moves it.
+        // The token's first expert-major row.
         const int pos = lane < d.topk ? d.handle_row_expert_pos[static_cast<int64_t>(row) * d.topk + lane]
                                       : -1;
-        const unsigned has_pos = __ballot_sync(0xffffffffu, pos >= 0);
         const int first = static_cast<int>(
             __reduce_min_sync(0xffffffffu, pos >= 0 ? static_cast<unsigned>(pos) : 0xffffffffu));
-        if (first != j) {
-            continue;
+        const uint8_t* src;
+        const float* scales;
+        if (first == j) {
+            const int source = d.handle_row_src[2 * row];
+            const int token = d.handle_row_src[2 * row + 1];
+            src = ep_token_row(d, source, token);
+            scales = ep_token_scales(d, source, token);
+        } else {
+            ep_mega_wait(p, l, p.row_ready + first, seq, EP_PHASE_DISPATCH);
+            src = d.expert_x + static_cast<int64_t>(first) * d.row_bytes;
+            scales = d.expert_scales + static_cast<int64_t>(first) * d.scale_cols;
         }
-        if (pos >= 0) {
-            dests[__popc(has_pos & ep_lanemask_lt())] = pos;
+        ep_warp_copy_row<kUnroll>(src, d.expert_x + static_cast<int64_t>(j) * d.row_bytes, nullptr,
+                                  nullptr, 0, d.row_bytes, lane);
+        for (int c = lane; c < d.scale_cols; c += 32) {
+            d.expert_scales[static_cast<int64_t>(j) * d.scale_cols + c] = scales[c];
         }
-        __syncwarp();
-        const int num = __popc(has_pos);
-        const int source = d.handle_row_src[2 * row];
-        const int token = d.handle_row_src[2 * row + 1];
-        const uint8_t* src = ep_token_row(d, source, token);
-        ep_warp_copy_row<kUnroll>(src, nullptr, d.expert_x, dests, num, d.row_bytes, lane);
-        if (d.scale_cols > 0) {
-            const float* scales = ep_token_scales(d, source, token);
-            for (int c = lane; c < d.scale_cols; c += 32) {
-                const float v = scales[c];
-                for (int i = 0; i < num; ++i) {
-                    d.expert_scales[static_cast<int64_t>(dests[i]) * d.scale_cols + c] = v;
-                }
-            }
-        }
-        // Release: the rows (every lane's stores) before the flags.
+        // Release: the row (every lane's stores) before its flag.
         __threadfence();
         __syncwarp();
-        if (lane < num) {
-            ep_st_release_gpu(p.row_ready + dests[lane], seq);
+        if (lane == 0) {
+            ep_st_release_gpu(p.row_ready + j, seq);
         }
         __syncwarp();
     }
@@ -1157,7 +1160,7 @@ __device__ __forceinline__ void run(const MegaParams& p) {
             const int comm_warp = warp - 1;
             constexpr int unroll = G::kScaled ? EP_MEGA_FP8_COPY_UNROLL : EP_COPY_UNROLL;
             ep_mega_move_rows<unroll>(p, l, seq, blockIdx.x * EP_MEGA_COMM_WARPS + comm_warp,
-                                      gridDim.x * EP_MEGA_COMM_WARPS, warp, lane);
+                                      gridDim.x * EP_MEGA_COMM_WARPS, lane);
         }
     } else {
         consume<G>(p, s, n_tiles, cluster, threadIdx.x - EP_MEGA_WARPGROUP);
