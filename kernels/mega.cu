@@ -65,12 +65,13 @@
 // with `skip_expert_rows`: the pull writes every output but the
 // expert-major rows), this kernel, barrier. Here the communication warps
 // take the expert-major rows j in ascending order (warp w: rows w, w + W,
-// ...), so early experts fill first. A real row is copied by the task of
-// its token's FIRST expert-major row, which copies the token once (from
-// the source rank's staged rows, over NVLink for a peer) into all its
-// expert-major rows and then, per row, release-stores the call's sequence
-// number into row_ready[row]; the other rows' tasks skip. A padding row
-// gets zeros (and its y row too). The producer acquire-loads row_ready of
+// ...), so early experts fill first. Each real row is its own task: the
+// token's FIRST expert-major row is copied from the source rank's staged
+// row (over NVLink for a peer: the token crosses once), every later row of
+// the token from that first row once its flag holds the sequence number
+// (acquire); each task then release-stores the call's sequence number into
+// row_ready[row] (ep_mega_move_rows). A padding row gets zeros (and its y
+// row too). The producer acquire-loads row_ready of
 // every real row of a tile until each holds the sequence number, then
 // issues `fence.proxy.async.global` before its TMA loads: the rows were
 // written by generic stores, the TMA reads them through the async proxy.
