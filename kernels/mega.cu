@@ -155,7 +155,7 @@
 #define EP_MEGA_STORE_BARRIER 1
 // Named barrier of the FP8 kernels' return to even register budgets: the
 // consumers arrive once they have given registers back, the producer
-// warpgroup waits there before it takes them (give_back_registers).
+// warpgroup waits there before it takes them (even_registers).
 #define EP_MEGA_REGISTERS_BARRIER (EP_MEGA_STORE_BARRIER + 2)
 // Bytes of one row of a store box (MEGA_STORE_COLS BF16 columns).
 #define EP_MEGA_STORE_ROW_BYTES (EP_MEGA_STORE_COLS * 2)
