@@ -5,11 +5,14 @@
 #   bash .gpu/gpu-multi.sh PARTS [budget-seconds]   (default budget 540)
 # PARTS: a comma list of
 #   lanes   every GPU test binary with a GPU per rank (ranks as threads and
-#           as processes; the binaries in parallel lanes), and beside them
-#           the long repeatability runs (10,000 randomized dispatch+combine
-#           iterations, normal and low-latency, twice, hashes compared);
+#           as processes; the binaries in parallel lanes; gpu_normal only
+#           at the world sizes with a GPU per rank, the others are the
+#           shared part's), and beside them the long repeatability runs
+#           (10,000 randomized dispatch+combine iterations, normal and
+#           low-latency, twice, hashes compared);
 #   shared  the normal-mode suites with every rank on one GPU
-#           (CUDA_VISIBLE_DEVICES=0);
+#           (CUDA_VISIBLE_DEVICES=0): gpu_normal a step per world size
+#           above 1, the others at every world size;
 #   checks  what must not share the GPUs with other tests (the leak test,
 #           which compares the device's free memory), the Python package's
 #           torch tests, the NCCL-communicator suites, the C demo;
@@ -45,6 +48,12 @@ LEAK_TEST=destroy_after_an_async_error_or_a_timeout_leaks_nothing
 REPEAT_ITERS="${EP_REPEAT_ITERS:-10000}"
 REPEATS=()
 
+# The world sizes of the multi-rank tests (tests/common/gpu.rs) that have a
+# GPU per rank here, as EP_TEST_WORLDS takes them: gpu_normal's reference
+# test alone takes minutes per world size when ranks share a GPU (1 x H100:
+# 80 s at 2 ranks, 187 s at 4, 103 s at 8), more than a lane has.
+PER_GPU_WORLDS=$(for w in 1 2 4 8; do [ "$w" -le "$NGPU" ] && echo "$w"; done | paste -sd, -)
+
 NAME="$(echo "$PARTS" | tr ',' '-')"
 [ "$PARTS" = tests ] && PARTS=lanes,shared,checks
 # has PART: whether PART is one of the parts asked for.
@@ -54,11 +63,14 @@ has() { [[ ",$PARTS," == *",$1,"* ]]; }
 # time, but the repeatability and leak tests), each with its own timeout and log;
 # writes the result of each to $OUT/<binary>.result.
 lane() {
-  local bin
+  local bin worlds
   for bin in "$@"; do
     [ -x "$T/$bin" ] || { echo "missing" > "$OUT/$bin.result"; continue; }
-    timeout --kill-after=10 "$LANE_LIMIT" "$T/$bin" --ignored --test-threads=1 --show-output \
-      --skip "$REPEAT_FILTER" --skip "$LEAK_TEST" > "$OUT/test_$bin.log" 2>&1
+    worlds=()
+    [ "$bin" = gpu_normal ] && worlds=(EP_TEST_WORLDS="$PER_GPU_WORLDS")
+    timeout --kill-after=10 "$LANE_LIMIT" env "${worlds[@]}" "$T/$bin" --ignored \
+      --test-threads=1 --show-output --skip "$REPEAT_FILTER" --skip "$LEAK_TEST" \
+      > "$OUT/test_$bin.log" 2>&1
     result_of $? > "$OUT/$bin.result"
   done
 }
@@ -99,8 +111,14 @@ fi
 
 # 2. Ranks sharing one GPU (threads of one process).
 if has shared; then
-  for bin in gpu_normal gpu_contract gpu_hierarchical; do
+  for bin in gpu_contract gpu_hierarchical; do
     step "shared GPU $bin" 40 150 env CUDA_VISIBLE_DEVICES=0 "$T/$bin" --ignored \
+      --test-threads=1 --show-output --skip "$REPEAT_FILTER"
+  done
+  # gpu_normal a world size at a time (world 1 shares nothing: the lanes').
+  for world in 2 4 8; do
+    step "shared GPU gpu_normal world $world" 40 $(( world == 4 ? 300 : 180 )) \
+      env CUDA_VISIBLE_DEVICES=0 EP_TEST_WORLDS="$world" "$T/gpu_normal" --ignored \
       --test-threads=1 --show-output --skip "$REPEAT_FILTER"
   done
 fi

@@ -177,7 +177,10 @@ fn stub_machine(dir: &Path) -> PathBuf {
         &g.join("tests/gpu_beta"),
         "echo 'test result: FAILED. 1 passed; 2 failed; 0 ignored'\nexit 101",
     );
-    stub(&g.join("tests/gpu_normal"), libtest_ok);
+    stub(
+        &g.join("tests/gpu_normal"),
+        &format!("echo \"worlds ${{EP_TEST_WORLDS:-all}}\"\n{libtest_ok}"),
+    );
     stub(&g.join("tests/gpu_low_latency"), libtest_ok);
     stub(
         &g.join("ep-bench"),
@@ -374,7 +377,8 @@ fn gpu_multi_runs_each_part_and_packs_its_logs() {
     for step in [
         "repeat gpu_normal x10000",
         "repeat gpu_low_latency x10000",
-        "shared GPU gpu_normal",
+        "shared GPU gpu_normal world 2",
+        "shared GPU gpu_normal world 8",
         "python torch tests",
         "nccl low-latency",
         "nccl example 2 ranks",
@@ -392,6 +396,19 @@ fn gpu_multi_runs_each_part_and_packs_its_logs() {
         .output()
         .unwrap();
     let listing = String::from_utf8_lossy(&listing.stdout);
+    // gpu_normal runs with a GPU per rank in its lane (2 stub GPUs: worlds
+    // 1 and 2), and a world size per step on one GPU.
+    let lane_log = Command::new("tar")
+        .arg("-xzOf")
+        .arg(dir.join("out/logs-tests.tgz"))
+        .arg("gpu-multi/test_gpu_normal.log")
+        .output()
+        .unwrap();
+    let lane_log = String::from_utf8_lossy(&lane_log.stdout);
+    assert!(lane_log.contains("worlds 1,2"), "{lane_log}");
+    for world in ["2", "4", "8"] {
+        assert!(out.contains(&format!("worlds {world}\n")), "{out}");
+    }
     for log in ["gpu-multi/test_gpu_normal.log", "gpu-multi/gpus.log"] {
         assert!(
             listing.lines().any(|l| l == log),
