@@ -158,7 +158,9 @@ NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST":
 
 
 def load(path):
-    lib = ctypes.CDLL(path)
+    # A file that exists is loaded from where it is: the loader takes a name
+    # without a slash ("libep.so") from its search path, not the folder.
+    lib = ctypes.CDLL(os.path.abspath(path) if os.path.isfile(path) else path)
     for name, (res, args, _names) in abi.FUNCTIONS.items():
         fn = getattr(lib, name)
         fn.argtypes = args
