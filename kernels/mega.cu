@@ -153,10 +153,11 @@
 // Named barriers (bar.sync ids; 0 is __syncthreads) of the two consumer
 // warpgroups' TMA stores: EP_MEGA_STORE_BARRIER + warpgroup.
 #define EP_MEGA_STORE_BARRIER 1
-// Named barrier of the FP8 kernels' return to even register budgets: the
-// consumers arrive once they have given registers back, the producer
-// warpgroup waits there before it takes them (even_registers).
-#define EP_MEGA_REGISTERS_BARRIER (EP_MEGA_STORE_BARRIER + 2)
+// Named barrier of the FP8 kernels' return to even register budgets (the
+// first id after the store barriers): the consumers arrive once they have
+// given registers back, the producer warpgroup waits there before it takes
+// them (even_registers).
+#define EP_MEGA_REGISTERS_BARRIER (EP_MEGA_STORE_BARRIER + EP_MEGA_CONSUMERS / EP_MEGA_WARPGROUP)
 // Bytes of one row of a store box (MEGA_STORE_COLS BF16 columns).
 #define EP_MEGA_STORE_ROW_BYTES (EP_MEGA_STORE_COLS * 2)
 // Registers per thread of the FP8 kernels while the GEMM runs (warpgroup
@@ -1049,7 +1050,7 @@ __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::S
             if (t.rows >= (warpgroup + 1) * EP_MEGA_WARPGROUP_ROWS) {
                 store_rows_tma<T::kBlockN, T::kStoreBoxes>(p, s.store[warpgroup][0], t, n0,
                                                            warpgroup, accum,
-                                           consumer % EP_MEGA_WARPGROUP);
+                                                           consumer % EP_MEGA_WARPGROUP);
             } else {
                 store_tile(p, t, n0, accum, tCcC);
             }
