@@ -13,7 +13,10 @@ uniform random routing; GEMM1 (gate+up) k 7168 -> n 4096, GEMM2 (down)
 k 2048 -> n 7168, that is an expert MLP of intermediate size I = 2048; and
 the decode shape: 128 tokens of top-8 (about 32 rows per expert). Every
 figure is the median of --iters runs timed with CUDA events after --warmup
-runs. Rows of the table, per shape and dtype (BF16, FP8); --only mega keeps
+runs. Each timed run is gated: a spinning kernel of a few milliseconds holds
+the stream while the host enqueues the run, so the events time the GPU's
+work and not the host's (Python's, ep's checks, the launches), as ep-bench
+gates its ops; --ungated times from an idle stream instead. Rows of the table, per shape and dtype (BF16, FP8); --only mega keeps
 the first eight, --only moe the last three:
 
   fused dispatch+GEMM      ep_mega_dispatch_gemm (routing, row moves, GEMM)
@@ -55,6 +58,11 @@ check_moe), per token within a loose relative tolerance; a mismatch ends
 the run with an error. torch's FP8 GEMMs in the timed rows take unit
 rowwise scales: their cost is right, their values are not ep's (DeepSeek-V3
 block scales).
+
+--trace N prints, after the timing of each of ep's calls, the GPU timeline
+of its kernels (torch's profiler over N more runs, one GPU): each kernel's
+start after the call's first kernel, its length and the gap before it, so
+that the time of a call outside its main kernel has names.
 
 Needs torch with CUDA and a Hopper GPU per rank. --backend host runs the
 same steps on the library's host backend with small shapes and CPU
@@ -125,6 +133,11 @@ HOST_DIMS = Dims(hidden=256, n1=256, k2=128, experts=8, topk=2,
 ALIGNMENT = 128
 # Rank r draws its tokens and weights from seed (tokens + r * RANK_SEED_STRIDE).
 RANK_SEED_STRIDE = 7919
+# The gate before each timed run (time_op): a spinning kernel of this many
+# clock cycles (1.5-2.5 ms at Hopper's clocks), far longer than the host
+# takes to enqueue one run of any op here, and the name of that kernel.
+GATE_CYCLES = 4_000_000
+GATE_KERNEL = "spin_kernel"
 # Target of the fused calls: fused time <= TARGET_RATIO x max(communication
 # alone, GEMM alone).
 TARGET_RATIO = 1.05
@@ -223,10 +236,19 @@ def weight_block_scales(w):
     return q.contiguous(), scale.contiguous()
 
 
-def time_op(fn, iters, warmup, meet=lambda: None, cuda=True):
+def gate(gated):
+    """With gated, holds the current stream for GATE_CYCLES clock cycles
+    (a spinning kernel), long enough for the host to enqueue the next run
+    before the GPU reaches it."""
+    if gated:
+        torch.cuda._sleep(GATE_CYCLES)
+
+
+def time_op(fn, iters, warmup, meet=lambda: None, cuda=True, gated=True):
     """Median time of fn in microseconds over iters runs after warmup runs;
     meet() runs between the two (the ranks' barrier). CUDA events on the
-    current stream, or (cuda False: the host backend) wall-clock."""
+    current stream, each run gated (see gate) unless gated is False, or
+    (cuda False: the host backend) wall-clock."""
     for _ in range(warmup):
         fn()
     if cuda:
@@ -241,12 +263,57 @@ def time_op(fn, iters, warmup, meet=lambda: None, cuda=True):
             continue
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
+        gate(gated)
         start.record()
         fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000.0)
     return statistics.median(times)
+
+
+def trace_op(fn, iters, warmup, gated=True):
+    """The GPU timeline of fn: runs it warmup times, then iters times under
+    torch's profiler (CUPTI sees every kernel of the process, ep's too),
+    each run gated and followed by a synchronisation as in time_op (the
+    gate's kernel left out). Returns a list of
+    (kernel name, median start after the run's first kernel started, median
+    duration, median gap after the kernel before it), in microseconds, and
+    the median span (first kernel's start to last kernel's end); None where
+    the runs did not launch the same number of kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            gate(gated)
+            fn()
+            torch.cuda.synchronize()
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA
+                      and not e.name.startswith("Memcpy") and not e.name.startswith("Memset")
+                      and GATE_KERNEL not in e.name),
+                     key=lambda k: k[0])
+    if not kernels or len(kernels) % iters:
+        return None
+    per = len(kernels) // iters
+    runs = [kernels[i * per:(i + 1) * per] for i in range(iters)]
+    rows = []
+    for j in range(per):
+        starts = [r[j][0] - r[0][0] for r in runs]
+        lengths = [r[j][1] - r[j][0] for r in runs]
+        gaps = [r[j][0] - r[j - 1][1] if j else 0.0 for r in runs]
+        rows.append((runs[0][j][2], statistics.median(starts), statistics.median(lengths),
+                     statistics.median(gaps)))
+    span = statistics.median(r[-1][1] - r[0][0] for r in runs)
+    return rows, span
+
+
+def short_kernel_name(name):
+    """A kernel's name without its template arguments and parameter list."""
+    name = name.split("(")[0]
+    return name.split("<")[0]
 
 
 class Group:
@@ -533,7 +600,7 @@ def run(args, group):
             group.barrier()
 
         try:
-            return time_op(fn, args.iters, args.warmup, meet, cuda)
+            return time_op(fn, args.iters, args.warmup, meet, cuda, not args.ungated)
         except Exception as e:  # e.g. a baseline that this torch cannot run
             if isinstance(e, EpError) and group.world > 1:
                 raise
@@ -542,8 +609,19 @@ def run(args, group):
                 group.barrier()
             return None
 
-    def timed(name, fn, flops):
+    def timed(name, fn, flops, trace=False):
         row(name, group.slowest(measure(name, fn)), flops)
+        if trace and args.trace and cuda and group.world == 1:
+            traced = trace_op(fn, args.trace, args.warmup, not args.ungated)
+            if traced is None:
+                print("    (timeline: the runs launched different kernels)", flush=True)
+                return
+            kernels, span = traced
+            print("    timeline, median of %d runs: first kernel's start to last kernel's end "
+                  "%.1f us" % (args.trace, span), flush=True)
+            for kname, start, length, gap in kernels:
+                print("      %-36s start %8.1f us  length %8.1f us  gap before %6.1f us"
+                      % (short_kernel_name(kname), start, length, gap), flush=True)
 
     def sync():
         if cuda:
@@ -667,13 +745,15 @@ def run(args, group):
                     else:
                         gemm2 = lambda: grouped_bf16(x2, w2, offs)
                     fused1 = "%s fused dispatch+GEMM (clusters of %s)" % (tag, cluster)
-                    timed(fused1, lambda: ep.mega_dispatch_gemm(a, dtype, w1_, w1s_, y1, n1), f1)
+                    timed(fused1, lambda: ep.mega_dispatch_gemm(a, dtype, w1_, w1s_, y1, n1), f1,
+                          trace=True)
                     ep.status()
                     ep.dispatch(a)
                     fused2 = "%s fused GEMM+combine (clusters of %s)" % (tag, cluster)
                     timed(fused2, lambda: ep.mega_gemm_combine(dtype, x2q if fp8 else x2,
                                                                x2s if fp8 else None,
-                                                               w2_, w2s_, y2, out), f2)
+                                                               w2_, w2s_, y2, out), f2,
+                          trace=True)
                     ep.status()
                     dispatch_alone = "%s ep_dispatch alone (expert-major)" % tag
                     combine_alone = "%s ep_combine alone (expert-major)" % tag
@@ -684,12 +764,12 @@ def run(args, group):
                     targets.append((fused2, ("ep_combine alone", combine_alone),
                                     ("torch GEMM2 alone", gemm2_alone)))
                     if baselines:
-                        timed(dispatch_alone, lambda: ep.dispatch(a), None)
+                        timed(dispatch_alone, lambda: ep.dispatch(a), None, trace=True)
                         timed("%s unfused ep_dispatch + torch GEMM" % tag,
                               lambda: (ep.dispatch(a), gemm1()), f1)
                         timed(gemm1_alone, gemm1, f1)
                         # y2 holds the fused GEMM+combine's rows of the same dispatch.
-                        timed(combine_alone, lambda: ep.combine(y2, out), None)
+                        timed(combine_alone, lambda: ep.combine(y2, out), None, trace=True)
                         timed("%s unfused torch GEMM + ep_combine" % tag,
                               lambda: ep.combine(gemm2(), out), f2)
                         timed(gemm2_alone, gemm2, f2)
@@ -750,8 +830,11 @@ def header(args, world):
         device = torch.cuda.get_device_name()
     if world > 1:
         device = "%d x %s, %d ranks (one process each)" % (world, device, world)
-    print("date: %s, device: %s, torch %s" % (time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                              device, torch.__version__), flush=True)
+    timing = "wall-clock" if args.backend == "host" else (
+        "CUDA events, ungated" if args.ungated else "CUDA events, gated")
+    print("date: %s, device: %s, torch %s, timing: %s"
+          % (time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), device, torch.__version__,
+             timing), flush=True)
 
 
 def watch_parent(parent):
@@ -849,6 +932,12 @@ def main():
     p.add_argument("--only", choices=["mega", "moe"],
                    help="mega: only the rows of the two fused calls and their parts; moe: only "
                         "the rows of ep_moe_forward (checked, then timed); default both")
+    p.add_argument("--ungated", action="store_true",
+                   help="time each run from the moment the host starts enqueueing it on an idle "
+                        "stream (host and launch latency included) instead of gated")
+    p.add_argument("--trace", type=int, default=0, metavar="N",
+                   help="after timing each of ep's calls, print its kernels' GPU timeline "
+                        "(torch's profiler, medians of N runs); one GPU only; default off")
     p.add_argument("--backend", choices=["gpu", "host"], default="gpu",
                    help="host: the host backend on CPU tensors, small shapes (a smoke run)")
     p.add_argument("--timeout", type=int, default=1800,
@@ -859,8 +948,8 @@ def main():
     if unknown:
         p.error("unknown shape(s) %s (known: %s)" % (", ".join(sorted(unknown)),
                                                       ", ".join(dims.tokens)))
-    if args.iters < 1 or args.warmup < 0:
-        p.error("--iters must be at least 1 and --warmup at least 0")
+    if args.iters < 1 or args.warmup < 0 or args.trace < 0:
+        p.error("--iters must be at least 1, --warmup and --trace at least 0")
     if not 1 <= args.ranks <= EP_MAX_WORLD_SIZE or dims.experts % args.ranks:
         p.error("--ranks %d: the ranks must divide the %d experts (at most %d ranks)"
                 % (args.ranks, dims.experts, EP_MAX_WORLD_SIZE))
