@@ -178,11 +178,14 @@ impl MegaMode {
         params.mode = MEGA_MODE_DISPATCH;
         params.dispatch = routing;
         params.expert_layout = handle.expert_layout.ptr();
+        // The pull runs alone between the count and the fused kernel: it
+        // takes the fused call's SMs, not the normal mode's budget.
+        let pull_grid = self.blocks(rt, &op.gemm);
         // SAFETY: the parameters describe the caller's arrays (valid until
         // the stream has run the kernels, API rule), the handle's and the
         // context's buffers.
         unsafe {
-            normal.enqueue_routing(rt, &routing, d.num_tokens, stream)?;
+            normal.enqueue_routing(rt, &routing, d.num_tokens, pull_grid, stream)?;
             self.launch(rt, &op.gemm, &params, stream)?;
         }
         handle.dispatched = Some(Dispatched::on_device(d.num_tokens, Some(expert.capacity)));
@@ -217,11 +220,14 @@ impl MegaMode {
         params.mode = MEGA_MODE_COMBINE;
         params.combine = reduce;
         params.expert_layout = handle.expert_layout.ptr();
+        // The reduce runs alone after the fused kernel, on its SMs (as the
+        // pull of `dispatch_gemm`).
+        let reduce_grid = self.blocks(rt, &op.gemm);
         // SAFETY: as in `dispatch_gemm`.
         unsafe {
             normal.open(rt, Exchange::Combine, stream)?;
             self.launch(rt, &op.gemm, &params, stream)?;
-            normal.enqueue_reduce(rt, &reduce, stream)
+            normal.enqueue_reduce(rt, &reduce, reduce_grid, stream)
         }
     }
 
@@ -298,9 +304,23 @@ impl MegaMode {
         })
     }
 
+    /// The SMs a fused call may use: its budget (`num_sms`, 0 for all), at
+    /// most this rank's share of the GPU and the blocks that fit at once.
+    /// The normal-mode kernels that run alone before or after the fused
+    /// kernel (a dispatch's pull, a combine's reduce) take as many blocks:
+    /// nothing else of the call runs beside them.
+    fn blocks(&self, rt: &Runtime, gemm: &MegaOp) -> u32 {
+        let blocks = self.max_blocks.min(rt.placement.sm_share());
+        if gemm.num_sms > 0 {
+            blocks.min(gemm.num_sms as u32)
+        } else {
+            blocks
+        }
+    }
+
     /// Launches the fused kernel of the GEMM's type: one block per SM of
-    /// the call's budget (at most this rank's share of the GPU), the most
-    /// shared memory a block may have. Its blocks wait for each other, so
+    /// the call's budget (`blocks`), the most shared memory a block may
+    /// have. Its blocks wait for each other, so
     /// they must all be resident: single blocks are launched cooperatively
     /// (the driver guarantees it), clusters only as many as fit at once.
     ///
@@ -320,11 +340,7 @@ impl MegaMode {
             (Dtype::Bf16, _) => &k.mega_bf16_pair,
             (Dtype::Fp8E4m3, _) => &k.mega_fp8_pair,
         };
-        let mut blocks = self.max_blocks.min(rt.placement.sm_share());
-        if gemm.num_sms > 0 {
-            blocks = blocks.min(gemm.num_sms as u32);
-        }
-        let grid = (blocks / self.cluster).max(1) * self.cluster;
+        let grid = (self.blocks(rt, gemm) / self.cluster).max(1) * self.cluster;
         let threads = MEGA_THREADS as u32;
         let cooperative = self.cluster == 1;
         // SAFETY: the caller vouches for the pointers.

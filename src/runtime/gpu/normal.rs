@@ -448,7 +448,10 @@ impl NormalMode {
                     self.enqueue_count(rt, &params, chunks(op.num_tokens), stream)?;
                     hier.dispatch(rt, &params, hier_handle, stream)?;
                 }
-                _ => self.enqueue_routing(rt, &params, op.num_tokens, stream)?,
+                _ => {
+                    let grid = rt.normal_grid();
+                    self.enqueue_routing(rt, &params, op.num_tokens, grid, stream)?
+                }
             }
         }
         let host_counts = if host_sync {
@@ -590,7 +593,7 @@ impl NormalMode {
     /// Enqueues the single-node dispatch up to its rows: the closing barrier
     /// of the last dispatch if it needs one, count and stage in one kernel
     /// (`stage_in_count`, on max(chunks, SM budget) blocks), barrier, pull
-    /// (which moves the expert-major rows too unless
+    /// on `pull_grid` blocks (which moves the expert-major rows too unless
     /// `params.skip_expert_rows`); the dispatch is then left open (see
     /// [`Exchange`]).
     ///
@@ -601,6 +604,7 @@ impl NormalMode {
         rt: &Bound,
         params: &DispatchParams,
         num_tokens: usize,
+        pull_grid: u32,
         stream: Stream,
     ) -> Result<()> {
         let sms = rt.normal_grid();
@@ -616,7 +620,7 @@ impl NormalMode {
             Self::middle_barrier(rt, Exchange::Dispatch, stream)?;
             rt.launch(
                 &k.dispatch_pull,
-                sms,
+                pull_grid,
                 MOVE_THREADS as u32,
                 0,
                 stream,
@@ -651,7 +655,7 @@ impl NormalMode {
                 stream,
                 &params,
             )?;
-            self.enqueue_reduce(rt, &params, stream)
+            self.enqueue_reduce(rt, &params, rt.normal_grid(), stream)
         }
     }
 
@@ -688,8 +692,8 @@ impl NormalMode {
         }
     }
 
-    /// Enqueues the combine after its send: barrier, reduce; the closing
-    /// barrier is left for later (see [`Exchange`]).
+    /// Enqueues the combine after its send: barrier, reduce on `grid`
+    /// blocks; the closing barrier is left for later (see [`Exchange`]).
     ///
     /// # Safety
     /// `params` must come from [`Self::combine_params`], with every array
@@ -698,6 +702,7 @@ impl NormalMode {
         &mut self,
         rt: &Bound,
         params: &CombineParams,
+        grid: u32,
         stream: Stream,
     ) -> Result<()> {
         // SAFETY: the caller vouches for the arrays.
@@ -705,7 +710,7 @@ impl NormalMode {
             Self::middle_barrier(rt, Exchange::Combine, stream)?;
             rt.launch(
                 &rt.kernels.combine_reduce,
-                rt.normal_grid(),
+                grid,
                 MOVE_THREADS as u32,
                 0,
                 stream,
