@@ -92,6 +92,7 @@ __device__ __forceinline__ int ep_signal_call(uint64_t signal) {
 }
 
 extern "C" __global__ void ep_barrier_kernel(const BarrierParams p) {
+    ep_kernel_start();
     const int rank = p.rank;
     const int world = p.world;
     uint64_t* const* peer_signals = p.peer_signals;

@@ -205,6 +205,7 @@ __device__ void signal_remote_nodes(const HierParams& p, int kind, int* arrivals
 // ---------------------------------------------------------------------------
 
 extern "C" __global__ void ep_hier_stage_kernel(const HierParams p) {
+    ep_kernel_start();
     extern __shared__ int chunk_base[];  // [world + experts]
     const int columns = p.world + p.num_experts;
     const int chunks = (p.num_tokens + EP_CHUNK_TOKENS - 1) / EP_CHUNK_TOKENS;
@@ -280,6 +281,7 @@ extern "C" __global__ void ep_hier_stage_kernel(const HierParams p) {
 
 extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     ep_hier_send_kernel(const HierParams p) {
+    ep_kernel_start();
     const int call = ep_next_call(counter(p, EP_HIER_COUNTER_SEND));
     const EpNet net = net_of(p);
     const int nodes = nodes_of(p);
@@ -339,6 +341,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
 
 extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     ep_hier_forward_kernel(const HierParams p) {
+    ep_kernel_start();
     const int call = ep_next_call(counter(p, EP_HIER_COUNTER_FORWARD));
     if (!wait_remote_nodes(p, EP_HIER_SIGNAL_DISPATCH, call, EP_PHASE_HIER_DISPATCH)) {
         return;
@@ -423,6 +426,7 @@ __device__ void sum_node_rows(__nv_bfloat16* dst, const __nv_bfloat16* rows, int
 
 extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     ep_hier_node_reduce_kernel(const HierParams p) {
+    ep_kernel_start();
     // After a failed node barrier the returned rows are incomplete: send
     // nothing (the source nodes then time out on the signals).
     if (!ep_last_barrier_passed(reinterpret_cast<uint64_t>(p.own_base))) {
@@ -474,6 +478,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
 // ---------------------------------------------------------------------------
 
 extern "C" __global__ void ep_hier_wait_kernel(const HierParams p) {
+    ep_kernel_start();
     const int call = ep_next_call(counter(p, EP_HIER_COUNTER_WAIT));
     wait_remote_nodes(p, EP_HIER_SIGNAL_COMBINE, call, EP_PHASE_HIER_COMBINE);
 }
@@ -489,6 +494,7 @@ extern "C" __global__ void ep_hier_wait_kernel(const HierParams p) {
 // ---------------------------------------------------------------------------
 
 extern "C" __global__ void ep_hier_rail_barrier_kernel(const HierParams p) {
+    ep_kernel_start();
     const int call = ep_next_call(counter(p, EP_HIER_COUNTER_BARRIER));
     if (!ep_last_barrier_passed(reinterpret_cast<uint64_t>(p.own_base))) {
         return;

@@ -33,6 +33,7 @@
 #include "ep_device.cuh"
 
 extern "C" __global__ void ep_layout_kernel(const LayoutParams p) {
+    ep_kernel_start();
     const int* topk_idx = p.topk_idx;
     const int num_tokens = p.num_tokens;
     const int topk = p.topk;

@@ -1362,20 +1362,24 @@ __device__ void ll_combine(const LlParams& p) {
 
 extern "C" __global__ void __launch_bounds__(EP_LL_THREADS, 1)
     ep_ll_dispatch_kernel(const LlParams p) {
+    ep_kernel_start();
     ll_dispatch<false>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(EP_LL_THREADS, 1)
     ep_ll_combine_kernel(const LlParams p) {
+    ep_kernel_start();
     ll_combine<false>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(EP_LL_THREADS, 1)
     ep_ll_dispatch_net_kernel(const LlParams p) {
+    ep_kernel_start();
     ll_dispatch<true>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(EP_LL_THREADS, 1)
     ep_ll_combine_net_kernel(const LlParams p) {
+    ep_kernel_start();
     ll_combine<true>(p);
 }

@@ -1206,20 +1206,24 @@ __device__ __forceinline__ void run(const MegaParams& p) {
 
 extern "C" __global__ void __launch_bounds__(EP_MEGA_THREADS, 1)
     ep_mega_bf16_kernel(const __grid_constant__ MegaParams p) {
+    ep_kernel_start();
     EP_MEGA_RUN(Bf16Gemm, 1);
 }
 
 extern "C" __global__ void __launch_bounds__(EP_MEGA_THREADS, 1)
     ep_mega_fp8_kernel(const __grid_constant__ MegaParams p) {
+    ep_kernel_start();
     EP_MEGA_RUN(Fp8Gemm, 1);
 }
 
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(EP_MEGA_THREADS, 1)
     ep_mega_bf16_pair_kernel(const __grid_constant__ MegaParams p) {
+    ep_kernel_start();
     EP_MEGA_RUN(Bf16Gemm, 2);
 }
 
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(EP_MEGA_THREADS, 1)
     ep_mega_fp8_pair_kernel(const __grid_constant__ MegaParams p) {
+    ep_kernel_start();
     EP_MEGA_RUN(Fp8Gemm, 2);
 }

@@ -214,6 +214,7 @@ __device__ __forceinline__ int ep_moe_expert_of_row(const MoeLayout& l, int expe
 // the call's budget), EP_MOE_THREADS threads, no dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(EP_MOE_THREADS)
     ep_moe_activation_kernel(const __grid_constant__ MoeParams p) {
+    ep_kernel_start();
     __shared__ MoeLayout l;
     ep_moe_load_layout(p, l);
     if (!l.usable) {

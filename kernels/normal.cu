@@ -393,6 +393,7 @@ __device__ void ep_finish_tickets(const DispatchParams& p, int chunks) {
 }
 
 extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
+    ep_kernel_start();
     extern __shared__ int warp_counts[];  // [EP_CHUNK_WARPS][world + experts]
     __shared__ EpWarpPairs warp_pairs[EP_CHUNK_WARPS];
     __shared__ int ticket;
@@ -549,6 +550,7 @@ __device__ bool ep_pull_layout(const DispatchParams& p, PullLayout& layout) {
 
 extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     ep_dispatch_pull_kernel(const DispatchParams p) {
+    ep_kernel_start();
     __shared__ PullLayout layout;
     if (!ep_last_barrier_passed(p.peer_bases[p.rank])) {
         return;
@@ -705,6 +707,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
 // received row writes its BF16 row into the source's returned rows.
 extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     ep_combine_send_kernel(const CombineParams p) {
+    ep_kernel_start();
     __shared__ int slot_rows[EP_MOVE_WARPS][EP_MAX_TOPK];
     __shared__ float slot_weights[EP_MOVE_WARPS][EP_MAX_TOPK];
     // The combine's first kernel starts the collective call.
@@ -747,6 +750,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
 // token of this rank sums the rows the ranks returned for it.
 extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     ep_combine_reduce_kernel(const CombineParams p) {
+    ep_kernel_start();
     if (!ep_last_barrier_passed(p.peer_bases[p.rank])) {
         return;
     }

@@ -477,6 +477,22 @@ impl Drop for Module {
     }
 }
 
+/// How a launch is ordered after the work ahead of it on its stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LaunchOrder {
+    /// Plain stream order: the grid starts once the work ahead has ended.
+    Stream,
+    /// Programmatic dependent launch: the grid's blocks may start while the
+    /// kernel ahead still runs (once that kernel allows it, or as it
+    /// ends). Only for ep kernels, each of which waits for the kernel ahead
+    /// before touching memory (`ep_kernel_start`,
+    /// kernels/include/ep_device.cuh).
+    Programmatic,
+    /// Stream order, and the driver starts the grid only with every block
+    /// resident at once, so blocks may wait for each other.
+    Cooperative,
+}
+
 /// One kernel of a [`Module`], whose single parameter is a `P` (a struct of
 /// `src/abi/defs.rs`), so a launch cannot pass the wrong struct. A plain
 /// handle: valid while its module is loaded, which its owner guarantees.
@@ -528,12 +544,12 @@ impl<P> Kernel<P> {
         params: &P,
     ) -> Result<()> {
         // SAFETY: passed on from the caller.
-        unsafe { self.launch_ex(bound, false, grid, block, shared_bytes, stream, params) }
+        let order = LaunchOrder::Stream;
+        unsafe { self.launch_ex(bound, order, grid, block, shared_bytes, stream, params) }
     }
 
-    /// Like [`Kernel::launch`] (`cuLaunchKernelEx`), and when `cooperative`
-    /// as a cooperative launch: the driver starts the grid only with every
-    /// block resident at once, so blocks may wait for each other. Check
+    /// Like [`Kernel::launch`] (`cuLaunchKernelEx`), in the given
+    /// [`LaunchOrder`]. For a cooperative launch check
     /// [`Kernel::max_blocks_per_sm`] first.
     ///
     /// Errors: as `launch`, and for a cooperative launch `Unsupported` when
@@ -547,7 +563,7 @@ impl<P> Kernel<P> {
     pub unsafe fn launch_ex(
         &self,
         _bound: &ContextGuard<'_>,
-        cooperative: bool,
+        order: LaunchOrder,
         grid: u32,
         block: u32,
         shared_bytes: u32,
@@ -563,8 +579,18 @@ impl<P> Kernel<P> {
         // SAFETY: an all-zero attribute is valid; the union member written
         // is the one the attribute id names.
         let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attribute.id = sys::CUlaunchAttributeID_enum::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
-        attribute.value.cooperative = 1;
+        use sys::CUlaunchAttributeID_enum as Id;
+        match order {
+            LaunchOrder::Stream => {}
+            LaunchOrder::Programmatic => {
+                attribute.id = Id::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                attribute.value.programmaticStreamSerializationAllowed = 1;
+            }
+            LaunchOrder::Cooperative => {
+                attribute.id = Id::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+                attribute.value.cooperative = 1;
+            }
+        }
         let config = sys::CUlaunchConfig {
             gridDimX: grid,
             gridDimY: 1,
@@ -575,7 +601,7 @@ impl<P> Kernel<P> {
             sharedMemBytes: shared_bytes,
             hStream: stream,
             attrs: &mut attribute,
-            numAttrs: cooperative as u32,
+            numAttrs: (order != LaunchOrder::Stream) as u32,
         };
         let mut param = params as *const P as *mut c_void;
         // SAFETY: the caller vouches for the module, the pointers inside

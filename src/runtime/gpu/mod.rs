@@ -32,7 +32,7 @@ use super::bootstrap::Bootstrap;
 use super::config::{agree_on_config, Config};
 use super::contract::{Field, Memory, PointerCheck};
 use super::cuda::{
-    self, ContextGuard, Device, DeviceStatus, Kernel, MappedHost, Module, OwnedStream,
+    self, ContextGuard, Device, DeviceStatus, Kernel, LaunchOrder, MappedHost, Module, OwnedStream,
     KERNEL_IMAGES, STREAM_LEGACY,
 };
 use super::group::{HostGroup, NcclGroup};
@@ -348,6 +348,7 @@ fn finish(
         memory,
         monitor: monitor.clone(),
         timeout_ns: cfg.timeout.as_nanos() as u64,
+        programmatic: programmatic_launch(&placement),
         placement,
     };
     let ll_offset = SIGNAL_BYTES + normal::buffer_bytes(cfg);
@@ -605,6 +606,23 @@ pub struct Runtime {
     pub timeout_ns: u64,
     /// The ranks on this rank's GPU and the share of its SMs this rank gets.
     pub placement: Placement,
+    /// Whether kernels that are not cooperative are launched as
+    /// programmatic dependents (`programmatic_launch`).
+    pub programmatic: bool,
+}
+
+/// Whether the kernels of a context with `placement` are launched as
+/// programmatic dependents of the kernel ahead on their stream
+/// (`LaunchOrder::Programmatic`): yes unless `EP_PROGRAMMATIC_LAUNCH` is
+/// `0`, or other ranks share this rank's GPU. A programmatic dependent's
+/// blocks may take their SMs while the kernel ahead still runs; behind a
+/// barrier that waits for a rank on the same GPU, they can hold the SMs
+/// that rank's cooperative kernel needs to start, and neither goes on (seen
+/// with two ranks on one GPU). Ranks on GPUs of their own need no SM of
+/// each other. Cooperative kernels are always launched in stream order.
+fn programmatic_launch(placement: &Placement) -> bool {
+    let enabled = std::env::var("EP_PROGRAMMATIC_LAUNCH").map_or(true, |v| v.trim() != "0");
+    enabled && placement.sharing.len() == 1
 }
 
 impl Runtime {
@@ -690,7 +708,9 @@ impl Bound<'_> {
     }
 
     /// Launches `kernel` on `stream`, cooperatively when `cooperative` (for
-    /// kernels whose blocks wait for each other; see `Kernel::launch_ex`).
+    /// kernels whose blocks wait for each other), else as a programmatic
+    /// dependent where the runtime allows it (see `programmatic_launch` and
+    /// `Kernel::launch_ex`).
     ///
     /// # Safety
     /// As for `launch`.
@@ -705,12 +725,19 @@ impl Bound<'_> {
         stream: Stream,
         params: &P,
     ) -> Result<()> {
+        let order = if cooperative {
+            LaunchOrder::Cooperative
+        } else if self.programmatic {
+            LaunchOrder::Programmatic
+        } else {
+            LaunchOrder::Stream
+        };
         // SAFETY: the runtime keeps the module loaded; the caller vouches
         // for the pointers.
         unsafe {
             kernel.launch_ex(
                 &self._guard,
-                cooperative,
+                order,
                 grid,
                 block,
                 shared_bytes,
