@@ -364,6 +364,9 @@ class Ep:
     """One context of the benchmark's shape (world size group.world) and
     its buffers."""
 
+    # The fused calls' SM budget (ep_mega_args_t.num_sms; 0: every SM).
+    mega_sms = 0
+
     def __init__(self, lib, group, backend, hidden, topk, experts, max_tokens, alignment):
         self.lib = lib
         self.cuda = backend == "gpu"
@@ -428,6 +431,7 @@ class Ep:
         m.dispatch = ctypes.addressof(a)
         m.weight_dtype, m.n, m.k = dtype, n, self.hidden
         m.weights, m.weight_scales, m.y = ptr(w), ptr(w_scales), ptr(y)
+        m.num_sms = self.mega_sms
         check(self.lib, self.lib.ep_mega_dispatch_gemm(self.ctx, byref(m), self.handle,
                                                        self.stream()), "ep_mega_dispatch_gemm")
 
@@ -439,6 +443,7 @@ class Ep:
         m.combine = ctypes.addressof(c)
         m.weight_dtype, m.n, m.k = dtype, self.hidden, x2.shape[1]
         m.weights, m.weight_scales, m.y, m.x_scales = ptr(w), ptr(w_scales), ptr(y), ptr(x2_scales)
+        m.num_sms = self.mega_sms
         check(self.lib, self.lib.ep_mega_gemm_combine(self.ctx, byref(m), self.handle,
                                                       self.stream()), "ep_mega_gemm_combine")
 
@@ -702,6 +707,7 @@ def run(args, group):
         for cluster in args.clusters.split(","):
             os.environ["EP_MEGA_CLUSTER"] = cluster
             ep = Ep(lib, group, args.backend, hidden, topk, experts, tokens, ALIGNMENT)
+            ep.mega_sms = args.mega_sms
             y1 = torch.empty(ep.capacity, n1, dtype=torch.bfloat16, device=dev)
             y2 = torch.empty(ep.capacity, hidden, dtype=torch.bfloat16, device=dev)
             out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=dev)
@@ -929,6 +935,8 @@ def main():
     p.add_argument("--shapes", default="w3,decode", help="comma list of w3, decode")
     p.add_argument("--clusters", default="1",
                    help="cluster sizes of the fused kernels to time (EP_MEGA_CLUSTER)")
+    p.add_argument("--mega-sms", type=int, default=0, metavar="N",
+                   help="SM budget of the fused calls (ep_mega_args_t.num_sms); default 0, all")
     p.add_argument("--only", choices=["mega", "moe"],
                    help="mega: only the rows of the two fused calls and their parts; moe: only "
                         "the rows of ep_moe_forward (checked, then timed); default both")
@@ -948,8 +956,8 @@ def main():
     if unknown:
         p.error("unknown shape(s) %s (known: %s)" % (", ".join(sorted(unknown)),
                                                       ", ".join(dims.tokens)))
-    if args.iters < 1 or args.warmup < 0 or args.trace < 0:
-        p.error("--iters must be at least 1, --warmup and --trace at least 0")
+    if args.iters < 1 or args.warmup < 0 or args.trace < 0 or args.mega_sms < 0:
+        p.error("--iters must be at least 1, --warmup, --trace and --mega-sms at least 0")
     if not 1 <= args.ranks <= EP_MAX_WORLD_SIZE or dims.experts % args.ranks:
         p.error("--ranks %d: the ranks must divide the %d experts (at most %d ranks)"
                 % (args.ranks, dims.experts, EP_MAX_WORLD_SIZE))
