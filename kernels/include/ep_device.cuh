@@ -118,14 +118,16 @@ __device__ __forceinline__ bool ep_last_block_to_arrive(int* arrivals) {
 // (src/runtime/gpu/mod.rs, `programmatic_launch`: not the cooperative ones,
 // not where ranks share a GPU): the GPU may start a kernel's blocks before
 // the kernel ahead of it on the stream has finished, so its launch and its
-// blocks' start overlap that kernel's tail instead of following it. The first statement of every ep kernel is this call, before
-// any access to global memory: it waits until the kernel ahead (ours, the
-// caller's, whatever the stream holds) has completed and its writes are
-// visible, exactly what plain stream order gives, then allows the kernel
-// after this one to start its blocks the same way. (A kernel ahead that
-// never allows it, one not of ep, lets the next start when it ends; in a
-// launch in plain stream order the wait returns at once.)
-// tests/kernel_sources.rs checks that every kernel starts with it.
+// blocks' start overlap that kernel's tail instead of following it.
+//
+// The first statement of every ep kernel is this call, before any access
+// to global memory: it waits until the kernel ahead (ours, the caller's,
+// whatever the stream holds) has completed and its writes are visible,
+// exactly what plain stream order gives, then allows the kernel after this
+// one to start its blocks the same way. (A kernel ahead that never allows
+// it, one not of ep, lets the next start when it ends; in a launch in plain
+// stream order the wait returns at once.) tests/kernel_sources.rs checks
+// that every kernel starts with it.
 __device__ __forceinline__ void ep_kernel_start() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

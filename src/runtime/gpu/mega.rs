@@ -320,9 +320,9 @@ impl MegaMode {
 
     /// Launches the fused kernel of the GEMM's type: one block per SM of
     /// the call's budget (`blocks`), the most shared memory a block may
-    /// have. Its blocks wait for each other, so
-    /// they must all be resident: single blocks are launched cooperatively
-    /// (the driver guarantees it), clusters only as many as fit at once.
+    /// have. Its blocks wait for each other, so they must all be resident:
+    /// single blocks are launched cooperatively (the driver guarantees it),
+    /// clusters only as many as fit at once.
     ///
     /// # Safety
     /// Every pointer in `params` must stay valid until the kernel has run.
