@@ -16,8 +16,9 @@ figure is the median of --iters runs timed with CUDA events after --warmup
 runs. Each timed run is gated: a spinning kernel of a few milliseconds holds
 the stream while the host enqueues the run, so the events time the GPU's
 work and not the host's (Python's, ep's checks, the launches), as ep-bench
-gates its ops; --ungated times from an idle stream instead. Rows of the table, per shape and dtype (BF16, FP8); --only mega keeps
-the first eight, --only moe the last three:
+gates its ops; --ungated times from an idle stream instead. Rows of the
+table, per shape and dtype (BF16, FP8); --only mega keeps the first eight,
+--only moe the last three:
 
   fused dispatch+GEMM      ep_mega_dispatch_gemm (routing, row moves, GEMM)
   ep_dispatch alone        ep_dispatch (expert-major output)

@@ -543,8 +543,8 @@ impl<P> Kernel<P> {
         stream: CUstream,
         params: &P,
     ) -> Result<()> {
-        // SAFETY: passed on from the caller.
         let order = LaunchOrder::Stream;
+        // SAFETY: passed on from the caller.
         unsafe { self.launch_ex(bound, order, grid, block, shared_bytes, stream, params) }
     }
 
