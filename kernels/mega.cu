@@ -37,14 +37,15 @@
 //   warp 0        producer: waits until a tile's rows are there (dispatch),
 //                 then streams its A and B k-blocks into a ring of shared
 //                 memory stages with TMA (and the FP8 scales with cp.async);
-//   warps 1-3     communication: the dispatch's row copies (a combine's
-//                 wait at the block barrier while the GEMM runs);
+//   warps 1-3     communication: the dispatch's row copies, or the
+//                 combine's sends of the bands the GEMM has stored;
 //   warpgroups 1-2 consumers: warpgroup MMA over the stages (64 rows each),
 //                 then the epilogue stores the BF16 tile into y: through
 //                 a box in shared memory with TMA stores (store_rows_tma),
 //                 or, for a warpgroup whose 64 rows are not all real (an
 //                 expert's last tile), straight from its registers.
-// After a combine's GEMM every warp of the block (all 12) sends rows.
+// After a combine's GEMM every warp of the block (all 12) sends the last
+// band.
 // A consumer warpgroup whose 64 rows of a tile are all padding (a tile of at
 // most 64 real rows, as at decode) skips its MMAs. Every thread has the
 // same register budget (168, of the launch bounds), except in the FP8
@@ -77,26 +78,49 @@
 // written by generic stores, the TMA reads them through the async proxy.
 //
 // ep_mega_gemm_combine = this kernel, barrier, reduce (kernels/normal.cu),
-// barrier. The kernel has two phases, and no thread polls memory in the
-// first:
+// barrier. The GEMM's n-tiles are split into column bands (MegaParams::bands,
+// ep_mega_bands), and units are taken band by band (inside a band in the
+// order above: the units of a weight tile stay neighbours), so the bands
+// are stored one after the other. The kernel has two phases:
 //   1. GEMM. The producer and consumers run every tile of the block (the
-//      GEMM reads the caller's rows: no wait); the communication warps wait
-//      at the block barrier (a hardware barrier, no memory traffic).
-//   2. Combine, once EVERY block's tiles are stored. The thread that
+//      GEMM reads the caller's rows: no wait). When a consumer warpgroup
+//      takes its first unit of a later band, and at its end, it counts its
+//      units of the band before (publish_band): the thread that issued its
+//      TMA stores waits until they have written y and orders them before
+//      its generic accesses (fence.proxy.async), each thread fences its
+//      stores of y, the warpgroup meets, and that thread adds the units to
+//      band_count[band] (a release add at GPU scope). Meanwhile the
+//      communication warps send every band but the last
+//      (ep_mega_send_early_bands): one of them looks at band_count[band]
+//      (relaxed loads, one every EP_MEGA_LONG_POLL_SLEEP_NS) until it holds
+//      all the band's units, fences (acquire), the three meet, and the
+//      communication warps of the grid take received rows (source order,
+//      warp w of W: rows w, w + W, ...) and send the band's columns of each
+//      (ep_combine_send_row: the weighted sum of its expert-major rows of
+//      y, to its source rank's returned rows).
+//   2. The last band, once EVERY block's tiles are stored. The thread that
 //      issued a warpgroup's TMA stores waits until they have written y and
 //      orders them before its generic accesses (fence.proxy.async); each
-//      thread fences its stores of y and the block meets; thread 0 counts
-//      the block in
-//      gemm_count (an acquire-release compare-and-swap of (sequence number,
-//      blocks)), and the block whose count completes the grid release-stores
-//      the sequence number into gemm_done. Thread 0 acquire-loads gemm_done
-//      until it holds the sequence number, the block meets again, and every
-//      warp of the grid takes received rows (source order, warp w of W:
-//      rows w, w + W, ...) and runs the normal combine's expert-major send
-//      for each (ep_combine_send_row).
-// Why not send each row as soon as its tiles are stored: in source order a
-// row's expert-major rows lie in about topk random experts, so almost no
-// row is complete before almost every tile is. Waiting for them row by row
+//      thread fences its stores of y and the block meets; thread 0 adds
+//      the block to gemm_count (a release add) and acquire-loads it until
+//      it holds every block of the grid; the block meets again (its
+//      communication warps once they have sent the earlier bands), and
+//      every warp of the grid takes received rows and sends the last band's
+//      columns of each.
+//   The counts are adds, not compare-and-swaps of (call, count) words: at
+//   a band's end about 2 x 132 warpgroups count at once, and a
+//   compare-and-swap that every other one may make fail completes about one
+//   per L2 round trip (the GEMM took 10 % longer, and its waiting
+//   communication warps slowed it further: bench/RESULTS.md). So the counts
+//   start at zero: the call's last block zeroes them.
+// Every column of a row is summed in the same order whatever its band (the
+// reference's), so the bands change no bit of the result; they only move
+// all but the last band's share of the send (about 130 us of reads of y
+// at W3) under the GEMM. A band costs one more pass over the input rows
+// (each expert's, from L2 within the band).
+// Why bands, and not each row as soon as its tiles are stored: in source
+// order a row's expert-major rows lie in about topk random experts, so
+// almost no row is complete before almost every tile is. Waiting for them row by row
 // kept three warps of every block with rows polling tile flags (GPU-scope
 // acquires: each look a strong load plus an invalidation of the SM's L1,
 // CCTL.IVALL) for the whole GEMM, and the call took about 100 times the
@@ -107,10 +131,12 @@
 // finish (state[1] counts them, reset by that block, which also resets the
 // unit counter state[2]) stores the new number.
 // The next launch on the stream sees it, and a CUDA graph replay gets a
-// fresh number each time; no flag is ever cleared. A row flag or gemm_done
-// from an earlier call holds a smaller number, so it never passes for ready.
+// fresh number each time; no row flag is ever cleared. A row flag from an
+// earlier call holds a smaller number, so it never passes for ready. The
+// combine's counts (gemm_count, band_count) are zeroed by the same last
+// block before it stores the number.
 //
-// Waits: every wait on another block (rows, the grid's GEMM) is an ep_mega_wait
+// Waits: every wait on another block (rows, bands, the grid's GEMM) is an ep_mega_wait
 // (ep_wait_until with GPU-scope acquires, a short sleep between looks)
 // with the context timeout and abort flag. A wait that fails records the error
 // and the block goes on without waiting any more (computing garbage, the
@@ -158,6 +184,9 @@
 // given registers back, the producer warpgroup waits there before it takes
 // them (even_registers).
 #define EP_MEGA_REGISTERS_BARRIER (EP_MEGA_STORE_BARRIER + EP_MEGA_CONSUMERS / EP_MEGA_WARPGROUP)
+// Named barrier of a combine's communication warps (warps 1-3), where they
+// meet after one of them has seen a band stored (ep_mega_send_early_bands).
+#define EP_MEGA_COMM_BARRIER (EP_MEGA_REGISTERS_BARRIER + 1)
 // Bytes of one row of a store box (MEGA_STORE_COLS BF16 columns).
 #define EP_MEGA_STORE_ROW_BYTES (EP_MEGA_STORE_COLS * 2)
 // Registers per thread of the FP8 kernels while the GEMM runs (warpgroup
@@ -179,6 +208,9 @@ static_assert(EP_MEGA_WARPGROUP * EP_MEGA_PRODUCER_REGS +
 // 16-byte vectors a communication warp's lane of an FP8 kernel has in flight
 // when it copies a row: few, to fit EP_MEGA_PRODUCER_REGS.
 #define EP_MEGA_FP8_COPY_UNROLL 4
+// The same for a combine's sums of rows during the FP8 GEMM (vectors per
+// lane and row, ep_add_weighted_rows), from the same registers.
+#define EP_MEGA_FP8_SEND_UNROLL 1
 // Shared memory a Hopper block may have (227 KiB); the host launches every
 // fused kernel with the device's maximum, and each checks it is enough.
 #define EP_MEGA_MAX_SHARED_BYTES (227 * 1024)
@@ -193,6 +225,15 @@ struct MegaTile {
     int rows;       // real rows, 0 (a cluster's filler) to EP_MEGA_BLOCK_M
 };
 
+// The column bands of a call's n-tiles (MegaParams::bands): band b holds
+// the n-tiles [b * tiles, min((b + 1) * tiles, n_tiles)).
+struct MegaBands {
+    int n_tiles;  // of the GEMM
+    int tiles;    // per band (the last band may have fewer)
+    int count;    // bands that hold n-tiles
+    int block_n;  // columns of an n-tile
+};
+
 // The expert layout every block reads from the handle, and the m-tiles.
 struct MegaLayout {
     int offset[EP_MAX_EXPERTS + 1];      // segment starts; [L] = end
@@ -202,6 +243,7 @@ struct MegaLayout {
     float warp_weights[EP_MEGA_WARPS][EP_MAX_TOPK];
     int usable;  // the routing and the layout are sane
     int failed;  // a wait of this block failed: wait no more
+    int seq;     // this call's sequence number
 };
 
 // ---------------------------------------------------------------------------
@@ -215,12 +257,12 @@ __device__ __forceinline__ int ep_mega_expert_tiles(int count, int cluster) {
     return (tiles + cluster - 1) / cluster * cluster;
 }
 
-// Loads the handle's layout and numbers the m-tiles; sets `usable`. Whole
-// block. A layout that cannot come from a dispatch (offsets out of order,
+// Loads the handle's layout and numbers the m-tiles; sets `usable`, and
+// `seq`. Whole block. A layout that cannot come from a dispatch (offsets out of order,
 // counts beyond their segments, more rows than the buffers) is recorded as
 // EP_STATUS_INVALID_ARGUMENT; a failed routing barrier was recorded before.
 __device__ __forceinline__ void ep_mega_load_layout(const MegaParams& p, MegaLayout& l,
-                                                    bool routed, int phase, int cluster) {
+                                                    bool routed, int phase, int cluster, int seq) {
     const int experts = p.local_experts;
     ep_load_expert_layout(p.expert_layout, experts, l.offset, l.count);
     if (threadIdx.x < 32) {
@@ -254,6 +296,7 @@ __device__ __forceinline__ void ep_mega_load_layout(const MegaParams& p, MegaLay
             }
             l.usable = sane && routed;
             l.failed = 0;
+            l.seq = seq;
         }
     }
     __syncthreads();
@@ -269,32 +312,68 @@ __device__ __forceinline__ MegaTile ep_mega_tile(const MegaLayout& l, int expert
                     min(EP_MEGA_BLOCK_M, max(0, l.count[lo] - skipped))};
 }
 
+// The call's bands for n-tiles of `block_n` columns: as many as asked
+// (1 to EP_MEGA_MAX_BANDS), fewer where there are fewer n-tiles.
+__device__ __forceinline__ MegaBands ep_mega_bands(const MegaParams& p, int block_n) {
+    const int n_tiles = (p.n + block_n - 1) / block_n;
+    const int wanted = min(max(p.bands, 1), EP_MEGA_MAX_BANDS);
+    const int tiles = max((n_tiles + wanted - 1) / wanted, 1);
+    return MegaBands{n_tiles, tiles, (n_tiles + tiles - 1) / tiles, block_n};
+}
+
+// The n-tiles of band `band`.
+__device__ __forceinline__ int ep_mega_band_tiles(const MegaBands& b, int band) {
+    return min(b.tiles, b.n_tiles - band * b.tiles);
+}
+
+// The band's columns as 16-byte vectors of a BF16 row of `n` columns:
+// [*first, *end).
+__device__ __forceinline__ void ep_mega_band_vectors(const MegaBands& b, int band, int n,
+                                                     int* first, int* end) {
+    *first = min(band * b.tiles * b.block_n, n) / 8;
+    *end = min((band + 1) * b.tiles * b.block_n, n) / 8;
+}
+
 // How long a waiting thread sleeps between two looks at a flag: the polls
 // should leave the memory system to the work they wait for (a dispatch's
 // tiles wait for their rows while other tiles compute).
 #define EP_MEGA_POLL_SLEEP_NS 256
+// The same for waits beside the GEMM that may last as long as a band of it
+// (ep_mega_wait's kLong): a look every 10 us. With one look per microsecond
+// by one thread of each SM, the fused combine's GEMM at W3 took 30 to 40 %
+// longer; with one per 5, 10 or 20 us it was as fast as without any
+// (bench/RESULTS.md). The band's send starts at most this much late.
+#define EP_MEGA_LONG_POLL_SLEEP_NS 10000
 
-// A bounded wait of one thread for `*flag` (written by blocks of this GPU)
-// to reach `seq`, skipped once any wait of the block has failed. The wait
-// has no peer: its "peer call" is `state[0]`, which no one changes while
-// the kernel runs, so ep_wait_until's test for a peer in another call never
-// fires.
+// A bounded wait of one thread for `*flag` (written by blocks of this GPU:
+// a row's sequence number, or a count) to reach `target`, skipped once any
+// wait of the block has failed. The wait has no peer: its "peer call" is
+// `state[0]`, which no one changes while the kernel runs, so
+// ep_wait_until's test for a peer in another call never fires. `kLong`: a
+// wait beside the block's own GEMM that may last as long as a band of it,
+// which looks with relaxed loads every EP_MEGA_LONG_POLL_SLEEP_NS and
+// fences once at the end; the others look with acquire loads.
+template <bool kLong = false>
 __device__ __forceinline__ void ep_mega_wait(const MegaParams& p, MegaLayout& l, const int* flag,
-                                             int seq, int phase) {
+                                             int target, int phase) {
     if (*reinterpret_cast<volatile int*>(&l.failed)) {
         return;
     }
-    const EpPeerCall no_peer{p.state, seq - 1};
-    const auto look = [flag, seq] {
-        const int value = ep_ld_acquire_gpu(flag);
-        if (!ep_reached(value, seq)) {
-            __nanosleep(EP_MEGA_POLL_SLEEP_NS);
+    const EpPeerCall no_peer{p.state, l.seq - 1};
+    const auto look = [flag, target] {
+        const int value = kLong ? ep_ld_relaxed_gpu(flag) : ep_ld_acquire_gpu(flag);
+        if (!ep_reached(value, target)) {
+            __nanosleep(kLong ? EP_MEGA_LONG_POLL_SLEEP_NS : EP_MEGA_POLL_SLEEP_NS);
         }
         return value;
     };
-    if (!ep_wait_until(look, seq, ep_deadline_after(p.timeout_ns), p.abort_flag, p.status, -1,
+    if (!ep_wait_until(look, target, ep_deadline_after(p.timeout_ns), p.abort_flag, p.status, -1,
                        phase, no_peer)) {
         *reinterpret_cast<volatile int*>(&l.failed) = 1;
+    }
+    if constexpr (kLong) {
+        // Acquire: the flag seen by the relaxed looks.
+        ep_fence_acquire_gpu();
     }
 }
 
@@ -371,76 +450,101 @@ __device__ __forceinline__ void ep_mega_move_rows(const MegaParams& p, MegaLayou
     }
 }
 
-// Combine, once every tile of the call is stored: the received rows, `warp`
-// of `warps` (the grid's), each the weighted sum of its expert-major rows of
-// y sent back to its source rank (ep_combine_send_row); `slot`: the warp in
-// its block (its scratch).
-__device__ __forceinline__ void ep_mega_send_rows(const MegaParams& p, MegaLayout& l, int warp,
+// Combine, once the tiles of a band are stored: the band's columns of the
+// received rows, `warp` of `warps`, each the weighted sum of its
+// expert-major rows of y sent back to its source rank
+// (ep_combine_send_row); `slot`: the warp in its block (its scratch).
+template <int kUnroll>
+__device__ __forceinline__ void ep_mega_send_rows(const MegaParams& p, MegaLayout& l,
+                                                  const MegaBands& bands, int band, int warp,
                                                   int warps, int slot, int lane) {
     const CombineParams& c = p.combine;
     const int rows = *c.handle_num_rows;
     const int vectors = c.hidden / 8;
+    int first;
+    int end;
+    ep_mega_band_vectors(bands, band, c.hidden, &first, &end);
     for (int row = warp; row < rows; row += warps) {
         const int source = c.handle_row_src[2 * row];
         const int token = c.handle_row_src[2 * row + 1];
         int4* dst = ep_area<int4>(c.peer_bases, source, c.normal.area, c.normal.off_returned) +
                     (static_cast<int64_t>(c.rank) * c.max_tokens + token) * vectors;
-        ep_combine_send_row(c, row, dst, l.warp_rows[slot], l.warp_weights[slot], lane);
+        ep_combine_send_row<kUnroll>(c, row, dst, l.warp_rows[slot], l.warp_weights[slot], first,
+                                     end, lane);
         __syncwarp();
     }
 }
 
-// One thread per block, after the block's tiles are stored and fenced:
-// counts the block in `gemm_count`, a (sequence number << 32 | blocks
-// counted) word, starting the count afresh for a new call; the block that
-// completes the grid release-stores the sequence number into `gemm_done`.
-// The compare-and-swap is an acquire-release at GPU scope, so the last one
-// has seen every earlier block's stores (each fenced them before its swap).
-__device__ __forceinline__ void ep_mega_count_block(const MegaParams& p, int seq) {
-    unsigned long long* word = p.gemm_count;
-    const unsigned long long call = static_cast<unsigned long long>(static_cast<unsigned>(seq)) << 32;
-    unsigned long long seen = *reinterpret_cast<volatile unsigned long long*>(word);
-    unsigned long long next;
-    for (;;) {
-        next = (seen & 0xffffffff00000000ull) == call ? seen + 1 : call + 1;
-        unsigned long long old;
-        asm volatile("atom.acq_rel.gpu.global.cas.b64 %0, [%1], %2, %3;"
-                     : "=l"(old)
-                     : "l"(word), "l"(seen), "l"(next)
-                     : "memory");
-        if (old == seen) {
-            break;
+// The communication warps of a combine's block (`comm_warp` 0-2, warps 1-3)
+// meet (a hardware barrier).
+__device__ __forceinline__ void ep_mega_comm_sync() {
+    asm volatile("bar.sync %0, %1;" ::"n"(EP_MEGA_COMM_BARRIER), "n"(EP_MEGA_COMM_WARPS * 32)
+                 : "memory");
+}
+
+// The units of band `band` each consumer warpgroup that sees them counts
+// in band_count[band]: each unit is seen by both consumer warpgroups of
+// every block of its cluster.
+__device__ __forceinline__ int ep_mega_band_units(const MegaParams& p, const MegaLayout& l,
+                                                  const MegaBands& bands, int band,
+                                                  int cluster_size) {
+    const int groups = l.tile_start[p.local_experts] / cluster_size;
+    return groups * ep_mega_band_tiles(bands, band) * cluster_size *
+           (EP_MEGA_CONSUMERS / EP_MEGA_WARPGROUP);
+}
+
+// A combine's communication warps while the GEMM runs: every band but the
+// last, in order, once all its units are stored (band_count), sent by the
+// grid's communication warps.
+template <int kUnroll>
+__device__ __forceinline__ void ep_mega_send_early_bands(const MegaParams& p, MegaLayout& l,
+                                                         const MegaBands& bands, int cluster_size,
+                                                         int comm_warp, int lane) {
+    for (int band = 0; band + 1 < bands.count; ++band) {
+        if (comm_warp == 0 && lane == 0) {
+            // Acquire: every block's tiles of the band; the warps meet
+            // (below) before any reads them.
+            ep_mega_wait<true>(p, l, p.band_count + band,
+                               ep_mega_band_units(p, l, bands, band, cluster_size),
+                               EP_PHASE_COMBINE);
         }
-        seen = old;
-    }
-    if (static_cast<unsigned>(next & 0xffffffffull) == gridDim.x) {
-        // Release: every block's stores of y (acquired by the swap) before
-        // the flag.
-        ep_st_release_gpu(p.gemm_done, seq);
+        ep_mega_comm_sync();
+        ep_mega_send_rows<kUnroll>(p, l, bands, band, blockIdx.x * EP_MEGA_COMM_WARPS + comm_warp,
+                                   gridDim.x * EP_MEGA_COMM_WARPS, comm_warp + 1, lane);
     }
 }
 
+// Adds `n` to one of a combine's counts (gemm_count, band_count) with
+// release semantics at GPU scope: the stores this thread made or fenced
+// before it are visible to a thread that reads a count including it and
+// then fences (ep_mega_wait).
+__device__ __forceinline__ void ep_mega_count(int* count, int n) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(count), "r"(n) : "memory");
+}
+
 // A combine's phase 2, whole block, after its GEMM (the kernel comment's
-// protocol): count the block, wait for every block's, send rows.
-__device__ __forceinline__ void ep_mega_combine(const MegaParams& p, MegaLayout& l, int seq,
-                                                int warp, int lane) {
+// protocol): count the block, wait for every block's, send the last band.
+__device__ __forceinline__ void ep_mega_combine(const MegaParams& p, MegaLayout& l,
+                                                const MegaBands& bands, int warp, int lane) {
     // Release, part 1: this thread's stores of y (a consumer's) are fenced
     // at GPU scope before the block meets, so thread 0's swap publishes
     // them.
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-        ep_mega_count_block(p, seq);
+        // Release, part 2.
+        ep_mega_count(p.gemm_count, 1);
         // Acquire: every block's y, then the block meets (below) before
         // any warp reads it.
         if (l.usable) {
-            ep_mega_wait(p, l, p.gemm_done, seq, EP_PHASE_COMBINE);
+            ep_mega_wait(p, l, p.gemm_count, gridDim.x, EP_PHASE_COMBINE);
         }
     }
     __syncthreads();
     if (l.usable) {
-        ep_mega_send_rows(p, l, blockIdx.x * EP_MEGA_WARPS + warp, gridDim.x * EP_MEGA_WARPS,
-                          warp, lane);
+        ep_mega_send_rows<EP_SUM_UNROLL>(p, l, bands, max(bands.count - 1, 0),
+                                         blockIdx.x * EP_MEGA_WARPS + warp,
+                                         gridDim.x * EP_MEGA_WARPS, warp, lane);
     }
 }
 
@@ -553,24 +657,30 @@ struct Cluster {
     int rank;
 };
 
-// The m-tile and n-tile of work unit `unit` for this block: a unit is a
-// pair (group of `cluster.size` consecutive m-tiles of one expert, n-tile),
-// the blocks of a cluster take one m-tile of the group each. An expert's
-// units start at its first m-tile group times n_tiles; inside it the groups
-// run fastest (the kernel comment's order).
+// The m-tile, n-tile and band of work unit `unit` for this block: a unit is
+// a pair (group of `cluster.size` consecutive m-tiles of one expert,
+// n-tile), the blocks of a cluster take one m-tile of the group each. The
+// units of a band are all groups times its n-tiles; inside a band, an
+// expert's units start at its first group times the band's n-tiles, and
+// inside them the groups run fastest (the kernel comment's order).
 struct MegaUnit {
     int m_tile;
     int n_tile;
+    int band;
 };
 
 __device__ __forceinline__ MegaUnit ep_mega_unit(const MegaLayout& l, int experts, int unit,
-                                                 int n_tiles, const Cluster& cluster) {
-    const int expert = ep_segment_of(l.tile_start, experts, unit / n_tiles * cluster.size);
+                                                 const MegaBands& bands, const Cluster& cluster) {
+    const int all_groups = l.tile_start[experts] / cluster.size;
+    const int band = unit / (all_groups * bands.tiles);
+    const int tiles = ep_mega_band_tiles(bands, band);
+    const int in_band = unit - band * all_groups * bands.tiles;
+    const int expert = ep_segment_of(l.tile_start, experts, in_band / tiles * cluster.size);
     const int first_group = l.tile_start[expert] / cluster.size;
     const int groups = l.tile_start[expert + 1] / cluster.size - first_group;
-    const int inside = unit - first_group * n_tiles;
+    const int inside = in_band - first_group * tiles;
     return MegaUnit{(first_group + inside % groups) * cluster.size + cluster.rank,
-                    inside / groups};
+                    band * bands.tiles + inside / groups, band};
 }
 
 // Units are taken in two steps, so that the counter's round trip overlaps
@@ -663,8 +773,8 @@ __device__ __forceinline__ void produce_end(typename Gemm<G>::Shared& s, Ring& r
 // multicast to both blocks, which wait for the whole tile).
 template <class G>
 __device__ __forceinline__ void produce(const MegaParams& p, typename Gemm<G>::Shared& s, int seq,
-                                        int n_tiles, int total_units, const Cluster& cluster,
-                                        int lane) {
+                                        const MegaBands& bands, int total_units,
+                                        const Cluster& cluster, int lane) {
     using T = Gemm<G>;
     MegaLayout& l = s.layout;
     const int k_blocks = p.k / T::kBlockK;
@@ -679,7 +789,7 @@ __device__ __forceinline__ void produce(const MegaParams& p, typename Gemm<G>::S
             produce_end<G>(s, ring, lane);
             break;
         }
-        const MegaUnit u = ep_mega_unit(l, p.local_experts, unit, n_tiles, cluster);
+        const MegaUnit u = ep_mega_unit(l, p.local_experts, unit, bands, cluster);
         const MegaTile t = ep_mega_tile(l, p.local_experts, u.m_tile);
         const int n0 = u.n_tile * T::kBlockN;
         if (p.mode == EP_MEGA_MODE_DISPATCH) {
@@ -993,6 +1103,30 @@ __device__ __forceinline__ void store_rows_tma(const MegaParams& p, uint8_t* box
     }
 }
 
+// A consumer warpgroup has stored its `units` units of band `band` (all of
+// them: units are taken band by band): once its TMA stores have written y,
+// it counts them in band_count[band], for the communication warps
+// (ep_mega_send_early_bands). `thread`: in the warpgroup; thread 0 issued
+// its TMA stores.
+__device__ __forceinline__ void publish_band(const MegaParams& p, int band, int units,
+                                             int warpgroup, int thread) {
+    if (thread == 0) {
+        // The TMA stores have written y; then their async-proxy writes are
+        // ordered before this thread's generic release below.
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+    }
+    // Release, part 1: every thread's own stores of y (store_tile) are
+    // fenced at GPU scope before the warpgroup meets, so thread 0's add
+    // publishes them.
+    __threadfence();
+    warpgroup_sync(warpgroup);
+    if (thread == 0) {
+        // Release, part 2.
+        ep_mega_count(p.band_count + band, units);
+    }
+}
+
 // The unit of the stage at `ring` (waiting for the stage to be full; the
 // mainloop's wait for it then passes at once), or EP_MEGA_NO_UNIT, whose
 // stage is released here.
@@ -1011,7 +1145,7 @@ __device__ __forceinline__ int consumed_unit(typename Gemm<G>::Shared& s, Ring& 
 // Consumer warpgroups: the MMAs and the epilogue of every unit of this block.
 template <class G>
 __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::Shared& s,
-                                        int n_tiles, const Cluster& cluster, int consumer) {
+                                        const Cluster& cluster, int consumer) {
     using T = Gemm<G>;
     const MegaLayout& l = s.layout;
     typename T::TiledMma tiled_mma;
@@ -1027,13 +1161,29 @@ __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::S
         make_identity_tensor(make_shape(Int<T::kBlockM>{}, Int<T::kBlockN>{})));
     Tensor accum = partition_fragment_C(tiled_mma, make_shape(Int<T::kBlockM>{}, Int<T::kBlockN>{}));
     const int k_blocks = p.k / T::kBlockK;
+    const int thread = consumer % EP_MEGA_WARPGROUP;
+    // The bands (recomputed from the parameters where needed: the
+    // consumers' registers hold the accumulators); the band of the units
+    // stored since the last publish_band, and how many. The last band is
+    // published with the whole GEMM (ep_mega_combine).
+    int band = 0;
+    int band_units = 0;
     Ring ring{0, 0};
     for (;;) {
         const int unit = consumed_unit<G>(s, ring, consumer, cluster);
         if (unit == EP_MEGA_NO_UNIT) {
             break;
         }
-        const MegaUnit u = ep_mega_unit(l, p.local_experts, unit, n_tiles, cluster);
+        const MegaUnit u = ep_mega_unit(l, p.local_experts, unit, ep_mega_bands(p, T::kBlockN),
+                                        cluster);
+        if (u.band != band) {
+            if (band_units > 0) {
+                publish_band(p, band, band_units, warpgroup, thread);
+            }
+            band = u.band;
+            band_units = 0;
+        }
+        ++band_units;
         const MegaTile t = ep_mega_tile(l, p.local_experts, u.m_tile);
         const int n0 = u.n_tile * T::kBlockN;
         if (t.rows <= warpgroup * EP_MEGA_WARPGROUP_ROWS) {
@@ -1049,14 +1199,16 @@ __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::S
             }
             if (t.rows >= (warpgroup + 1) * EP_MEGA_WARPGROUP_ROWS) {
                 store_rows_tma<T::kBlockN, T::kStoreBoxes>(p, s.store[warpgroup][0], t, n0,
-                                                           warpgroup, accum,
-                                                           consumer % EP_MEGA_WARPGROUP);
+                                                           warpgroup, accum, thread);
             } else {
                 store_tile(p, t, n0, accum, tCcC);
             }
         }
     }
-    if (consumer % EP_MEGA_WARPGROUP == 0) {
+    if (band_units > 0 && band + 1 < ep_mega_bands(p, T::kBlockN).count) {
+        publish_band(p, band, band_units, warpgroup, thread);
+    }
+    if (thread == 0) {
         // Every TMA store of the warpgroup has written y (and its box may
         // go) before the block counts its tiles as stored (ep_mega_combine)
         // or ends; then its async-proxy writes are ordered before the
@@ -1136,17 +1288,19 @@ __device__ __forceinline__ void run(const MegaParams& p) {
         cutlass::arch::fence_barrier_init();
     }
     ep_mega_load_layout(p, l, ep_last_barrier_passed(own_base),
-                        dispatch ? EP_PHASE_DISPATCH : EP_PHASE_COMBINE, kCluster);
+                        dispatch ? EP_PHASE_DISPATCH : EP_PHASE_COMBINE, kCluster, seq);
     if constexpr (kCluster > 1) {
         // The partner's barriers and mailbox are initialised before anything
         // lands there.
         cluster_sync();
     }
-    const int n_tiles = (p.n + T::kBlockN - 1) / T::kBlockN;
+    // A dispatch's units in one band (its MegaParams::bands is 1).
+    const MegaBands bands = ep_mega_bands(p, T::kBlockN);
     const int total_units =
-        l.usable ? l.tile_start[p.local_experts] / kCluster * n_tiles : 0;
+        l.usable ? l.tile_start[p.local_experts] / kCluster * bands.n_tiles : 0;
 
-    // The GEMM, and a dispatch's row moves beside it.
+    // The GEMM, and beside it a dispatch's row moves or a combine's sends
+    // of the bands before the last.
     const bool producer_group = threadIdx.x < EP_MEGA_WARPGROUP;
     if constexpr (G::kScaled) {
         if (producer_group) {
@@ -1157,22 +1311,25 @@ __device__ __forceinline__ void run(const MegaParams& p) {
     }
     if (producer_group) {
         if (warp == 0) {
-            produce<G>(p, s, seq, n_tiles, total_units, cluster, lane);
+            produce<G>(p, s, seq, bands, total_units, cluster, lane);
         } else if (dispatch && l.usable) {
             const int comm_warp = warp - 1;
             constexpr int unroll = G::kScaled ? EP_MEGA_FP8_COPY_UNROLL : EP_COPY_UNROLL;
             ep_mega_move_rows<unroll>(p, l, seq, blockIdx.x * EP_MEGA_COMM_WARPS + comm_warp,
                                       gridDim.x * EP_MEGA_COMM_WARPS, lane);
+        } else if (l.usable) {
+            constexpr int unroll = G::kScaled ? EP_MEGA_FP8_SEND_UNROLL : EP_SUM_UNROLL;
+            ep_mega_send_early_bands<unroll>(p, l, bands, kCluster, warp - 1, lane);
         }
     } else {
-        consume<G>(p, s, n_tiles, cluster, threadIdx.x - EP_MEGA_WARPGROUP);
+        consume<G>(p, s, cluster, threadIdx.x - EP_MEGA_WARPGROUP);
     }
     if constexpr (G::kScaled) {
         even_registers(producer_group);
     }
     // A combine's rows, once every block's GEMM is stored.
     if (!dispatch) {
-        ep_mega_combine(p, l, seq, warp, lane);
+        ep_mega_combine(p, l, bands, warp, lane);
     }
 
     // No block leaves while its partner may still arrive on its barriers.
@@ -1181,10 +1338,18 @@ __device__ __forceinline__ void run(const MegaParams& p) {
     } else {
         __syncthreads();
     }
-    // The last block to finish publishes this call's sequence number.
+    // The last block to finish zeroes the call's counts (every block has
+    // taken its last unit and passed its last wait) and publishes this
+    // call's sequence number.
     if (threadIdx.x == 0) {
         if (ep_last_block_to_arrive(p.state + 1)) {
-            p.state[2] = 0;  // every block has taken its last unit
+            p.state[2] = 0;
+            if (!dispatch) {
+                *p.gemm_count = 0;
+                for (int band = 0; band < EP_MEGA_MAX_BANDS; ++band) {
+                    p.band_count[band] = 0;
+                }
+            }
             p.state[0] = seq;
         }
     }

@@ -741,7 +741,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
                              lane);
             continue;
         }
-        ep_combine_send_row(p, row, dst, slot_rows[warp], slot_weights[warp], lane);
+        ep_combine_send_row(p, row, dst, slot_rows[warp], slot_weights[warp], 0, vectors, lane);
         __syncwarp();
     }
 }

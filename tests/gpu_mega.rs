@@ -16,7 +16,9 @@
 //! routing. The world size is a parameter: 1, and 2 (two GPUs, or two
 //! ranks sharing one). Both kernel variants run (single blocks, the
 //! default, and clusters of 2 blocks sharing weight tiles:
-//! `EP_MEGA_CLUSTER`). Needs a
+//! `EP_MEGA_CLUSTER`), and the combine's GEMM both in one column band and
+//! in several (`EP_MEGA_COMBINE_BANDS`; by default only BF16 calls of 1024
+//! tokens or more use bands). Needs a
 //! Hopper GPU: `cargo test --release --test gpu_mega -- --ignored`.
 
 mod common;
@@ -375,12 +377,22 @@ fn use_cluster(size: usize) {
     std::env::set_var("EP_MEGA_CLUSTER", size.to_string());
 }
 
+/// Selects the fused combine's column bands (1 to 8; `None`: the library's
+/// choice) for the contexts created after this call, as `use_cluster`.
+fn use_bands(bands: Option<usize>) {
+    match bands {
+        Some(bands) => std::env::set_var("EP_MEGA_COMBINE_BANDS", bands.to_string()),
+        None => std::env::remove_var("EP_MEGA_COMBINE_BANDS"),
+    }
+}
+
 /// Runs one case on `case.world` GPUs and checks everything.
 fn run_case(case: &MegaCase) {
     let start = Instant::now();
     let what = format!(
-        "cluster {} world {} hidden {} n {} k2 {} experts {} topk {} {:?} {:?} tokens {:?} alignment {}",
+        "cluster {} bands {} world {} hidden {} n {} k2 {} experts {} topk {} {:?} {:?} tokens {:?} alignment {}",
         std::env::var("EP_MEGA_CLUSTER").unwrap_or_default(),
+        std::env::var("EP_MEGA_COMBINE_BANDS").unwrap_or_else(|_| "default".into()),
         case.world,
         case.hidden,
         case.n,
@@ -475,8 +487,11 @@ fn case(
 #[test]
 #[ignore = "needs a Hopper GPU"]
 fn small_and_uneven_cases_match_the_reference() {
+    // Clusters of 2 with the combine's GEMM in 3 column bands (BF16 and
+    // FP8), single blocks with the library's choice (one band here).
     for (world, cluster) in worlds().into_iter().flat_map(|w| [(w, 2), (w, 1)]) {
         use_cluster(cluster);
+        use_bands(if cluster == 2 { Some(3) } else { None });
         for dtype in [Dtype::Bf16, Dtype::Fp8E4m3] {
             // 0, 1 and 17 tokens; 8, 64 and 256 experts; alignments 1, 16, 128.
             let mut c = case(world, 2048, 1024, 2048, 8, dtype, 0, 11);
@@ -501,6 +516,7 @@ fn small_and_uneven_cases_match_the_reference() {
 #[ignore = "needs a Hopper GPU"]
 fn decode_shape_matches_the_reference() {
     // 32 experts, 128 tokens of top-8: about 32 rows per expert.
+    use_bands(None);
     for cluster in [2, 1] {
         use_cluster(cluster);
         for dtype in [Dtype::Bf16, Dtype::Fp8E4m3] {
@@ -514,7 +530,9 @@ fn decode_shape_matches_the_reference() {
 fn w3_shape_matches_the_reference() {
     // One rank of EP8 at 4096 tokens: 32 experts of about 1024 rows,
     // hidden 7168, n 4096 (gate+up), k 2048 (down); single blocks, then
-    // the BF16 case in clusters of 2.
+    // the BF16 case in clusters of 2. The BF16 combines run in the library's
+    // column bands (4), the FP8 ones in one.
+    use_bands(None);
     use_cluster(1);
     for dtype in [Dtype::Bf16, Dtype::Fp8E4m3] {
         run_case(&case(1, 7168, 4096, 2048, 32, dtype, 4096, 31));
@@ -531,8 +549,14 @@ fn both_calls_replay_in_a_cuda_graph_with_fresh_routing() {
     let mut c = case(1, 1024, 1024, 512, 16, Dtype::Bf16, 128, 41);
     c.topk = 4;
     c.alignment = 8;
-    for (dtype, cluster) in [(Dtype::Bf16, 2), (Dtype::Fp8E4m3, 2), (Dtype::Bf16, 1)] {
+    // Every combine in 4 column bands but the last configuration's.
+    for (dtype, cluster, bands) in [
+        (Dtype::Bf16, 2, Some(4)),
+        (Dtype::Fp8E4m3, 2, Some(4)),
+        (Dtype::Bf16, 1, None),
+    ] {
         use_cluster(cluster);
+        use_bands(bands);
         c.dtype = dtype;
         let cfg = gpu_config(1024, 4, 16, 128, 0, 20_000);
         run_gpu_world(1, &cfg, |_, ctx| {

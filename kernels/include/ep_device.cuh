@@ -84,6 +84,20 @@ __device__ __forceinline__ void ep_st_release_gpu(int* addr, int value) {
     asm volatile("st.release.gpu.global.s32 [%0], %1;" : : "l"(addr), "r"(value) : "memory");
 }
 
+// Relaxed load at GPU scope, and the acquire fence that completes it: for a
+// long wait on such a flag beside other work of the SM. An acquire load
+// also invalidates the SM's L1 (CCTL.IVALL) at every look; a waiter that
+// looks with relaxed loads fences once, after the flag is seen.
+__device__ __forceinline__ int ep_ld_relaxed_gpu(const int* addr) {
+    int value;
+    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(addr) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ void ep_fence_acquire_gpu() {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+
 // Atomic add at GPU scope with acquire and release semantics; returns the
 // old value. For arrival counters among the blocks of one grid: every
 // block's earlier accesses are ordered before its arrival, and the block
@@ -537,13 +551,15 @@ __device__ __forceinline__ int4 ep_pack_bf16x8(const float (&in)[8]) {
 // `row_of(i, row, w)` says are present (it returns false for an absent
 // one), i ascending, each product rounded before it is added (the
 // reference's order; with w = 1 the product is exact, so plain sums use
-// this too). The vectors of up to EP_SUM_ROWS_IN_FLIGHT rows are
-// loaded before any of them is added.
-template <typename RowOf>
-__device__ __forceinline__ void ep_add_weighted_rows(float (&acc)[EP_SUM_UNROLL][8], int rows,
+// this too); vectors at `vectors` and beyond are left out. The vectors of
+// up to EP_SUM_ROWS_IN_FLIGHT rows are loaded before any of them is added.
+// kUnroll: vectors per lane and row (EP_SUM_UNROLL, or fewer where
+// registers are scarce).
+template <int kUnroll, typename RowOf>
+__device__ __forceinline__ void ep_add_weighted_rows(float (&acc)[kUnroll][8], int rows,
                                                      RowOf row_of, int base, int vectors) {
     for (int first = 0; first < rows; first += EP_SUM_ROWS_IN_FLIGHT) {
-        int4 raw[EP_SUM_ROWS_IN_FLIGHT][EP_SUM_UNROLL];
+        int4 raw[EP_SUM_ROWS_IN_FLIGHT][kUnroll];
         float w[EP_SUM_ROWS_IN_FLIGHT];
         bool present[EP_SUM_ROWS_IN_FLIGHT];
 #pragma unroll
@@ -552,7 +568,7 @@ __device__ __forceinline__ void ep_add_weighted_rows(float (&acc)[EP_SUM_UNROLL]
             present[i] = first + i < rows && row_of(first + i, row, w[i]);
             if (present[i]) {
 #pragma unroll
-                for (int u = 0; u < EP_SUM_UNROLL; ++u) {
+                for (int u = 0; u < kUnroll; ++u) {
                     if (base + u * 32 < vectors) {
                         raw[i][u] = row[base + u * 32];
                     }
@@ -565,7 +581,7 @@ __device__ __forceinline__ void ep_add_weighted_rows(float (&acc)[EP_SUM_UNROLL]
                 continue;
             }
 #pragma unroll
-            for (int u = 0; u < EP_SUM_UNROLL; ++u) {
+            for (int u = 0; u < kUnroll; ++u) {
                 float f[8];
                 ep_unpack_bf16x8(raw[i][u], f);
 #pragma unroll
@@ -577,11 +593,13 @@ __device__ __forceinline__ void ep_add_weighted_rows(float (&acc)[EP_SUM_UNROLL]
     }
 }
 
-// row[base + 32 u] = BF16 of acc[u], for the vectors of one lane.
-__device__ __forceinline__ void ep_store_bf16_vectors(int4* row, const float (&acc)[EP_SUM_UNROLL][8],
+// row[base + 32 u] = BF16 of acc[u], for the vectors of one lane below
+// `vectors`.
+template <int kUnroll>
+__device__ __forceinline__ void ep_store_bf16_vectors(int4* row, const float (&acc)[kUnroll][8],
                                                       int base, int vectors) {
 #pragma unroll
-    for (int u = 0; u < EP_SUM_UNROLL; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
         if (base + u * 32 < vectors) {
             row[base + u * 32] = ep_pack_bf16x8(acc[u]);
         }

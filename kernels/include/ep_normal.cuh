@@ -103,11 +103,15 @@ __device__ __forceinline__ void ep_warp_copy_row(const uint8_t* src, uint8_t* ds
 // The expert-major combine of one received row: dst = BF16 of the fp32 sum
 // of weight * row over the row's expert-major rows in ascending order (=
 // local experts ascending, the reference's summation order), each product
-// rounded before it is added. `slot_rows` and `slot_weights` are the warp's
-// scratch of EP_MAX_TOPK entries in shared memory. Whole warp.
+// rounded before it is added; only the 16-byte vectors [first, end) of the
+// row (a fused combine sends a row's columns band by band). `slot_rows`
+// and `slot_weights` are the warp's scratch of EP_MAX_TOPK entries in
+// shared memory. kUnroll: vectors per lane and row in flight
+// (ep_add_weighted_rows). Whole warp.
+template <int kUnroll = EP_SUM_UNROLL>
 __device__ __forceinline__ void ep_combine_send_row(const CombineParams& p, int row, int4* dst,
                                                     int* slot_rows, float* slot_weights,
-                                                    int lane) {
+                                                    int first, int end, int lane) {
     const int vectors = p.hidden / 8;
     const int4* x = reinterpret_cast<const int4*>(p.x);
     // The row's expert rows in ascending order (= local experts
@@ -135,9 +139,9 @@ __device__ __forceinline__ void ep_combine_send_row(const CombineParams& p, int 
         w = slot_weights[i];
         return true;
     };
-    for (int base = lane; base < vectors; base += 32 * EP_SUM_UNROLL) {
-        float acc[EP_SUM_UNROLL][8] = {};
-        ep_add_weighted_rows(acc, terms, term, base, vectors);
-        ep_store_bf16_vectors(dst, acc, base, vectors);
+    for (int base = first + lane; base < end; base += 32 * kUnroll) {
+        float acc[kUnroll][8] = {};
+        ep_add_weighted_rows(acc, terms, term, base, end);
+        ep_store_bf16_vectors(dst, acc, base, end);
     }
 }

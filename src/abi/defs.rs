@@ -135,6 +135,10 @@ abi_consts! {
     MEGA_MODE_DISPATCH: i32 = 0;
     /// `MegaParams::mode`: GEMM + combine.
     MEGA_MODE_COMBINE: i32 = 1;
+    /// Fused GEMM + combine: the most column bands (`MegaParams::bands`)
+    /// a call's n-tiles are split into; the communication warps send the
+    /// rows of a band while the GEMM computes the bands after it.
+    MEGA_MAX_BANDS: usize = 8;
 
     /// `ep_moe_forward`'s activation kernel (kernels/moe.cu): threads of a
     /// block (a warp per expert-major row), and blocks per streaming
@@ -570,12 +574,13 @@ abi_struct! {
         expert_layout: u64 => "const int*",
         /// `[rows]`: sequence number of the call that moved each row.
         row_ready: u64 => "int*",
-        /// `[1]`: sequence number of the last combine call whose blocks
-        /// had all stored their GEMM tiles.
-        gemm_done: u64 => "int*",
-        /// `[1]`: (sequence number << 32) | blocks of that call that have
-        /// stored theirs.
-        gemm_count: u64 => "unsigned long long*",
+        /// `[1]`: blocks of this combine call that have stored their GEMM
+        /// tiles (zeroed by the call's last block).
+        gemm_count: u64 => "int*",
+        /// `[MEGA_MAX_BANDS]`: units of each band of this combine call
+        /// stored, counted by the consumer warpgroups (zeroed by the call's
+        /// last block).
+        band_count: u64 => "int*",
         /// `[3]`: the last call's sequence number, blocks finished, units
         /// taken (the tile counter).
         state: u64 => "int*",
@@ -591,6 +596,9 @@ abi_struct! {
         local_experts: i32,
         /// The most m-tiles a call can have (a layout with more is refused).
         max_m_tiles: i32,
+        /// Column bands of the n-tiles, 1 to `MEGA_MAX_BANDS` (a combine's;
+        /// a dispatch has 1): units are taken band by band.
+        bands: i32,
     }
 }
 

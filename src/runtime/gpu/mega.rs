@@ -2,15 +2,16 @@
 //! combine, each one persistent launch (kernels/mega.cu, whose comment
 //! describes the protocol) between the normal mode's routing kernels.
 //!
-//! This side keeps the fused kernels' flags (a sequence number per row, and
-//! one for the end of a combine's GEMM, never cleared, see kernels/mega.cu),
-//! makes the TMA descriptors of each call's rows and weights, and enqueues:
+//! This side keeps the fused kernels' flags and counters (a sequence number
+//! per row, never cleared; a combine's counts of stored tiles, which each
+//! call's last block zeroes; see kernels/mega.cu), makes the TMA
+//! descriptors of each call's rows and weights, and enqueues:
 //! - dispatch + GEMM: count and stage, barrier, pull without the
 //!   expert-major rows (the normal mode's, see `normal.rs`), the fused
 //!   kernel;
-//! - GEMM + combine: the fused kernel (the GEMM, then the combine's send
-//!   once every tile is stored), then the normal combine's barrier and
-//!   reduce.
+//! - GEMM + combine: the fused kernel (the GEMM in column bands, each
+//!   band's part of the combine's send once the band is stored), then the
+//!   normal combine's barrier and reduce.
 //!
 //! Both leave their exchange open, like the normal mode's calls
 //! (`normal::Exchange`): its closing barrier runs only before an exchange
@@ -20,8 +21,8 @@ use super::normal::{combined, Dispatched, Exchange, GpuHandle, NormalMode};
 use super::{ptr, Bound, Runtime};
 use crate::abi::{
     MegaParams, MEGA_BF16_BLOCK_K, MEGA_BF16_BLOCK_N, MEGA_BLOCK_M, MEGA_FP8_BLOCK_K,
-    MEGA_FP8_BLOCK_N, MEGA_MODE_COMBINE, MEGA_MODE_DISPATCH, MEGA_STORE_COLS, MEGA_STORE_ROWS,
-    MEGA_THREADS,
+    MEGA_FP8_BLOCK_N, MEGA_MAX_BANDS, MEGA_MODE_COMBINE, MEGA_MODE_DISPATCH, MEGA_STORE_COLS,
+    MEGA_STORE_ROWS, MEGA_THREADS,
 };
 use crate::error::{Error, Result};
 use crate::reference::normal::worst_case_rows;
@@ -39,6 +40,21 @@ use crate::runtime::sequence::Call;
 /// they stay opt-in.
 const DEFAULT_CLUSTER: u32 = 1;
 
+/// Column bands of a fused combine's GEMM unless `EP_MEGA_COMBINE_BANDS`
+/// says otherwise: `BANDS` for a BF16 GEMM of a dispatch of at least
+/// `BANDED_MIN_TOKENS` tokens, else 1. The GEMM computes the bands one
+/// after the other and the communication warps send each band's part of
+/// the rows while the GEMM computes the next, so only the last band's send
+/// follows the GEMM (kernels/mega.cu); each band reads the input rows once
+/// more. On 1 x H200 (bench/RESULTS.md, 2026-11-27) the BF16 call at W3
+/// (4096 tokens) took 1552 us in one band and 1503-1522 us in 2 to 8; at
+/// decode (128 tokens, a send of a few microseconds) bands gained nothing;
+/// and FP8 calls were slower in bands (W3 1185 us in one, 1260-1431 in 2
+/// to 8): the FP8 kernels' communication warps have 56 registers while the
+/// GEMM runs, so their sends keep few loads in flight and lag the GEMM.
+const BANDS: u32 = 4;
+const BANDED_MIN_TOKENS: usize = 1024;
+
 /// The fused kernels' state of one context.
 pub struct MegaMode {
     /// Hopper (compute capability 9.0): the only GPUs the kernels run on.
@@ -51,11 +67,12 @@ pub struct MegaMode {
     shared_bytes: u32,
     /// `[rows]` sequence number of the call that moved each expert-major row.
     row_ready: DeviceBuffer,
-    /// The sequence number of the last fused combine whose blocks had all
-    /// stored their GEMM tiles, and the (sequence number, blocks) word
-    /// counting them.
-    gemm_done: DeviceBuffer,
+    /// A combine's counts of blocks whose GEMM tiles are stored, and of
+    /// the units stored per column band (the call's last block zeroes
+    /// them); `EP_MEGA_COMBINE_BANDS`, when set.
     gemm_count: DeviceBuffer,
+    band_count: DeviceBuffer,
+    combine_bands: Option<u32>,
     /// The most m-tiles one call can have (the kernels refuse a layout
     /// with more).
     max_m_tiles: usize,
@@ -85,6 +102,20 @@ fn cluster_size() -> Result<u32> {
     }
 }
 
+/// A fused combine's column bands as `EP_MEGA_COMBINE_BANDS` (1 to
+/// `MEGA_MAX_BANDS`) sets them, if it does.
+fn combine_bands() -> Result<Option<u32>> {
+    let Ok(value) = std::env::var("EP_MEGA_COMBINE_BANDS") else {
+        return Ok(None);
+    };
+    match value.trim().parse::<u32>() {
+        Ok(bands) if (1..=MEGA_MAX_BANDS as u32).contains(&bands) => Ok(Some(bands)),
+        _ => Err(Error::invalid(format!(
+            "EP_MEGA_COMBINE_BANDS = {value:?}: expected 1 to {MEGA_MAX_BANDS}"
+        ))),
+    }
+}
+
 impl MegaMode {
     pub fn new(rt: &Runtime) -> Result<MegaMode> {
         let cfg = &rt.cfg;
@@ -94,6 +125,7 @@ impl MegaMode {
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
         let (_, rows) = worst_case_rows(cfg.topo, cfg.max_tokens, MAX_EXPERT_ALIGNMENT);
         let cluster = cluster_size()?;
+        let combine_bands = combine_bands()?;
         let max_m_tiles = max_m_tiles(cfg, cluster as usize);
         let shared = shared as u32;
         let mut max_blocks = device.sm_count()?;
@@ -136,8 +168,9 @@ impl MegaMode {
             max_blocks,
             shared_bytes: shared,
             row_ready: DeviceBuffer::zeroed(device, rows * 4)?,
-            gemm_done: DeviceBuffer::zeroed(device, 4)?,
-            gemm_count: DeviceBuffer::zeroed(device, 8)?,
+            gemm_count: DeviceBuffer::zeroed(device, 4)?,
+            band_count: DeviceBuffer::zeroed(device, MEGA_MAX_BANDS * 4)?,
+            combine_bands,
             max_m_tiles,
             state: DeviceBuffer::zeroed(device, 3 * 4)?,
         })
@@ -219,6 +252,7 @@ impl MegaMode {
         let mut params = self.params(rt, &op.gemm, op.combine.x, op.gemm.x_scales, capacity)?;
         params.mode = MEGA_MODE_COMBINE;
         params.combine = reduce;
+        params.bands = self.bands(op.gemm.dtype, dispatched.num_tokens) as i32;
         params.expert_layout = handle.expert_layout.ptr();
         // The reduce runs alone after the fused kernel, on its SMs (as the
         // pull of `dispatch_gemm`).
@@ -289,8 +323,9 @@ impl MegaMode {
             a_scales: if fp8 { ptr(x_scales) } else { 0 },
             b_scales: if fp8 { ptr(gemm.weight_scales) } else { 0 },
             row_ready: self.row_ready.ptr(),
-            gemm_done: self.gemm_done.ptr(),
             gemm_count: self.gemm_count.ptr(),
+            band_count: self.band_count.ptr(),
+            bands: 1,
             state: self.state.ptr(),
             abort_flag: rt.abort_ptr(),
             status: rt.status_ptr(),
@@ -302,6 +337,16 @@ impl MegaMode {
             max_m_tiles: self.max_m_tiles as i32,
             ..MegaParams::default()
         })
+    }
+
+    /// The column bands of a fused combine's GEMM (`BANDS`).
+    fn bands(&self, dtype: Dtype, num_tokens: usize) -> u32 {
+        self.combine_bands
+            .unwrap_or(if dtype == Dtype::Bf16 && num_tokens >= BANDED_MIN_TOKENS {
+                BANDS
+            } else {
+                1
+            })
     }
 
     /// The SMs a fused call may use: its budget (`num_sms`, 0 for all), at
