@@ -72,10 +72,12 @@
 // the token from that first row once its flag holds the sequence number
 // (acquire); each task then release-stores the call's sequence number into
 // row_ready[row] (ep_mega_move_rows). A padding row gets zeros (and its y
-// row too). The producer acquire-loads row_ready of
-// every real row of a tile until each holds the sequence number, then
-// issues `fence.proxy.async.global` before its TMA loads: the rows were
-// written by generic stores, the TMA reads them through the async proxy.
+// row too). The producer acquire-loads row_ready of every real row of a
+// tile until each holds the sequence number, and release-stores the number
+// into tile_ready[m-tile]; the producers of the tile's later units (other
+// n-tiles) acquire that flag instead (wait_for_tile_rows). Then it issues
+// `fence.proxy.async.global` before its TMA loads: the rows were written
+// by generic stores, the TMA reads them through the async proxy.
 //
 // ep_mega_gemm_combine = this kernel, barrier, reduce (kernels/normal.cu),
 // barrier. The GEMM's n-tiles are split into column bands (MegaParams::bands,
@@ -767,6 +769,37 @@ __device__ __forceinline__ void produce_end(typename Gemm<G>::Shared& s, Ring& r
     ring.advance<Gemm<G>::kStages>();
 }
 
+// Dispatch, producer warp: waits until every real row of m-tile `m_tile`
+// (`t`) has been moved. A tile's rows are waited for by the producer of
+// each of its units (one per n-tile), so the first producer to see them
+// all release-stores the sequence number into tile_ready[m_tile] (after
+// its lanes' acquires of the row flags and the warp's meeting), and the
+// producers after it acquire that one flag instead of the tile's row flags
+// (up to EP_MEGA_BLOCK_M acquire loads, each of which also invalidates the
+// SM's L1).
+__device__ __forceinline__ void wait_for_tile_rows(const MegaParams& p, MegaLayout& l,
+                                                   const MegaTile& t, int m_tile, int seq,
+                                                   int lane) {
+    int seen = 0;
+    if (lane == 0) {
+        // Acquire: every row of the tile, moved before the flag's release.
+        seen = ep_reached(ep_ld_acquire_gpu(p.tile_ready + m_tile), seq);
+    }
+    if (__shfl_sync(0xffffffffu, seen, 0)) {
+        return;
+    }
+    for (int i = lane; i < t.rows; i += 32) {
+        // Acquire: the row.
+        ep_mega_wait(p, l, p.row_ready + t.first_row + i, seq, EP_PHASE_DISPATCH);
+    }
+    __syncwarp();
+    if (lane == 0 && !*reinterpret_cast<volatile int*>(&l.failed)) {
+        // Release: the rows every lane acquired (the warp met above).
+        ep_st_release_gpu(p.tile_ready + m_tile, seq);
+    }
+    __syncwarp();
+}
+
 // Producer warp: for every unit this block takes, wait for its rows
 // (dispatch), then load its k-blocks into the stages: its own A rows, and
 // its part of the weight tile (all of it, or in a cluster of 2 its half,
@@ -793,10 +826,7 @@ __device__ __forceinline__ void produce(const MegaParams& p, typename Gemm<G>::S
         const MegaTile t = ep_mega_tile(l, p.local_experts, u.m_tile);
         const int n0 = u.n_tile * T::kBlockN;
         if (p.mode == EP_MEGA_MODE_DISPATCH) {
-            for (int i = lane; i < t.rows; i += 32) {
-                ep_mega_wait(p, l, p.row_ready + t.first_row + i, seq, EP_PHASE_DISPATCH);
-            }
-            __syncwarp();
+            wait_for_tile_rows(p, l, t, u.m_tile, seq, lane);
             // The rows were written by generic stores; TMA reads them
             // through the async proxy.
             asm volatile("fence.proxy.async.global;" ::: "memory");

@@ -574,6 +574,9 @@ abi_struct! {
         expert_layout: u64 => "const int*",
         /// `[rows]`: sequence number of the call that moved each row.
         row_ready: u64 => "int*",
+        /// `[max_m_tiles]`: sequence number of the last dispatch call in
+        /// which a producer saw every row of each m-tile moved.
+        tile_ready: u64 => "int*",
         /// `[1]`: blocks of this combine call that have stored their GEMM
         /// tiles (zeroed by the call's last block).
         gemm_count: u64 => "int*",

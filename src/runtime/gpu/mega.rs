@@ -67,6 +67,9 @@ pub struct MegaMode {
     shared_bytes: u32,
     /// `[rows]` sequence number of the call that moved each expert-major row.
     row_ready: DeviceBuffer,
+    /// `[max m-tiles]` sequence number of the call in which a producer saw
+    /// every row of each m-tile moved.
+    tile_ready: DeviceBuffer,
     /// A combine's counts of blocks whose GEMM tiles are stored, and of
     /// the units stored per column band (the call's last block zeroes
     /// them); `EP_MEGA_COMBINE_BANDS`, when set.
@@ -168,6 +171,7 @@ impl MegaMode {
             max_blocks,
             shared_bytes: shared,
             row_ready: DeviceBuffer::zeroed(device, rows * 4)?,
+            tile_ready: DeviceBuffer::zeroed(device, max_m_tiles * 4)?,
             gemm_count: DeviceBuffer::zeroed(device, 4)?,
             band_count: DeviceBuffer::zeroed(device, MEGA_MAX_BANDS * 4)?,
             combine_bands,
@@ -323,6 +327,7 @@ impl MegaMode {
             a_scales: if fp8 { ptr(x_scales) } else { 0 },
             b_scales: if fp8 { ptr(gemm.weight_scales) } else { 0 },
             row_ready: self.row_ready.ptr(),
+            tile_ready: self.tile_ready.ptr(),
             gemm_count: self.gemm_count.ptr(),
             band_count: self.band_count.ptr(),
             bands: 1,
