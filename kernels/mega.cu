@@ -112,9 +112,9 @@
 //   The counts are adds, not compare-and-swaps of (call, count) words: at
 //   a band's end about 2 x 132 warpgroups count at once, and a
 //   compare-and-swap that every other one may make fail completes about one
-//   per L2 round trip (the GEMM took 10 % longer, and its waiting
-//   communication warps slowed it further: bench/RESULTS.md). So the counts
-//   start at zero: the call's last block zeroes them.
+//   per L2 round trip (with such counts the W3 GEMM took about 10 % longer;
+//   at the GEMM's end, the decode call 55 us: bench/RESULTS.md). So the
+//   counts start at zero: the call's last block zeroes them.
 // Every column of a row is summed in the same order whatever its band (the
 // reference's), so the bands change no bit of the result; they only move
 // all but the last band's share of the send (about 130 us of reads of y
@@ -122,8 +122,8 @@
 // (each expert's, from L2 within the band).
 // Why bands, and not each row as soon as its tiles are stored: in source
 // order a row's expert-major rows lie in about topk random experts, so
-// almost no row is complete before almost every tile is. Waiting for them row by row
-// kept three warps of every block with rows polling tile flags (GPU-scope
+// almost no row is complete before almost every tile is. Waiting for them
+// row by row kept three warps of every block with rows polling tile flags (GPU-scope
 // acquires: each look a strong load plus an invalidation of the SM's L1,
 // CCTL.IVALL) for the whole GEMM, and the call took about 100 times the
 // GEMM's time (232 ms at W3, bench/RESULTS.md).
@@ -138,9 +138,10 @@
 // combine's counts (gemm_count, band_count) are zeroed by the same last
 // block before it stores the number.
 //
-// Waits: every wait on another block (rows, bands, the grid's GEMM) is an ep_mega_wait
-// (ep_wait_until with GPU-scope acquires, a short sleep between looks)
-// with the context timeout and abort flag. A wait that fails records the error
+// Waits: every wait on another block (rows, bands, the grid's GEMM) is an
+// ep_mega_wait (ep_wait_until with GPU-scope acquires and a short sleep
+// between looks, or for a band relaxed looks every 10 us and one acquire
+// fence) with the context timeout and abort flag. A wait that fails records the error
 // and the block goes on without waiting any more (computing garbage, the
 // call having failed), so no block, and no consumer waiting on a stage,
 // hangs. The waits on stages and on the mailbox are local to a cluster
@@ -259,10 +260,11 @@ __device__ __forceinline__ int ep_mega_expert_tiles(int count, int cluster) {
     return (tiles + cluster - 1) / cluster * cluster;
 }
 
-// Loads the handle's layout and numbers the m-tiles; sets `usable`, and
-// `seq`. Whole block. A layout that cannot come from a dispatch (offsets out of order,
-// counts beyond their segments, more rows than the buffers) is recorded as
-// EP_STATUS_INVALID_ARGUMENT; a failed routing barrier was recorded before.
+// Loads the handle's layout and numbers the m-tiles; sets `usable` and
+// `seq`. Whole block. A layout that cannot come from a dispatch (offsets
+// out of order, counts beyond their segments, more rows than the buffers)
+// is recorded as EP_STATUS_INVALID_ARGUMENT; a failed routing barrier was
+// recorded before.
 __device__ __forceinline__ void ep_mega_load_layout(const MegaParams& p, MegaLayout& l,
                                                     bool routed, int phase, int cluster, int seq) {
     const int experts = p.local_experts;
@@ -529,7 +531,7 @@ __device__ __forceinline__ void ep_mega_count(int* count, int n) {
 __device__ __forceinline__ void ep_mega_combine(const MegaParams& p, MegaLayout& l,
                                                 const MegaBands& bands, int warp, int lane) {
     // Release, part 1: this thread's stores of y (a consumer's) are fenced
-    // at GPU scope before the block meets, so thread 0's swap publishes
+    // at GPU scope before the block meets, so thread 0's add publishes
     // them.
     __threadfence();
     __syncthreads();
