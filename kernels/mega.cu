@@ -1135,6 +1135,14 @@ __device__ __forceinline__ void store_rows_tma(const MegaParams& p, uint8_t* box
     }
 }
 
+// The thread that issued a warpgroup's TMA stores of y: waits until they
+// have written y, then orders their (async-proxy) writes before its later
+// generic accesses, such as a release that publishes them.
+__device__ __forceinline__ void wait_for_own_tma_stores() {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 // A consumer warpgroup has stored its `units` units of band `band` (all of
 // them: units are taken band by band): once its TMA stores have written y,
 // it counts them in band_count[band], for the communication warps
@@ -1143,10 +1151,7 @@ __device__ __forceinline__ void store_rows_tma(const MegaParams& p, uint8_t* box
 __device__ __forceinline__ void publish_band(const MegaParams& p, int band, int units,
                                              int warpgroup, int thread) {
     if (thread == 0) {
-        // The TMA stores have written y; then their async-proxy writes are
-        // ordered before this thread's generic release below.
-        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-        asm volatile("fence.proxy.async.global;" ::: "memory");
+        wait_for_own_tma_stores();
     }
     // Release, part 1: every thread's own stores of y (store_tile) are
     // fenced at GPU scope before the warpgroup meets, so thread 0's add
@@ -1243,10 +1248,8 @@ __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::S
     if (thread == 0) {
         // Every TMA store of the warpgroup has written y (and its box may
         // go) before the block counts its tiles as stored (ep_mega_combine)
-        // or ends; then its async-proxy writes are ordered before the
-        // thread's later generic release.
-        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-        asm volatile("fence.proxy.async.global;" ::: "memory");
+        // or ends.
+        wait_for_own_tma_stores();
     }
 }
 

@@ -90,33 +90,32 @@ fn max_m_tiles(cfg: &Config, cluster: usize) -> usize {
     pairs.div_ceil(MEGA_BLOCK_M) + cluster * cfg.local_experts()
 }
 
+/// The number the environment variable `name` holds, if it is set: one of
+/// `allowed`, else an error naming the variable.
+fn env_number(name: &str, allowed: std::ops::RangeInclusive<u32>) -> Result<Option<u32>> {
+    let Ok(value) = std::env::var(name) else {
+        return Ok(None);
+    };
+    match value.trim().parse::<u32>() {
+        Ok(number) if allowed.contains(&number) => Ok(Some(number)),
+        _ => Err(Error::invalid(format!(
+            "{name} = {value:?}: expected {} to {}",
+            allowed.start(),
+            allowed.end()
+        ))),
+    }
+}
+
 /// The cluster size to use: `EP_MEGA_CLUSTER` (1 or 2) when set, else
 /// `DEFAULT_CLUSTER`.
 fn cluster_size() -> Result<u32> {
-    match std::env::var("EP_MEGA_CLUSTER") {
-        Err(_) => Ok(DEFAULT_CLUSTER),
-        Ok(value) => match value.trim() {
-            "1" => Ok(1),
-            "2" => Ok(2),
-            other => Err(Error::invalid(format!(
-                "EP_MEGA_CLUSTER = {other:?}: expected 1 or 2"
-            ))),
-        },
-    }
+    Ok(env_number("EP_MEGA_CLUSTER", 1..=2)?.unwrap_or(DEFAULT_CLUSTER))
 }
 
 /// A fused combine's column bands as `EP_MEGA_COMBINE_BANDS` (1 to
 /// `MEGA_MAX_BANDS`) sets them, if it does.
 fn combine_bands() -> Result<Option<u32>> {
-    let Ok(value) = std::env::var("EP_MEGA_COMBINE_BANDS") else {
-        return Ok(None);
-    };
-    match value.trim().parse::<u32>() {
-        Ok(bands) if (1..=MEGA_MAX_BANDS as u32).contains(&bands) => Ok(Some(bands)),
-        _ => Err(Error::invalid(format!(
-            "EP_MEGA_COMBINE_BANDS = {value:?}: expected 1 to {MEGA_MAX_BANDS}"
-        ))),
-    }
+    env_number("EP_MEGA_COMBINE_BANDS", 1..=MEGA_MAX_BANDS as u32)
 }
 
 impl MegaMode {
