@@ -237,11 +237,14 @@ struct MegaBands {
     int block_n;  // columns of an n-tile
 };
 
-// The expert layout every block reads from the handle, and the m-tiles.
+// What every block keeps of the handle's expert layout: the m-tiles. The
+// segments themselves (offsets and real rows, 8 KiB at EP_MAX_EXPERTS) stay
+// in global memory, where only the producer reads them, once per unit
+// (ep_mega_tile), and hands each unit's tile to its consumers in the stage;
+// the shared memory they would take holds the FP8 kernels' fifth stage.
 struct MegaLayout {
-    int offset[EP_MAX_EXPERTS + 1];      // segment starts; [L] = end
-    int count[EP_MAX_EXPERTS];           // real rows
     int tile_start[EP_MAX_EXPERTS + 1];  // first m-tile of each expert; [L] = m-tiles
+    int rows;                            // expert-major rows: the last segment's end
     int warp_rows[EP_MEGA_WARPS][EP_MAX_TOPK];  // scratch of each warp
     float warp_weights[EP_MEGA_WARPS][EP_MAX_TOPK];
     int usable;  // the routing and the layout are sane
@@ -268,17 +271,19 @@ __device__ __forceinline__ int ep_mega_expert_tiles(int count, int cluster) {
 __device__ __forceinline__ void ep_mega_load_layout(const MegaParams& p, MegaLayout& l,
                                                     bool routed, int phase, int cluster, int seq) {
     const int experts = p.local_experts;
-    ep_load_expert_layout(p.expert_layout, experts, l.offset, l.count);
+    const int* offset = p.expert_layout;               // [experts + 1] segment starts
+    const int* count = p.expert_layout + experts + 1;  // [experts] real rows
     if (threadIdx.x < 32) {
         const int lane = threadIdx.x;
         const int per_lane = (experts + 31) / 32;
         const int first = min(experts, lane * per_lane);
         const int last = min(experts, first + per_lane);
-        bool sane = l.offset[0] == 0 && l.offset[experts] <= p.rows;
+        const int rows = offset[experts];
+        bool sane = offset[0] == 0 && rows <= p.rows;
         int tiles = 0;
         for (int e = first; e < last; ++e) {
-            sane = sane && ep_expert_rows_fit(l.offset, l.count, e);
-            tiles += ep_mega_expert_tiles(l.count[e], cluster);
+            sane = sane && ep_expert_rows_fit(offset, count, e);
+            tiles += ep_mega_expert_tiles(count[e], cluster);
         }
         sane = __all_sync(0xffffffffu, sane);
         // Exclusive prefix of the lanes' tile counts.
@@ -290,7 +295,7 @@ __device__ __forceinline__ void ep_mega_load_layout(const MegaParams& p, MegaLay
         before -= tiles;
         for (int e = first; e < last; ++e) {
             l.tile_start[e] = before;
-            before += ep_mega_expert_tiles(l.count[e], cluster);
+            before += ep_mega_expert_tiles(count[e], cluster);
         }
         if (lane == 31) {
             l.tile_start[experts] = before;
@@ -299,6 +304,7 @@ __device__ __forceinline__ void ep_mega_load_layout(const MegaParams& p, MegaLay
                 ep_record_error(p.status, EP_STATUS_INVALID_ARGUMENT, -1, phase, 0);
             }
             l.usable = sane && routed;
+            l.rows = sane ? rows : 0;
             l.failed = 0;
             l.seq = seq;
         }
@@ -308,12 +314,16 @@ __device__ __forceinline__ void ep_mega_load_layout(const MegaParams& p, MegaLay
 
 // The m-tile `m`: its expert is the last one whose first tile is <= m
 // (experts without rows share their successor's first tile). A tile past
-// the expert's rows (rounding to the cluster size) has 0 rows.
-__device__ __forceinline__ MegaTile ep_mega_tile(const MegaLayout& l, int experts, int m) {
+// the expert's rows (rounding to the cluster size) has 0 rows. The
+// segment's start and real rows are read from the handle's layout in global
+// memory (constant during the kernel).
+__device__ __forceinline__ MegaTile ep_mega_tile(const MegaParams& p, const MegaLayout& l, int m) {
+    const int experts = p.local_experts;
     const int lo = ep_segment_of(l.tile_start, experts, m);
     const int skipped = (m - l.tile_start[lo]) * EP_MEGA_BLOCK_M;
-    return MegaTile{lo, l.offset[lo] + skipped,
-                    min(EP_MEGA_BLOCK_M, max(0, l.count[lo] - skipped))};
+    const int first = __ldg(p.expert_layout + lo);
+    const int count = __ldg(p.expert_layout + experts + 1 + lo);
+    return MegaTile{lo, first + skipped, min(EP_MEGA_BLOCK_M, max(0, count - skipped))};
 }
 
 // The call's bands for n-tiles of `block_n` columns: as many as asked
@@ -409,7 +419,7 @@ template <int kUnroll>
 __device__ __forceinline__ void ep_mega_move_rows(const MegaParams& p, MegaLayout& l, int seq,
                                                   int warp, int warps, int lane) {
     const DispatchParams& d = p.dispatch;
-    const int total = l.offset[p.local_experts];
+    const int total = l.rows;
     for (int j = warp; j < total; j += warps) {
         const int row = d.expert_src_row[j];
         if (row < 0) {
@@ -578,23 +588,23 @@ struct Bf16Gemm {
     static constexpr int kBlockN = EP_MEGA_BF16_BLOCK_N;
     static constexpr int kBlockK = EP_MEGA_BF16_BLOCK_K;
     static constexpr int kStages = 4;
-    static constexpr int kStoreBoxes = 1;
     static constexpr bool kScaled = false;
 };
 
-// FP8: 128 x 192 tiles, k-blocks of 128 (one scale block), 4 stages
+// FP8: 128 x 192 tiles, k-blocks of 128 (one scale block), 5 stages
 // (40 KiB each); two accumulators (a k-block's and the total) per thread,
 // which need the consumers' larger register budget
-// (EP_MEGA_CONSUMER_REGS); a store box per 64 columns of the tile, so the
-// epilogue never waits for its own stores. (128 x 128 tiles kept the
-// tensor cores busy under half the time at W3: bench/RESULTS.md.)
+// (EP_MEGA_CONSUMER_REGS); one store box per consumer warpgroup, reused
+// for the tile's three. (128 x 128 tiles kept the tensor cores busy under
+// half the time at W3; a box per 64 columns, so that the epilogue never
+// waited for its own stores, took the room of the fifth stage and was
+// slower: bench/RESULTS.md.)
 struct Fp8Gemm {
     using Element = float_e4m3_t;
     using Atom = SM90::GMMA::MMA_64x192x32_F32E4M3E4M3_SS_TN<>;
     static constexpr int kBlockN = EP_MEGA_FP8_BLOCK_N;
     static constexpr int kBlockK = EP_MEGA_FP8_BLOCK_K;
-    static constexpr int kStages = 4;
-    static constexpr int kStoreBoxes = EP_MEGA_FP8_BLOCK_N / EP_MEGA_STORE_COLS;
+    static constexpr int kStages = 5;
     static constexpr bool kScaled = true;
 };
 
@@ -608,7 +618,6 @@ struct Gemm {
     static constexpr int kBlockN = G::kBlockN;
     static constexpr int kBlockK = G::kBlockK;
     static constexpr int kStages = G::kStages;
-    static constexpr int kStoreBoxes = G::kStoreBoxes;
     // An n-tile starts at a multiple of kBlockN, so its first column is a
     // multiple of kScaleAlign into its weight scale block, and the tile
     // spans at most kBScales blocks.
@@ -639,15 +648,16 @@ struct Gemm {
     struct alignas(1024) Shared {
         Element a[kStages * kBlockM * kBlockK];
         Element b[kStages * kBlockN * kBlockK];
-        // Each consumer warpgroup's store boxes (store_rows_tma), 128-byte
+        // Each consumer warpgroup's store box (store_rows_tma), 128-byte
         // swizzled as the y tensor map says.
-        alignas(1024) uint8_t store[EP_MEGA_CONSUMERS / EP_MEGA_WARPGROUP][kStoreBoxes]
+        alignas(1024) uint8_t store[EP_MEGA_CONSUMERS / EP_MEGA_WARPGROUP]
                                    [EP_MEGA_STORE_ROWS * EP_MEGA_STORE_ROW_BYTES];
         float a_scales[kStages][kBlockM];
         float b_scales[kStages][kBScales];
         uint64_t full[kStages];
         uint64_t empty[kStages];
-        int unit[kStages];  // the unit each stage belongs to
+        int unit[kStages];       // the unit each stage belongs to
+        MegaTile tile[kStages];  // and its m-tile (the producer's ep_mega_tile)
         // Units posted by the cluster's block 0, (ordinal + 1) << 32 | unit.
         unsigned long long mailbox[kMailbox];
         MegaLayout layout;
@@ -825,7 +835,7 @@ __device__ __forceinline__ void produce(const MegaParams& p, typename Gemm<G>::S
             break;
         }
         const MegaUnit u = ep_mega_unit(l, p.local_experts, unit, bands, cluster);
-        const MegaTile t = ep_mega_tile(l, p.local_experts, u.m_tile);
+        const MegaTile t = ep_mega_tile(p, l, u.m_tile);
         const int n0 = u.n_tile * T::kBlockN;
         if (p.mode == EP_MEGA_MODE_DISPATCH) {
             wait_for_tile_rows(p, l, t, u.m_tile, seq, lane);
@@ -864,8 +874,10 @@ __device__ __forceinline__ void produce(const MegaParams& p, typename Gemm<G>::S
                 cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);
             }
             if (lane == 0) {
-                // The unit's number before the arrival (program order).
+                // The unit's number and tile before the arrival (program
+                // order).
                 s.unit[ring.stage] = unit;
+                s.tile[ring.stage] = t;
                 uint64_t* full = &s.full[ring.stage];
                 cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, T::kStageBytes);
                 const uint64_t hint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
@@ -1057,17 +1069,15 @@ __device__ __forceinline__ void warpgroup_sync(int warpgroup) {
 }
 
 // Stores a consumer warpgroup's 64 rows of a tile, when all are real rows
-// (else store_tile), with TMA, EP_MEGA_STORE_COLS columns (a box) at a
-// time, in rounds of kBoxes boxes: the warpgroup writes its accumulators as
-// BF16 into its boxes in shared memory, then one thread (`issuer`) stores
-// them into y (the tensor map `c`, which clips the columns past n). The
-// stores are asynchronous: the warpgroup goes on, and waits only before it
-// writes the boxes again, until the TMA has read them; with a box for each
-// 64 columns of the tile (FP8) that wait is for the stores of the tile
-// before, issued a whole mainloop earlier. (Before, every thread stored its
-// accumulators straight into y, 4 bytes at a time, half a 32-byte sector
-// per row and instruction; the fused kernels with TMA stores are 3 to 9 %
-// faster at W3 on 1 x H200: bench/RESULTS.md.)
+// (else store_tile), with TMA, EP_MEGA_STORE_COLS columns at a time through
+// the warpgroup's box in shared memory: the warpgroup writes its
+// accumulators' columns as BF16 into the box, then one thread (`issuer`)
+// stores it into y (the tensor map `c`, which clips the columns past n).
+// The stores are asynchronous: the warpgroup goes on, and waits only before
+// it writes the box again, until the TMA has read it. (Before, every thread
+// stored its accumulators straight into y, 4 bytes at a time, half a
+// 32-byte sector per row and instruction; the fused kernels with TMA stores
+// are 3 to 9 % faster at W3 on 1 x H200: bench/RESULTS.md.)
 //
 // Where a value goes: by the warpgroup MMA's accumulator layout, thread t
 // of the warpgroup (warp w, lane l) holds element i = 4 g + 2 h + e at row
@@ -1075,61 +1085,50 @@ __device__ __forceinline__ void warpgroup_sync(int warpgroup) {
 // 128-byte swizzled, as the tensor map says: the 16-byte piece j of box
 // row r lies at piece j ^ (r % 8), and r % 8 = l / 4; so the 8 rows one
 // store instruction of a warp covers fall in different banks.
-template <int kBlockN, int kBoxes, class Frag>
-__device__ __forceinline__ void store_rows_tma(const MegaParams& p, uint8_t* boxes,
+template <int kBlockN, class Frag>
+__device__ __forceinline__ void store_rows_tma(const MegaParams& p, uint8_t* box,
                                                const MegaTile& t, int n0, int warpgroup,
                                                const Frag& accum, int thread) {
     static_assert(EP_MEGA_STORE_ROWS == EP_MEGA_WARPGROUP_ROWS, "a box holds a warpgroup's rows");
     static_assert(EP_MEGA_STORE_ROW_BYTES == 128, "a box row spans the 128-byte swizzle");
-    static_assert(kBlockN % (kBoxes * EP_MEGA_STORE_COLS) == 0, "an n-tile is whole rounds");
+    static_assert(kBlockN % EP_MEGA_STORE_COLS == 0, "an n-tile is whole boxes");
     constexpr int kGroups = EP_MEGA_STORE_COLS / 8;  // 8-column groups per box
-    constexpr int kBoxBytes = EP_MEGA_STORE_ROWS * EP_MEGA_STORE_ROW_BYTES;
     const int lane = thread % 32;
     const int quad = lane / 4;
     const bool issuer = thread == 0;
-    // This thread's first byte in box 0, as a shared-memory address.
-    const uint32_t mine = cute::cast_smem_ptr_to_uint(boxes) +
+    // This thread's first byte in the box, as a shared-memory address.
+    const uint32_t mine = cute::cast_smem_ptr_to_uint(box) +
                           (16 * (thread / 32) + quad) * EP_MEGA_STORE_ROW_BYTES + 4 * (lane % 4);
     CUTLASS_PRAGMA_UNROLL
-    for (int round = 0; round < kBlockN / (kBoxes * EP_MEGA_STORE_COLS); ++round) {
-        const int round_col = n0 + round * kBoxes * EP_MEGA_STORE_COLS;
-        if (round_col >= p.n) {
+    for (int round = 0; round < kBlockN / EP_MEGA_STORE_COLS; ++round) {
+        const int col0 = n0 + round * EP_MEGA_STORE_COLS;
+        if (col0 >= p.n) {
             break;
         }
-        // The boxes are free once the TMA has read their last contents.
+        // The box is free once the TMA has read its last contents.
         if (issuer) {
             tma_store_wait<0>();
         }
         warpgroup_sync(warpgroup);
         CUTLASS_PRAGMA_UNROLL
-        for (int box = 0; box < kBoxes; ++box) {
+        for (int g = 0; g < kGroups; ++g) {
             CUTLASS_PRAGMA_UNROLL
-            for (int g = 0; g < kGroups; ++g) {
-                CUTLASS_PRAGMA_UNROLL
-                for (int h = 0; h < 2; ++h) {
-                    const int i = 4 * ((round * kBoxes + box) * kGroups + g) + 2 * h;
-                    const __nv_bfloat162 pair = __floats2bfloat162_rn(accum(i), accum(i + 1));
-                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(mine + box * kBoxBytes +
-                                                                 h * 8 * EP_MEGA_STORE_ROW_BYTES +
-                                                                 (g ^ quad) * 16),
-                                 "r"(*reinterpret_cast<const uint32_t*>(&pair))
-                                 : "memory");
-                }
+            for (int h = 0; h < 2; ++h) {
+                const int i = 4 * (round * kGroups + g) + 2 * h;
+                const __nv_bfloat162 pair = __floats2bfloat162_rn(accum(i), accum(i + 1));
+                asm volatile("st.shared.b32 [%0], %1;" ::"r"(mine + h * 8 * EP_MEGA_STORE_ROW_BYTES +
+                                                             (g ^ quad) * 16),
+                             "r"(*reinterpret_cast<const uint32_t*>(&pair))
+                             : "memory");
             }
         }
-        // Release to the TMA: the boxes' generic stores before its
+        // Release to the TMA: the box's generic stores before its
         // (async-proxy) reads, then the warpgroup meets.
         cutlass::arch::fence_view_async_shared();
         warpgroup_sync(warpgroup);
         if (issuer) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int box = 0; box < kBoxes; ++box) {
-                const int col0 = round_col + box * EP_MEGA_STORE_COLS;
-                if (col0 < p.n) {
-                    SM90_TMA_STORE_2D::copy(&p.c, boxes + box * kBoxBytes, col0,
-                                            t.first_row + warpgroup * EP_MEGA_WARPGROUP_ROWS);
-                }
-            }
+            SM90_TMA_STORE_2D::copy(&p.c, box, col0,
+                                    t.first_row + warpgroup * EP_MEGA_WARPGROUP_ROWS);
             tma_store_arrive();  // the round's bulk group
         }
     }
@@ -1213,6 +1212,8 @@ __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::S
         }
         const MegaUnit u = ep_mega_unit(l, p.local_experts, unit, ep_mega_bands(p, T::kBlockN),
                                         cluster);
+        // The unit's first stage is still ours (released by the mainloop).
+        const MegaTile t = s.tile[ring.stage];
         if (u.band != band) {
             if (band_units > 0) {
                 publish_band(p, band, band_units, warpgroup, thread);
@@ -1221,7 +1222,6 @@ __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::S
             band_units = 0;
         }
         ++band_units;
-        const MegaTile t = ep_mega_tile(l, p.local_experts, u.m_tile);
         const int n0 = u.n_tile * T::kBlockN;
         if (t.rows <= warpgroup * EP_MEGA_WARPGROUP_ROWS) {
             mainloop_skip<G>(s, ring, k_blocks, consumer, cluster);
@@ -1235,8 +1235,8 @@ __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::S
                 mainloop_bf16<G>(s, ring, k_blocks, accum, tCrA, tCrB, consumer, cluster);
             }
             if (t.rows >= (warpgroup + 1) * EP_MEGA_WARPGROUP_ROWS) {
-                store_rows_tma<T::kBlockN, T::kStoreBoxes>(p, s.store[warpgroup][0], t, n0,
-                                                           warpgroup, accum, thread);
+                store_rows_tma<T::kBlockN>(p, s.store[warpgroup], t, n0, warpgroup, accum,
+                                           thread);
             } else {
                 store_tile(p, t, n0, accum, tCcC);
             }
