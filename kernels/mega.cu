@@ -27,8 +27,10 @@
 // b, b + grid, ... the blocks drifted apart by whole tiles, a mostly empty
 // tile finishing early, and at W3 the BF16 GEMM read 17 GB from DRAM for
 // 1.9 GB of weights: bench/RESULTS.md.)
-// The producer writes the unit's number into each k-block's stage; the
-// consumers read it from the first stage of the unit. After the last unit
+// The producer decodes each unit (its m-tile and n-tile; the m-tile's
+// segment from the handle's layout in global memory) and writes it
+// (MegaWork) into each k-block's stage; the consumers read it from the
+// first stage of the unit and decode nothing. After the last unit
 // the producer fills one stage with no data and unit EP_MEGA_NO_UNIT. In a
 // cluster, block 0's producer takes the unit and posts it, numbered, into
 // the mailbox of every block of the cluster; each producer reads its own.
@@ -608,6 +610,23 @@ struct Fp8Gemm {
     static constexpr bool kScaled = true;
 };
 
+// The m-tile, n-tile and band of a work unit for this block (ep_mega_unit).
+struct MegaUnit {
+    int m_tile;
+    int n_tile;
+    int band;
+};
+
+// What the producer hands the consumers with each stage it fills: the
+// unit's number (EP_MEGA_NO_UNIT in the stage that ends the block's work),
+// its place and its m-tile, so that the consumers, whose registers hold the
+// accumulators, decode nothing.
+struct MegaWork {
+    int unit;
+    MegaUnit place;
+    MegaTile tile;
+};
+
 // The greatest common divisor, for the scale blocks an n-tile spans.
 __host__ __device__ constexpr int ep_gcd(int a, int b) { return b == 0 ? a : ep_gcd(b, a % b); }
 
@@ -656,8 +675,7 @@ struct Gemm {
         float b_scales[kStages][kBScales];
         uint64_t full[kStages];
         uint64_t empty[kStages];
-        int unit[kStages];       // the unit each stage belongs to
-        MegaTile tile[kStages];  // and its m-tile (the producer's ep_mega_tile)
+        MegaWork work[kStages];  // the unit each stage belongs to
         // Units posted by the cluster's block 0, (ordinal + 1) << 32 | unit.
         unsigned long long mailbox[kMailbox];
         MegaLayout layout;
@@ -671,18 +689,12 @@ struct Cluster {
     int rank;
 };
 
-// The m-tile, n-tile and band of work unit `unit` for this block: a unit is
-// a pair (group of `cluster.size` consecutive m-tiles of one expert,
-// n-tile), the blocks of a cluster take one m-tile of the group each. The
-// units of a band are all groups times its n-tiles; inside a band, an
-// expert's units start at its first group times the band's n-tiles, and
-// inside them the groups run fastest (the kernel comment's order).
-struct MegaUnit {
-    int m_tile;
-    int n_tile;
-    int band;
-};
-
+// The place of work unit `unit` for this block: a unit is a pair (group of
+// `cluster.size` consecutive m-tiles of one expert, n-tile), the blocks of
+// a cluster take one m-tile of the group each. The units of a band are all
+// groups times its n-tiles; inside a band, an expert's units start at its
+// first group times the band's n-tiles, and inside them the groups run
+// fastest (the kernel comment's order).
 __device__ __forceinline__ MegaUnit ep_mega_unit(const MegaLayout& l, int experts, int unit,
                                                  const MegaBands& bands, const Cluster& cluster) {
     const int all_groups = l.tile_start[experts] / cluster.size;
@@ -769,7 +781,7 @@ template <class G>
 __device__ __forceinline__ void produce_end(typename Gemm<G>::Shared& s, Ring& ring, int lane) {
     cutlass::arch::ClusterBarrier::wait(&s.empty[ring.stage], ring.parity);
     if (lane == 0) {
-        s.unit[ring.stage] = EP_MEGA_NO_UNIT;
+        s.work[ring.stage].unit = EP_MEGA_NO_UNIT;
     }
     // The unit's store before the arrivals (every lane's arrival has
     // release semantics; the warp meets first).
@@ -874,10 +886,8 @@ __device__ __forceinline__ void produce(const MegaParams& p, typename Gemm<G>::S
                 cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);
             }
             if (lane == 0) {
-                // The unit's number and tile before the arrival (program
-                // order).
-                s.unit[ring.stage] = unit;
-                s.tile[ring.stage] = t;
+                // The unit before the arrival (program order).
+                s.work[ring.stage] = MegaWork{unit, u, t};
                 uint64_t* full = &s.full[ring.stage];
                 cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, T::kStageBytes);
                 const uint64_t hint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
@@ -1163,19 +1173,19 @@ __device__ __forceinline__ void publish_band(const MegaParams& p, int band, int 
     }
 }
 
-// The unit of the stage at `ring` (waiting for the stage to be full; the
-// mainloop's wait for it then passes at once), or EP_MEGA_NO_UNIT, whose
-// stage is released here.
+// The work of the stage at `ring` (waiting for the stage to be full; the
+// mainloop's wait for it then passes at once); a stage of unit
+// EP_MEGA_NO_UNIT is released here.
 template <class G>
-__device__ __forceinline__ int consumed_unit(typename Gemm<G>::Shared& s, Ring& ring, int consumer,
-                                             const Cluster& cluster) {
+__device__ __forceinline__ MegaWork consumed_work(typename Gemm<G>::Shared& s, Ring& ring,
+                                                  int consumer, const Cluster& cluster) {
     cutlass::arch::ClusterBarrier::wait(&s.full[ring.stage], ring.parity);
-    const int unit = s.unit[ring.stage];
-    if (unit == EP_MEGA_NO_UNIT) {
+    const MegaWork work = s.work[ring.stage];
+    if (work.unit == EP_MEGA_NO_UNIT) {
         release_stage(&s.empty[ring.stage], consumer, cluster);
         ring.advance<Gemm<G>::kStages>();
     }
-    return unit;
+    return work;
 }
 
 // Consumer warpgroups: the MMAs and the epilogue of every unit of this block.
@@ -1183,7 +1193,6 @@ template <class G>
 __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::Shared& s,
                                         const Cluster& cluster, int consumer) {
     using T = Gemm<G>;
-    const MegaLayout& l = s.layout;
     typename T::TiledMma tiled_mma;
     Tensor sA = make_tensor(make_smem_ptr(s.a), typename T::SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(s.b), typename T::SmemLayoutB{});
@@ -1206,14 +1215,12 @@ __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::S
     int band_units = 0;
     Ring ring{0, 0};
     for (;;) {
-        const int unit = consumed_unit<G>(s, ring, consumer, cluster);
-        if (unit == EP_MEGA_NO_UNIT) {
+        const MegaWork work = consumed_work<G>(s, ring, consumer, cluster);
+        if (work.unit == EP_MEGA_NO_UNIT) {
             break;
         }
-        const MegaUnit u = ep_mega_unit(l, p.local_experts, unit, ep_mega_bands(p, T::kBlockN),
-                                        cluster);
-        // The unit's first stage is still ours (released by the mainloop).
-        const MegaTile t = s.tile[ring.stage];
+        const MegaUnit& u = work.place;
+        const MegaTile& t = work.tile;
         if (u.band != band) {
             if (band_units > 0) {
                 publish_band(p, band, band_units, warpgroup, thread);
