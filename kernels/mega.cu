@@ -198,11 +198,15 @@
 // register reallocation, setmaxnreg): the producer warpgroup (the producer
 // warp, the communication warps) gives registers up to the consumers, whose
 // FP8 mainloop holds two 128 x 192 accumulators (a k-block's and the
-// total: 192 registers a thread). 128 * 56 + 256 * 224 registers fit the
-// SM's registers. After the GEMM every warpgroup goes back to
-// EP_MEGA_EVEN_REGS (= the launch bounds' 168), for a combine's rows.
-#define EP_MEGA_PRODUCER_REGS 56
-#define EP_MEGA_CONSUMER_REGS 224
+// total: 192 registers a thread). 128 * 72 + 256 * 216 registers fit the
+// SM's registers; 216 is the fewest with which ptxas spills nothing of the
+// consumers (208: 28 bytes), and the communication warps' 72 keep two
+// 16-byte vectors of each row in flight while a combine's bands are sent
+// (56 kept one, and bands did not pay in FP8). After the GEMM every
+// warpgroup goes back to EP_MEGA_EVEN_REGS (= the launch bounds' 168), for
+// a combine's rows.
+#define EP_MEGA_PRODUCER_REGS 72
+#define EP_MEGA_CONSUMER_REGS 216
 // Registers of a Hopper SM; setmaxnreg counts in multiples of 8.
 #define EP_MEGA_SM_REGISTERS 65536
 #define EP_MEGA_EVEN_REGS (EP_MEGA_SM_REGISTERS / EP_MEGA_THREADS / 8 * 8)
@@ -215,7 +219,7 @@ static_assert(EP_MEGA_WARPGROUP * EP_MEGA_PRODUCER_REGS +
 #define EP_MEGA_FP8_COPY_UNROLL 4
 // The same for a combine's sums of rows during the FP8 GEMM (vectors per
 // lane and row, ep_add_weighted_rows), from the same registers.
-#define EP_MEGA_FP8_SEND_UNROLL 1
+#define EP_MEGA_FP8_SEND_UNROLL 2
 // Shared memory a Hopper block may have (227 KiB); the host launches every
 // fused kernel with the device's maximum, and each checks it is enough.
 #define EP_MEGA_MAX_SHARED_BYTES (227 * 1024)

@@ -17,8 +17,8 @@
 //! ranks sharing one). Both kernel variants run (single blocks, the
 //! default, and clusters of 2 blocks sharing weight tiles:
 //! `EP_MEGA_CLUSTER`), and the combine's GEMM both in one column band and
-//! in several (`EP_MEGA_COMBINE_BANDS`; by default only BF16 calls of 1024
-//! tokens or more use bands). Needs a
+//! in several (`EP_MEGA_COMBINE_BANDS`; by default calls of 1024 tokens or
+//! more use bands: 4 in BF16, 3 in FP8). Needs a
 //! Hopper GPU: `cargo test --release --test gpu_mega -- --ignored`.
 
 mod common;

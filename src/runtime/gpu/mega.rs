@@ -41,18 +41,19 @@ use crate::runtime::sequence::Call;
 const DEFAULT_CLUSTER: u32 = 1;
 
 /// Column bands of a fused combine's GEMM unless `EP_MEGA_COMBINE_BANDS`
-/// says otherwise: `BANDS` for a BF16 GEMM of a dispatch of at least
+/// says otherwise: `BF16_BANDS` or `FP8_BANDS` for a dispatch of at least
 /// `BANDED_MIN_TOKENS` tokens, else 1. The GEMM computes the bands one
 /// after the other and the communication warps send each band's part of
 /// the rows while the GEMM computes the next, so only the last band's send
 /// follows the GEMM (kernels/mega.cu); each band reads the input rows once
 /// more. On 1 x H200 (bench/RESULTS.md, 2026-11-27) the BF16 call at W3
-/// (4096 tokens) took 1552 us in one band and 1503-1522 us in 2 to 8; at
-/// decode (128 tokens, a send of a few microseconds) bands gained nothing;
-/// and FP8 calls were slower in bands (W3 1185 us in one, 1260-1431 in 2
-/// to 8): the FP8 kernels' communication warps have 56 registers while the
-/// GEMM runs, so their sends keep few loads in flight and lag the GEMM.
-const BANDS: u32 = 4;
+/// (4096 tokens) took 1552 us in one band and 1503-1522 us in 2 to 8, the
+/// FP8 call 1150 us in one band, 1118-1120 in 2, 1110-1112 in 3 and
+/// 1126-1127 in 4 (its communication warps have 72 registers while the
+/// GEMM runs: fewer loads in flight than BF16's, so more bands lag); at
+/// decode (128 tokens, a send of a few microseconds) bands gain nothing.
+const BF16_BANDS: u32 = 4;
+const FP8_BANDS: u32 = 3;
 const BANDED_MIN_TOKENS: usize = 1024;
 
 /// The fused kernels' state of one context.
@@ -343,14 +344,16 @@ impl MegaMode {
         })
     }
 
-    /// The column bands of a fused combine's GEMM (`BANDS`).
+    /// The column bands of a fused combine's GEMM (`BF16_BANDS`,
+    /// `FP8_BANDS`).
     fn bands(&self, dtype: Dtype, num_tokens: usize) -> u32 {
-        self.combine_bands
-            .unwrap_or(if dtype == Dtype::Bf16 && num_tokens >= BANDED_MIN_TOKENS {
-                BANDS
-            } else {
-                1
-            })
+        self.combine_bands.unwrap_or(if num_tokens < BANDED_MIN_TOKENS {
+            1
+        } else if dtype == Dtype::Bf16 {
+            BF16_BANDS
+        } else {
+            FP8_BANDS
+        })
     }
 
     /// The SMs a fused call may use: its budget (`num_sms`, 0 for all), at
