@@ -347,13 +347,14 @@ impl MegaMode {
     /// The column bands of a fused combine's GEMM (`BF16_BANDS`,
     /// `FP8_BANDS`).
     fn bands(&self, dtype: Dtype, num_tokens: usize) -> u32 {
-        self.combine_bands.unwrap_or(if num_tokens < BANDED_MIN_TOKENS {
-            1
-        } else if dtype == Dtype::Bf16 {
-            BF16_BANDS
-        } else {
-            FP8_BANDS
-        })
+        self.combine_bands
+            .unwrap_or(if num_tokens < BANDED_MIN_TOKENS {
+                1
+            } else if dtype == Dtype::Bf16 {
+                BF16_BANDS
+            } else {
+                FP8_BANDS
+            })
     }
 
     /// The SMs a fused call may use: its budget (`num_sms`, 0 for all), at
