@@ -828,10 +828,71 @@ __device__ __forceinline__ void wait_for_tile_rows(const MegaParams& p, MegaLayo
     __syncwarp();
 }
 
+// Producer warp, FP8: the k-block `kb` of the m-tile's row scales and of
+// the weight tile's block scales into the stage at `ring`, with cp.async
+// (zeros past the rows and past n), then the lanes' arrivals on full[stage]
+// once their copies land.
+template <class G>
+__device__ __forceinline__ void load_stage_scales(const MegaParams& p,
+                                                  typename Gemm<G>::Shared& s, const Ring& ring,
+                                                  const MegaTile& t, int n0, int kb,
+                                                  int scale_cols, int lane) {
+    using T = Gemm<G>;
+    for (int i = lane; i < T::kBlockM; i += 32) {
+        const int64_t row = t.first_row + i;
+        const bool inside = row < p.rows;
+        const float* src = p.a_scales + (inside ? row * scale_cols + kb : 0);
+        const uint32_t dst = cute::cast_smem_ptr_to_uint(&s.a_scales[ring.stage][i]);
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src),
+                     "r"(inside ? 4 : 0)
+                     : "memory");
+    }
+    if (lane < T::kBScales) {
+        const int n_block = n0 / EP_MEGA_SCALE_BLOCK + lane;
+        const int n_blocks = p.n / EP_MEGA_SCALE_BLOCK;
+        const bool inside = n_block < n_blocks;
+        const float* src =
+            p.b_scales +
+            (inside ? (static_cast<int64_t>(t.expert) * n_blocks + n_block) * scale_cols + kb : 0);
+        const uint32_t dst = cute::cast_smem_ptr_to_uint(&s.b_scales[ring.stage][lane]);
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src),
+                     "r"(inside ? 4 : 0)
+                     : "memory");
+    }
+    cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);
+}
+
+// Producer warp's lane 0: the unit (`work`) into the stage at `ring`, then
+// the arrival that expects the stage's bytes and the TMA loads of k-block
+// `kb`: the A rows of the m-tile, and this block's part of the weight tile
+// (all of it, or in a cluster of 2 its half, multicast to both blocks).
+template <class G>
+__device__ __forceinline__ void load_stage_tiles(const MegaParams& p, typename Gemm<G>::Shared& s,
+                                                 const Ring& ring, const MegaWork& work, int n0,
+                                                 int kb, const Cluster& cluster) {
+    using T = Gemm<G>;
+    const int b_rows = T::kBlockN / cluster.size;  // weight rows this block loads
+    const uint16_t everyone = static_cast<uint16_t>((1 << cluster.size) - 1);
+    // The unit before the arrival (program order).
+    s.work[ring.stage] = work;
+    uint64_t* full = &s.full[ring.stage];
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, T::kStageBytes);
+    const uint64_t hint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
+    SM90_TMA_LOAD_2D::copy(&p.a, full, hint, s.a + ring.stage * T::kBlockM * T::kBlockK,
+                           kb * T::kBlockK, work.tile.first_row);
+    typename T::Element* b = s.b + (ring.stage * T::kBlockN + cluster.rank * b_rows) * T::kBlockK;
+    const int b_row = n0 + cluster.rank * b_rows;
+    if (cluster.size == 1) {
+        SM90_TMA_LOAD_3D::copy(&p.b, full, hint, b, kb * T::kBlockK, b_row, work.tile.expert);
+    } else {
+        SM90_TMA_LOAD_MULTICAST_3D::copy(&p.b, full, everyone, hint, b, kb * T::kBlockK, b_row,
+                                         work.tile.expert);
+    }
+}
+
 // Producer warp: for every unit this block takes, wait for its rows
-// (dispatch), then load its k-blocks into the stages: its own A rows, and
-// its part of the weight tile (all of it, or in a cluster of 2 its half,
-// multicast to both blocks, which wait for the whole tile).
+// (dispatch), then load its k-blocks into the stages (load_stage_scales,
+// load_stage_tiles).
 template <class G>
 __device__ __forceinline__ void produce(const MegaParams& p, typename Gemm<G>::Shared& s, int seq,
                                         const MegaBands& bands, int total_units,
@@ -840,8 +901,6 @@ __device__ __forceinline__ void produce(const MegaParams& p, typename Gemm<G>::S
     MegaLayout& l = s.layout;
     const int k_blocks = p.k / T::kBlockK;
     const int scale_cols = p.k / EP_MEGA_SCALE_BLOCK;
-    const int b_rows = T::kBlockN / cluster.size;  // weight rows this block loads
-    const uint16_t everyone = static_cast<uint16_t>((1 << cluster.size) - 1);
     Ring ring{0, 1};  // empty stages: the phase before the first counts as done
     unsigned taken = take_unit(p, cluster, lane);
     for (int ordinal = 0;; ++ordinal) {
@@ -851,10 +910,10 @@ __device__ __forceinline__ void produce(const MegaParams& p, typename Gemm<G>::S
             break;
         }
         const MegaUnit u = ep_mega_unit(l, p.local_experts, unit, bands, cluster);
-        const MegaTile t = ep_mega_tile(p, l, u.m_tile);
+        const MegaWork work{unit, u, ep_mega_tile(p, l, u.m_tile)};
         const int n0 = u.n_tile * T::kBlockN;
         if (p.mode == EP_MEGA_MODE_DISPATCH) {
-            wait_for_tile_rows(p, l, t, u.m_tile, seq, lane);
+            wait_for_tile_rows(p, l, work.tile, u.m_tile, seq, lane);
             // The rows were written by generic stores; TMA reads them
             // through the async proxy.
             asm volatile("fence.proxy.async.global;" ::: "memory");
@@ -865,46 +924,10 @@ __device__ __forceinline__ void produce(const MegaParams& p, typename Gemm<G>::S
             }
             cutlass::arch::ClusterBarrier::wait(&s.empty[ring.stage], ring.parity);
             if constexpr (G::kScaled) {
-                for (int i = lane; i < T::kBlockM; i += 32) {
-                    const int64_t row = t.first_row + i;
-                    const bool inside = row < p.rows;
-                    const float* src = p.a_scales + (inside ? row * scale_cols + kb : 0);
-                    const uint32_t dst = cute::cast_smem_ptr_to_uint(&s.a_scales[ring.stage][i]);
-                    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src),
-                                 "r"(inside ? 4 : 0)
-                                 : "memory");
-                }
-                if (lane < T::kBScales) {
-                    const int n_block = n0 / EP_MEGA_SCALE_BLOCK + lane;
-                    const int n_blocks = p.n / EP_MEGA_SCALE_BLOCK;
-                    const bool inside = n_block < n_blocks;
-                    const float* src =
-                        p.b_scales +
-                        (inside ? (static_cast<int64_t>(t.expert) * n_blocks + n_block) * scale_cols + kb
-                                : 0);
-                    const uint32_t dst = cute::cast_smem_ptr_to_uint(&s.b_scales[ring.stage][lane]);
-                    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src),
-                                 "r"(inside ? 4 : 0)
-                                 : "memory");
-                }
-                cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);
+                load_stage_scales<G>(p, s, ring, work.tile, n0, kb, scale_cols, lane);
             }
             if (lane == 0) {
-                // The unit before the arrival (program order).
-                s.work[ring.stage] = MegaWork{unit, u, t};
-                uint64_t* full = &s.full[ring.stage];
-                cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, T::kStageBytes);
-                const uint64_t hint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
-                SM90_TMA_LOAD_2D::copy(&p.a, full, hint, s.a + ring.stage * T::kBlockM * T::kBlockK,
-                                       kb * T::kBlockK, t.first_row);
-                typename T::Element* b = s.b + (ring.stage * T::kBlockN + cluster.rank * b_rows) * T::kBlockK;
-                const int b_row = n0 + cluster.rank * b_rows;
-                if (cluster.size == 1) {
-                    SM90_TMA_LOAD_3D::copy(&p.b, full, hint, b, kb * T::kBlockK, b_row, t.expert);
-                } else {
-                    SM90_TMA_LOAD_MULTICAST_3D::copy(&p.b, full, everyone, hint, b, kb * T::kBlockK,
-                                                     b_row, t.expert);
-                }
+                load_stage_tiles<G>(p, s, ring, work, n0, kb, cluster);
             }
             __syncwarp();
             ring.advance<T::kStages>();
@@ -1286,6 +1309,42 @@ __device__ __forceinline__ void even_registers(bool producer_group) {
     }
 }
 
+// Thread 0, at the block's start: the stages' barriers (a full stage waits
+// for the producer's arrival, FP8 also for its lanes' scale copies; an
+// empty one for every consumer warp of the cluster) and an empty mailbox.
+template <class G, int kCluster>
+__device__ __forceinline__ void init_stages(typename Gemm<G>::Shared& s) {
+    using T = Gemm<G>;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < T::kStages; ++i) {
+            cutlass::arch::ClusterBarrier::init(&s.full[i], T::kFullArrivals);
+            cutlass::arch::ClusterBarrier::init(&s.empty[i], T::kConsumerWarps * kCluster);
+        }
+        // Shared memory holds what an earlier kernel left: no post of this
+        // call before block 0 makes it (the cluster meets first, in run).
+        for (int i = 0; i < T::kMailbox; ++i) {
+            s.mailbox[i] = 0;
+        }
+        cutlass::arch::fence_barrier_init();
+    }
+}
+
+// Thread 0, once its block is done: the last block to finish zeroes the
+// call's counts (every block has taken its last unit and passed its last
+// wait) and publishes this call's sequence number.
+__device__ __forceinline__ void finish_call(const MegaParams& p, int seq) {
+    if (threadIdx.x == 0 && ep_last_block_to_arrive(p.state + 1)) {
+        p.state[2] = 0;
+        if (p.mode != EP_MEGA_MODE_DISPATCH) {
+            *p.gemm_count = 0;
+            for (int band = 0; band < EP_MEGA_MAX_BANDS; ++band) {
+                p.band_count[band] = 0;
+            }
+        }
+        p.state[0] = seq;
+    }
+}
+
 // The whole fused kernel for one GEMM type, launched in clusters of
 // `kCluster` blocks (1, or 2 that share each weight tile).
 template <class G, int kCluster>
@@ -1321,18 +1380,7 @@ __device__ __forceinline__ void run(const MegaParams& p) {
     const int seq = p.state[0] + 1;
     const Cluster cluster{kCluster, kCluster > 1 ? static_cast<int>(block_rank_in_cluster()) : 0};
 
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < T::kStages; ++i) {
-            cutlass::arch::ClusterBarrier::init(&s.full[i], T::kFullArrivals);
-            cutlass::arch::ClusterBarrier::init(&s.empty[i], T::kConsumerWarps * kCluster);
-        }
-        // Shared memory holds what an earlier kernel left: no post of this
-        // call before block 0 makes it (the cluster meets below first).
-        for (int i = 0; i < T::kMailbox; ++i) {
-            s.mailbox[i] = 0;
-        }
-        cutlass::arch::fence_barrier_init();
-    }
+    init_stages<G, kCluster>(s);
     ep_mega_load_layout(p, l, ep_last_barrier_passed(own_base),
                         dispatch ? EP_PHASE_DISPATCH : EP_PHASE_COMBINE, kCluster, seq);
     if constexpr (kCluster > 1) {
@@ -1384,21 +1432,7 @@ __device__ __forceinline__ void run(const MegaParams& p) {
     } else {
         __syncthreads();
     }
-    // The last block to finish zeroes the call's counts (every block has
-    // taken its last unit and passed its last wait) and publishes this
-    // call's sequence number.
-    if (threadIdx.x == 0) {
-        if (ep_last_block_to_arrive(p.state + 1)) {
-            p.state[2] = 0;
-            if (!dispatch) {
-                *p.gemm_count = 0;
-                for (int band = 0; band < EP_MEGA_MAX_BANDS; ++band) {
-                    p.band_count[band] = 0;
-                }
-            }
-            p.state[0] = seq;
-        }
-    }
+    finish_call(p, seq);
 }
 
 }  // namespace ep_mega
