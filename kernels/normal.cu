@@ -548,22 +548,13 @@ __device__ bool ep_pull_layout(const DispatchParams& p, PullLayout& layout) {
     return sane;
 }
 
-extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
-    ep_dispatch_pull_kernel(const DispatchParams p) {
-    ep_kernel_start();
-    __shared__ PullLayout layout;
-    if (!ep_last_barrier_passed(p.peer_bases[p.rank])) {
-        return;
-    }
-    const int local_experts = p.num_experts / p.world;
-    const int warp = threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-
-    const bool sane = ep_pull_layout(p, layout);
-    const int64_t padded_rows = layout.expert_offset[local_experts];
-    const bool fits = sane &&
-                      (p.recv_x == nullptr || layout.source_offset[p.world] <= p.recv_capacity) &&
-                      (p.expert_x == nullptr || padded_rows <= p.expert_capacity);
+// Block 0 (other blocks return at once): the layout's outputs: the
+// received rows (0 when the layout is not sane), the handle's rows (0
+// unless they fit the buffers), and the expert-major offsets and real rows
+// (also the handle's copy).
+__device__ __forceinline__ void ep_pull_publish_layout(const DispatchParams& p,
+                                                       const PullLayout& layout, bool sane,
+                                                       bool fits, int local_experts) {
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         const int written_rows = sane ? layout.source_offset[p.world] : 0;
         ep_store_optional(p.recv_num_rows, 0, written_rows);
@@ -583,6 +574,133 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
             }
         }
     }
+}
+
+// One warp: received (source-order) row `row`: its source's record (token,
+// and per slot the local expert, weight and rank among the source's rows
+// for that expert) into the outputs and the handle, then the token's row
+// and scales into recv_x and into its expert-major rows.
+__device__ __forceinline__ void ep_pull_row(const DispatchParams& p, PullLayout& layout, int row,
+                                            int local_experts, int warp, int lane) {
+    int source = 0;
+    while (layout.source_offset[source + 1] <= row) {
+        ++source;
+    }
+    // The source's record for this row, in this rank's own area.
+    const int64_t record =
+        static_cast<int64_t>(source) * p.max_tokens + row - layout.source_offset[source];
+    const int token = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_in_token)[record];
+
+    // Lane k < topk handles slot k: its local expert, weight and
+    // expert-major row.
+    int local = -1;
+    float weight = 0.0f;
+    int pos = -1;
+    if (lane < p.topk) {
+        const int64_t slot = record * p.topk + lane;
+        local = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_in_local)[slot];
+        if (local >= 0 && local < local_experts) {
+            weight = ep_area<float>(p.peer_bases, p.rank, p.normal.area, p.normal.off_in_weight)[slot];
+            pos = layout.expert_offset[local] +
+                  layout.expert_base[source * local_experts + local] +
+                  ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_in_rank)[slot];
+        } else {
+            local = -1;
+        }
+    }
+    if (lane < p.topk) {
+        const int64_t out = static_cast<int64_t>(row) * p.topk + lane;
+        ep_store_optional(p.recv_topk_idx, out, local);
+        ep_store_optional(p.recv_topk_weights, out, weight);
+        p.handle_row_expert_pos[out] = pos;
+        p.handle_row_weights[out] = weight;
+        if (pos >= 0) {
+            ep_store_optional(p.expert_weights, pos, weight);
+            ep_store_optional(p.expert_src_row, pos, row);
+        }
+    }
+    if (lane == 0) {
+        ep_store_optional(p.recv_src_info, 2 * row, source);
+        ep_store_optional(p.recv_src_info, 2 * row + 1, token);
+        p.handle_row_src[2 * row] = source;
+        p.handle_row_src[2 * row + 1] = token;
+    }
+
+    // The expert-major rows of this token, in slot order (none when the
+    // fused kernel moves them, `skip_expert_rows`).
+    const unsigned has_pos = __ballot_sync(0xffffffffu, pos >= 0);
+    const int num_extra = p.expert_x == nullptr || p.skip_expert_rows ? 0 : __popc(has_pos);
+    if (num_extra > 0 && pos >= 0) {
+        layout.destinations[warp][__popc(has_pos & ep_lanemask_lt())] = pos;
+    }
+    __syncwarp();
+    const int* extra_rows = layout.destinations[warp];
+    const uint8_t* src = ep_token_row(p, source, token);
+    uint8_t* dst = p.recv_x == nullptr ? nullptr : p.recv_x + static_cast<int64_t>(row) * p.row_bytes;
+    if (dst != nullptr || num_extra > 0) {
+        ep_warp_copy_row<EP_PULL_COPY_UNROLL>(src, dst, p.expert_x, extra_rows, num_extra,
+                                              p.row_bytes, lane);
+    }
+
+    if (p.scale_cols > 0 && (dst != nullptr || num_extra > 0)) {
+        const float* scales = ep_token_scales(p, source, token);
+        for (int c = lane; c < p.scale_cols; c += 32) {
+            const float v = scales[c];
+            if (p.recv_x != nullptr) {
+                p.recv_scales[static_cast<int64_t>(row) * p.scale_cols + c] = v;
+            }
+            for (int i = 0; i < num_extra; ++i) {
+                p.expert_scales[static_cast<int64_t>(extra_rows[i]) * p.scale_cols + c] = v;
+            }
+        }
+    }
+    __syncwarp();
+}
+
+// One warp: expert-major row `r`, if it is padding of its expert's segment:
+// zeros (unless the fused kernel writes them, `skip_expert_rows`, or the
+// caller keeps them, `keep_padding`), weight 0, row -1.
+__device__ __forceinline__ void ep_pull_padding_row(const DispatchParams& p,
+                                                    const PullLayout& layout, int r,
+                                                    int local_experts, int lane) {
+    // The expert whose segment holds row r.
+    const int lo = ep_segment_of(layout.expert_offset, local_experts, r);
+    if (r < layout.expert_offset[lo] + layout.expert_total[lo]) {
+        return;  // a real row
+    }
+    if (!p.skip_expert_rows && !p.keep_padding) {
+        int4* x = reinterpret_cast<int4*>(p.expert_x + static_cast<int64_t>(r) * p.row_bytes);
+#pragma unroll 4
+        for (int i = lane; i < p.row_bytes / 16; i += 32) {
+            x[i] = make_int4(0, 0, 0, 0);
+        }
+        for (int c = lane; c < p.scale_cols; c += 32) {
+            p.expert_scales[static_cast<int64_t>(r) * p.scale_cols + c] = 0.0f;
+        }
+    }
+    if (lane == 0) {
+        ep_store_optional(p.expert_weights, r, 0.0f);
+        ep_store_optional(p.expert_src_row, r, -1);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
+    ep_dispatch_pull_kernel(const DispatchParams p) {
+    ep_kernel_start();
+    __shared__ PullLayout layout;
+    if (!ep_last_barrier_passed(p.peer_bases[p.rank])) {
+        return;
+    }
+    const int local_experts = p.num_experts / p.world;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+
+    const bool sane = ep_pull_layout(p, layout);
+    const int64_t padded_rows = layout.expert_offset[local_experts];
+    const bool fits = sane &&
+                      (p.recv_x == nullptr || layout.source_offset[p.world] <= p.recv_capacity) &&
+                      (p.expert_x == nullptr || padded_rows <= p.expert_capacity);
+    ep_pull_publish_layout(p, layout, sane, fits, local_experts);
     if (!fits) {
         return;
     }
@@ -590,112 +708,18 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     const int rows = layout.source_offset[p.world];
     const int warps = gridDim.x * EP_MOVE_WARPS;
     for (int row = blockIdx.x * EP_MOVE_WARPS + warp; row < rows; row += warps) {
-        int source = 0;
-        while (layout.source_offset[source + 1] <= row) {
-            ++source;
-        }
-        // The source's record for this row, in this rank's own area.
-        const int64_t record =
-            static_cast<int64_t>(source) * p.max_tokens + row - layout.source_offset[source];
-        const int token = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_in_token)[record];
-
-        // Lane k < topk handles slot k: its local expert, weight and
-        // expert-major row.
-        int local = -1;
-        float weight = 0.0f;
-        int pos = -1;
-        if (lane < p.topk) {
-            const int64_t slot = record * p.topk + lane;
-            local = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_in_local)[slot];
-            if (local >= 0 && local < local_experts) {
-                weight = ep_area<float>(p.peer_bases, p.rank, p.normal.area, p.normal.off_in_weight)[slot];
-                pos = layout.expert_offset[local] +
-                      layout.expert_base[source * local_experts + local] +
-                      ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_in_rank)[slot];
-            } else {
-                local = -1;
-            }
-        }
-        if (lane < p.topk) {
-            const int64_t out = static_cast<int64_t>(row) * p.topk + lane;
-            ep_store_optional(p.recv_topk_idx, out, local);
-            ep_store_optional(p.recv_topk_weights, out, weight);
-            p.handle_row_expert_pos[out] = pos;
-            p.handle_row_weights[out] = weight;
-            if (pos >= 0) {
-                ep_store_optional(p.expert_weights, pos, weight);
-                ep_store_optional(p.expert_src_row, pos, row);
-            }
-        }
-        if (lane == 0) {
-            ep_store_optional(p.recv_src_info, 2 * row, source);
-            ep_store_optional(p.recv_src_info, 2 * row + 1, token);
-            p.handle_row_src[2 * row] = source;
-            p.handle_row_src[2 * row + 1] = token;
-        }
-
-        // The expert-major rows of this token, in slot order (none when the
-        // fused kernel moves them, `skip_expert_rows`).
-        const unsigned has_pos = __ballot_sync(0xffffffffu, pos >= 0);
-        const int num_extra =
-            p.expert_x == nullptr || p.skip_expert_rows ? 0 : __popc(has_pos);
-        if (num_extra > 0 && pos >= 0) {
-            layout.destinations[warp][__popc(has_pos & ep_lanemask_lt())] = pos;
-        }
-        __syncwarp();
-        const int* extra_rows = layout.destinations[warp];
-        const uint8_t* src = ep_token_row(p, source, token);
-        uint8_t* dst = p.recv_x == nullptr ? nullptr
-                                           : p.recv_x + static_cast<int64_t>(row) * p.row_bytes;
-        if (dst != nullptr || num_extra > 0) {
-            ep_warp_copy_row<EP_PULL_COPY_UNROLL>(src, dst, p.expert_x, extra_rows, num_extra,
-                                                  p.row_bytes, lane);
-        }
-
-        if (p.scale_cols > 0 && (dst != nullptr || num_extra > 0)) {
-            const float* scales = ep_token_scales(p, source, token);
-            for (int c = lane; c < p.scale_cols; c += 32) {
-                const float v = scales[c];
-                if (p.recv_x != nullptr) {
-                    p.recv_scales[static_cast<int64_t>(row) * p.scale_cols + c] = v;
-                }
-                for (int i = 0; i < num_extra; ++i) {
-                    p.expert_scales[static_cast<int64_t>(extra_rows[i]) * p.scale_cols + c] = v;
-                }
-            }
-        }
-        __syncwarp();
+        ep_pull_row(p, layout, row, local_experts, warp, lane);
     }
 
-    // Padding rows of the expert-major segments: zeros (unless the fused
-    // kernel writes them, `skip_expert_rows`, or the caller keeps them,
-    // `keep_padding`), weight 0, row -1. Every warp
-    // of the grid takes rows of the whole expert-major region in turn (a
-    // warp per expert would leave most of the GPU idle, and at small token
-    // counts the padding is most of the output).
+    // Padding rows of the expert-major segments. Every warp of the grid
+    // takes rows of the whole expert-major region in turn (a warp per expert
+    // would leave most of the GPU idle, and at small token counts the
+    // padding is most of the output).
     if (p.expert_x == nullptr) {
         return;
     }
     for (int r = blockIdx.x * EP_MOVE_WARPS + warp; r < padded_rows; r += warps) {
-        // The expert whose segment holds row r.
-        const int lo = ep_segment_of(layout.expert_offset, local_experts, r);
-        if (r < layout.expert_offset[lo] + layout.expert_total[lo]) {
-            continue;  // a real row
-        }
-        if (!p.skip_expert_rows && !p.keep_padding) {
-            int4* x = reinterpret_cast<int4*>(p.expert_x + static_cast<int64_t>(r) * p.row_bytes);
-#pragma unroll 4
-            for (int i = lane; i < p.row_bytes / 16; i += 32) {
-                x[i] = make_int4(0, 0, 0, 0);
-            }
-            for (int c = lane; c < p.scale_cols; c += 32) {
-                p.expert_scales[static_cast<int64_t>(r) * p.scale_cols + c] = 0.0f;
-            }
-        }
-        if (lane == 0) {
-            ep_store_optional(p.expert_weights, r, 0.0f);
-            ep_store_optional(p.expert_src_row, r, -1);
-        }
+        ep_pull_padding_row(p, layout, r, local_experts, lane);
     }
 }
 
