@@ -208,6 +208,62 @@ __device__ __forceinline__ int ep_chunk_count(int num_tokens) {
 // warps' counts are then turned into per-warp bases in token order.
 // `warp_counts` is the kernel's dynamic shared memory, `warp_pairs` one
 // EpWarpPairs per warp.
+// Warp-wide: the positions of the warp's (token, slot) pairs among the
+// warp's pairs of their expert, counted into my_counts[world + expert].
+// Pairs in token-major order, 32 per round: lane l of round r holds pair
+// 32 r + l, whose expert it reads from the warp's pairs in shared memory
+// (`pairs`); its position is the count of earlier pairs of that expert in
+// this warp. pair_expert[r] is -1 for no pair.
+__device__ __forceinline__ void ep_count_expert_pairs(const DispatchParams& p,
+                                                      const int (&token_experts)[EP_MAX_TOPK],
+                                                      int16_t* pairs, int* my_counts,
+                                                      int (&pair_expert)[EP_MAX_TOPK],
+                                                      int (&pair_pos)[EP_MAX_TOPK], int lane) {
+#pragma unroll
+    for (int k = 0; k < EP_MAX_TOPK; ++k) {
+        if (k >= p.topk) {
+            break;
+        }
+        pairs[lane * p.topk + k] = static_cast<int16_t>(token_experts[k]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < EP_MAX_TOPK; ++r) {
+        pair_expert[r] = -1;
+        if (r >= p.topk) {
+            continue;
+        }
+        pair_expert[r] = pairs[r * 32 + lane];
+        const int e = pair_expert[r];
+        const unsigned same = __match_any_sync(0xffffffffu, e);
+        if (e >= 0) {
+            pair_pos[r] = my_counts[p.world + e] + __popc(same & ep_lanemask_lt());
+        }
+        __syncwarp();
+        // The highest lane of each group adds the group to the count.
+        if (e >= 0 && lane == 31 - __clz(same)) {
+            my_counts[p.world + e] += __popc(same);
+        }
+        __syncwarp();
+    }
+}
+
+// Block-wide: the warps' counts (`warp_counts`, [warp][columns]) become
+// each warp's base (exclusive, token order), and the chunk's totals go to
+// chunk_counts[chunk].
+__device__ __forceinline__ void ep_scan_warp_counts(int* warp_counts, int* chunk_counts,
+                                                    int chunk, int columns) {
+    for (int c = threadIdx.x; c < columns; c += blockDim.x) {
+        int running = 0;
+        for (int w = 0; w < EP_CHUNK_WARPS; ++w) {
+            const int count = warp_counts[w * columns + c];
+            warp_counts[w * columns + c] = running;
+            running += count;
+        }
+        chunk_counts[static_cast<int64_t>(chunk) * columns + c] = running;
+    }
+}
+
 __device__ void ep_count_chunk(const DispatchParams& p, int chunk, int* warp_counts,
                                EpWarpPairs* warp_pairs) {
     const int columns = p.world + p.num_experts;
@@ -239,40 +295,10 @@ __device__ void ep_count_chunk(const DispatchParams& p, int chunk, int* warp_cou
         }
     }
 
-    // Pairs of the warp's 32 tokens in token-major order, 32 per round: lane
-    // l of round r holds pair 32 r + l, whose expert it reads from the
-    // warp's pairs in shared memory. A pair's position in its expert is the
-    // count of earlier pairs of that expert in this warp.
-    int16_t* const pairs = warp_pairs[warp];
-#pragma unroll
-    for (int k = 0; k < EP_MAX_TOPK; ++k) {
-        if (k >= p.topk) {
-            break;
-        }
-        pairs[lane * p.topk + k] = static_cast<int16_t>(token_experts[k]);
-    }
-    __syncwarp();
     int pair_expert[EP_MAX_TOPK];
     int pair_pos[EP_MAX_TOPK];
-#pragma unroll
-    for (int r = 0; r < EP_MAX_TOPK; ++r) {
-        pair_expert[r] = -1;
-        if (r >= p.topk) {
-            continue;
-        }
-        pair_expert[r] = pairs[r * 32 + lane];
-        const int e = pair_expert[r];
-        const unsigned same = __match_any_sync(0xffffffffu, e);
-        if (e >= 0) {
-            pair_pos[r] = my_counts[p.world + e] + __popc(same & ep_lanemask_lt());
-        }
-        __syncwarp();
-        // The highest lane of each group adds the group to the count.
-        if (e >= 0 && lane == 31 - __clz(same)) {
-            my_counts[p.world + e] += __popc(same);
-        }
-        __syncwarp();
-    }
+    ep_count_expert_pairs(p, token_experts, warp_pairs[warp], my_counts, pair_expert, pair_pos,
+                          lane);
 
     // Ranks each of the warp's tokens goes to (lane l holds token l).
     uint64_t rank_mask = 0;
@@ -289,18 +315,7 @@ __device__ void ep_count_chunk(const DispatchParams& p, int chunk, int* warp_cou
         }
     }
     __syncthreads();
-
-    // Per-warp counts -> per-warp bases (exclusive, token order), and the
-    // chunk's totals.
-    for (int c = threadIdx.x; c < columns; c += blockDim.x) {
-        int running = 0;
-        for (int w = 0; w < EP_CHUNK_WARPS; ++w) {
-            const int count = warp_counts[w * columns + c];
-            warp_counts[w * columns + c] = running;
-            running += count;
-        }
-        chunk_counts[static_cast<int64_t>(chunk) * columns + c] = running;
-    }
+    ep_scan_warp_counts(warp_counts, chunk_counts, chunk, columns);
     __syncthreads();
 
 #pragma unroll
