@@ -26,8 +26,9 @@
 //   dispatch_msgs   [2][W][M] messages, `msg_bytes` each:
 //       int   route[16]   per slot: the slot's expert | position of the
 //                         (token, slot) among the source's rows for that
-//                         expert << 16; -1 for no expert (the same header
-//                         goes to every rank, each keeps its experts)
+//                         expert << EP_LL_ROUTE_POS_SHIFT (16); -1 for no
+//                         expert (the same header goes to every rank, each
+//                         keeps its experts)
 //       float weight[16]  per slot: the routing weight (0 without weights)
 //       data              FP8: H codes then H/128 fp32 scales; BF16: 2H bytes
 //   dispatch_acks   [W] int       rank d has finished receiving its dispatch
@@ -192,6 +193,11 @@
 #define EP_LL_LANE_VECS (EP_LL_CHUNK_VECS / 32)
 // Rows whose chunks a combine warp loads before it adds or stores them.
 #define EP_LL_ROWS_IN_FLIGHT 4
+// A slot's route in a message header: its expert in the low bits, the
+// position of the (token, slot) among the source's rows for that expert
+// from bit EP_LL_ROUTE_POS_SHIFT on.
+#define EP_LL_ROUTE_POS_SHIFT 16
+#define EP_LL_ROUTE_EXPERT_MASK ((1 << EP_LL_ROUTE_POS_SHIFT) - 1)
 
 // The kernels' parameters (LlParams) and this rank's counters (LlCounters)
 // are defined in src/abi/defs.rs and reach this file through ep_abi.h.
@@ -775,7 +781,7 @@ __device__ bool dispatch_send(const LlParams& p, const LlCall& call) {
             earlier = __reduce_add_sync(0xffffffffu, earlier);
             if (lane == 0) {
                 s_expert[warp] = expert;
-                s_route[warp] = expert >= 0 ? expert | earlier << 16 : -1;
+                s_route[warp] = expert >= 0 ? expert | earlier << EP_LL_ROUTE_POS_SHIFT : -1;
                 s_weight[warp] = weight;
             }
         }
@@ -810,7 +816,7 @@ __device__ bool dispatch_send(const LlParams& p, const LlCall& call) {
             if (j < EP_MAX_TOPK) {
                 word = j < K ? s_route[j] : -1;
             } else {
-                word = __float_as_int(j - 16 < K ? s_weight[j - 16] : 0.0f);
+                word = __float_as_int(j - EP_MAX_TOPK < K ? s_weight[j - EP_MAX_TOPK] : 0.0f);
             }
             reinterpret_cast<int*>(s_slot[d])[j] = word;
         }
@@ -922,7 +928,7 @@ __device__ void dispatch_receive(const LlParams& p, const LlCall& call) {
     const int row_bytes = p.fp8 ? p.hidden : 2 * p.hidden;
     const int data_vecs = row_bytes / 16;
     const int chunks = (data_vecs + EP_LL_CHUNK_VECS - 1) / EP_LL_CHUNK_VECS;
-    const int scale_cols = p.hidden / 128;
+    const int scale_cols = p.hidden / EP_HIDDEN_ALIGNMENT;
     for (int item = blockIdx.x * EP_LL_WARPS + warp; item < W * M * chunks;
          item += gridDim.x * EP_LL_WARPS) {
         const int c = item % chunks, t = item / chunks % M, s = item / (chunks * M);
@@ -970,7 +976,8 @@ __device__ void dispatch_receive(const LlParams& p, const LlCall& call) {
             // The slot's expert, if it is one of this rank's (the header is
             // the same for every rank).
             const int route = reinterpret_cast<const int*>(msg)[lane];
-            const int le = (route & 0xffff) - p.rank * L, pos = route >> 16;
+            const int le = (route & EP_LL_ROUTE_EXPERT_MASK) - p.rank * L;
+            const int pos = route >> EP_LL_ROUTE_POS_SHIFT;
             // A position past the expert's segment cannot come from a peer
             // with this configuration; guard the caller's arrays anyway.
             if (route >= 0 && le >= 0 && le < L && s_first[le * W + s] + pos < capacity) {

@@ -223,6 +223,9 @@ static_assert(EP_MEGA_WARPGROUP * EP_MEGA_PRODUCER_REGS +
 // Shared memory a Hopper block may have (227 KiB); the host launches every
 // fused kernel with the device's maximum, and each checks it is enough.
 #define EP_MEGA_MAX_SHARED_BYTES (227 * 1024)
+// Alignment of the shared state (the 128-byte swizzled stages and store
+// boxes); the dynamic shared memory has this much slack for it.
+#define EP_MEGA_SHARED_ALIGN 1024
 
 // The parameters, MegaParams (with the TMA descriptors, EpTmaDescriptor),
 // are defined in src/abi/defs.rs and reach this file through ep_abi.h.
@@ -668,12 +671,12 @@ struct Gemm {
                                                make_shape(Int<kBlockN>{}, Int<kBlockK>{},
                                                           Int<kStages>{})));
 
-    struct alignas(1024) Shared {
+    struct alignas(EP_MEGA_SHARED_ALIGN) Shared {
         Element a[kStages * kBlockM * kBlockK];
         Element b[kStages * kBlockN * kBlockK];
         // Each consumer warpgroup's store box (store_rows_tma), 128-byte
         // swizzled as the y tensor map says.
-        alignas(1024) uint8_t store[EP_MEGA_CONSUMERS / EP_MEGA_WARPGROUP]
+        alignas(EP_MEGA_SHARED_ALIGN) uint8_t store[EP_MEGA_CONSUMERS / EP_MEGA_WARPGROUP]
                                    [EP_MEGA_STORE_ROWS * EP_MEGA_STORE_ROW_BYTES];
         float a_scales[kStages][kBlockM];
         float b_scales[kStages][kBScales];
@@ -1351,14 +1354,15 @@ template <class G, int kCluster>
 __device__ __forceinline__ void run(const MegaParams& p) {
     using T = Gemm<G>;
     extern __shared__ uint8_t smem_raw[];
-    // The swizzled stages need 1024-byte alignment; the host adds the slack.
+    // The swizzled stages need EP_MEGA_SHARED_ALIGN; the launch leaves the slack.
     // An offset from the shared array, not an address rounded as an integer:
     // so the compiler knows `s` is shared memory and reads its scales and
     // units with shared-memory loads, not generic ones.
-    const uint32_t misalignment = cute::cast_smem_ptr_to_uint(smem_raw) % 1024;
-    auto& s = *reinterpret_cast<typename T::Shared*>(smem_raw + (1024 - misalignment) % 1024);
+    const uint32_t misalignment = cute::cast_smem_ptr_to_uint(smem_raw) % EP_MEGA_SHARED_ALIGN;
+    auto& s = *reinterpret_cast<typename T::Shared*>(
+        smem_raw + (EP_MEGA_SHARED_ALIGN - misalignment) % EP_MEGA_SHARED_ALIGN);
     MegaLayout& l = s.layout;
-    static_assert(sizeof(typename T::Shared) + 1024 <= EP_MEGA_MAX_SHARED_BYTES,
+    static_assert(sizeof(typename T::Shared) + EP_MEGA_SHARED_ALIGN <= EP_MEGA_MAX_SHARED_BYTES,
                   "the stages do not fit the shared memory of an SM");
     const bool dispatch = p.mode == EP_MEGA_MODE_DISPATCH;
     const uint64_t own_base =
@@ -1371,7 +1375,7 @@ __device__ __forceinline__ void run(const MegaParams& p) {
     }
     uint32_t shared_bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(shared_bytes));
-    if (shared_bytes < sizeof(typename T::Shared) + 1024) {
+    if (shared_bytes < sizeof(typename T::Shared) + EP_MEGA_SHARED_ALIGN) {
         ep_mega_unsupported(p);
         return;
     }
@@ -1441,7 +1445,8 @@ __device__ __forceinline__ void run(const MegaParams& p) {
 
 // grid = at most one block per SM (a multiple of the cluster size, at most
 // the clusters that fit at once), EP_MEGA_THREADS threads, dynamic shared
-// memory: the device's maximum (at least sizeof(Gemm<G>::Shared) + 1024).
+// memory: the device's maximum (at least sizeof(Gemm<G>::Shared) +
+// EP_MEGA_SHARED_ALIGN).
 // The *_pair kernels run in clusters of 2 blocks that share weight tiles.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define EP_MEGA_RUN(G, CLUSTER) ep_mega::run<ep_mega::G, CLUSTER>(p)
