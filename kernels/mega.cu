@@ -1237,10 +1237,9 @@ __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::S
     Tensor accum = partition_fragment_C(tiled_mma, make_shape(Int<T::kBlockM>{}, Int<T::kBlockN>{}));
     const int k_blocks = p.k / T::kBlockK;
     const int thread = consumer % EP_MEGA_WARPGROUP;
-    // The bands (recomputed from the parameters where needed: the
-    // consumers' registers hold the accumulators); the band of the units
-    // stored since the last publish_band, and how many. The last band is
-    // published with the whole GEMM (ep_mega_combine).
+    // The band of the units stored since the last publish_band (each unit
+    // brings its band, MegaWork), and how many. The last band is published
+    // with the whole GEMM (ep_mega_combine).
     int band = 0;
     int band_units = 0;
     Ring ring{0, 0};

@@ -530,8 +530,8 @@ fn decode_shape_matches_the_reference() {
 fn w3_shape_matches_the_reference() {
     // One rank of EP8 at 4096 tokens: 32 experts of about 1024 rows,
     // hidden 7168, n 4096 (gate+up), k 2048 (down); single blocks, then
-    // the BF16 case in clusters of 2. The BF16 combines run in the library's
-    // column bands (4), the FP8 ones in one.
+    // the BF16 case in clusters of 2. The combines run in the library's
+    // column bands (4 in BF16, 3 in FP8).
     use_bands(None);
     use_cluster(1);
     for dtype in [Dtype::Bf16, Dtype::Fp8E4m3] {

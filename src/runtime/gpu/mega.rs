@@ -71,11 +71,13 @@ pub struct MegaMode {
     /// `[max m-tiles]` sequence number of the call in which a producer saw
     /// every row of each m-tile moved.
     tile_ready: DeviceBuffer,
-    /// A combine's counts of blocks whose GEMM tiles are stored, and of
-    /// the units stored per column band (the call's last block zeroes
-    /// them); `EP_MEGA_COMBINE_BANDS`, when set.
+    /// `[1]` a combine's blocks whose GEMM tiles are stored (the call's
+    /// last block zeroes it).
     gemm_count: DeviceBuffer,
+    /// `[MEGA_MAX_BANDS]` a combine's units stored per column band (the
+    /// call's last block zeroes them).
     band_count: DeviceBuffer,
+    /// `EP_MEGA_COMBINE_BANDS`, when set.
     combine_bands: Option<u32>,
     /// The most m-tiles one call can have (the kernels refuse a layout
     /// with more).
