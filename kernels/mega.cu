@@ -1014,17 +1014,19 @@ __device__ __forceinline__ void mainloop_bf16(typename Gemm<G>::Shared& s, Ring&
 
 // Whether the tile's column `col` (a multiple of 8, known at compile time
 // once the promotion is unrolled) lies in the tile's second weight scale
-// block; `first_cols`: the columns of the tile in its first block, a
-// multiple of kScaleAlign. Only a column between kScaleAlign and one scale
-// block needs the runtime test (a select, not an index into an array,
-// which would put the scales in local memory).
+// block; `first_aligns`: the tile's columns in its first block, counted in
+// kScaleAlign (the tile starts a multiple of kScaleAlign into its block).
+// Only a column between kScaleAlign and one scale block needs the runtime
+// test, and every column of one kScaleAlign group gets the same one, so the
+// promotion selects each group's scales once per k-block (a select, not an
+// index into an array, which would put the scales in local memory).
 template <class T>
-__device__ __forceinline__ bool in_second_scale_block(int col, int first_cols) {
+__device__ __forceinline__ bool in_second_scale_block(int col, int first_aligns) {
     static_assert(T::kBScales <= 2, "an FP8 n-tile spans at most two weight scale blocks");
     if (T::kBScales == 1 || col < T::kScaleAlign) {
         return false;
     }
-    return col >= EP_MEGA_SCALE_BLOCK || col >= first_cols;
+    return col >= EP_MEGA_SCALE_BLOCK || col / T::kScaleAlign >= first_aligns;
 }
 
 // FP8 mainloop of one tile (its first column n0): per k-block, the MMAs
@@ -1042,7 +1044,7 @@ __device__ __forceinline__ void mainloop_fp8(typename Gemm<G>::Shared& s, Ring& 
     typename T::TiledMma tiled_mma;
     const int row0 = get<0>(tCcC(0));
     const int row1 = get<0>(tCcC(2));
-    const int first_cols = EP_MEGA_SCALE_BLOCK - n0 % EP_MEGA_SCALE_BLOCK;
+    const int first_aligns = (EP_MEGA_SCALE_BLOCK - n0 % EP_MEGA_SCALE_BLOCK) / T::kScaleAlign;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(total); ++i) {
         total(i) = 0.0f;
@@ -1073,7 +1075,7 @@ __device__ __forceinline__ void mainloop_fp8(typename Gemm<G>::Shared& s, Ring& 
         for (int i = 0; i < size(total); ++i) {
             const int h = (i >> 1) & 1;
             const float scale =
-                in_second_scale_block<T>(8 * (i / 4), first_cols) ? second[h] : first[h];
+                in_second_scale_block<T>(8 * (i / 4), first_aligns) ? second[h] : first[h];
             total(i) = fmaf(scale, block(i), total(i));
         }
         ring.advance<T::kStages>();
