@@ -487,7 +487,12 @@ __device__ __forceinline__ void ep_mega_send_rows(const MegaParams& p, MegaLayou
     int first;
     int end;
     ep_mega_band_vectors(bands, band, c.hidden, &first, &end);
-    for (int row = warp; row < rows; row += warps) {
+    const int items = ep_spread_items(rows, c.world);
+    for (int i = warp; i < items; i += warps) {
+        const int row = ep_spread_row(i, rows, c.world, c.rank);
+        if (row < 0) {
+            continue;
+        }
         const int source = c.handle_row_src[2 * row];
         const int token = c.handle_row_src[2 * row + 1];
         int4* dst = ep_area<int4>(c.peer_bases, source, c.normal.area, c.normal.off_returned) +

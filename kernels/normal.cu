@@ -722,8 +722,12 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
 
     const int rows = layout.source_offset[p.world];
     const int warps = gridDim.x * EP_MOVE_WARPS;
-    for (int row = blockIdx.x * EP_MOVE_WARPS + warp; row < rows; row += warps) {
-        ep_pull_row(p, layout, row, local_experts, warp, lane);
+    const int items = ep_spread_items(rows, p.world);
+    for (int i = blockIdx.x * EP_MOVE_WARPS + warp; i < items; i += warps) {
+        const int row = ep_spread_row(i, rows, p.world, p.rank);
+        if (row >= 0) {
+            ep_pull_row(p, layout, row, local_experts, warp, lane);
+        }
     }
 
     // Padding rows of the expert-major segments. Every warp of the grid
@@ -769,7 +773,12 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     const int vectors = p.hidden / 8;
     const int warps = gridDim.x * EP_MOVE_WARPS;
     const int4* x = reinterpret_cast<const int4*>(p.x);
-    for (int row = blockIdx.x * EP_MOVE_WARPS + warp; row < rows; row += warps) {
+    const int items = ep_spread_items(rows, p.world);
+    for (int i = blockIdx.x * EP_MOVE_WARPS + warp; i < items; i += warps) {
+        const int row = ep_spread_row(i, rows, p.world, p.rank);
+        if (row < 0) {
+            continue;
+        }
         const int source = p.handle_row_src[2 * row];
         const int token = p.handle_row_src[2 * row + 1];
         int4* dst = ep_area<int4>(p.peer_bases, source, p.normal.area, p.normal.off_returned) +

@@ -37,6 +37,28 @@ __device__ __forceinline__ T* ep_area(const uint64_t* peer_bases, int r, int64_t
     return reinterpret_cast<T*>(peer_bases[r] + area + offset);
 }
 
+// Row loops over rows ordered by source rank (a dispatch's received rows,
+// which the pull reads from their sources; a combine's rows, which the send
+// writes back to them): work item `i` takes row ep_spread_row(i) (-1: none)
+// for i below ep_spread_items. The rows are cut into `world` stripes of
+// equal length and item i takes row i / world of stripe (i + rank) % world,
+// so the warps running at once move rows of every source rather than of
+// one source after the other. In source order every rank pulled from (or
+// sent to) the same peer at the same time, whose NVLink port then carried
+// the traffic of all ranks: with 4 ranks on 4 x H200 a dispatch moved 150
+// GB/s into each GPU, where SM copies in an all-to-all reach 320 GB/s
+// (bench/p2p_bandwidth.cu, bench/RESULTS.md). With one rank it is the
+// identity.
+__device__ __forceinline__ int ep_spread_items(int rows, int world) {
+    return (rows + world - 1) / world * world;
+}
+
+__device__ __forceinline__ int ep_spread_row(int i, int rows, int world, int rank) {
+    const int stripe = (rows + world - 1) / world;
+    const int row = (i + rank) % world * stripe + i / world;
+    return row < rows ? row : -1;
+}
+
 // Where the pull reads a received token (row and FP8 scales): a peer's
 // token from the peer's staging area, one of this rank's own tokens from the
 // caller's `x` itself (with one rank nothing is staged).
