@@ -412,13 +412,31 @@ __device__ __forceinline__ void ep_mega_zero_row(uint8_t* row, int64_t bytes, in
     }
 }
 
-// Dispatch: the expert-major rows, ascending, `warp` of `warps`, each moved
-// into its row by its own task, so rows are ready in ascending order (the
-// GEMM's units start with the first expert): a token's first row from the
-// source rank's staged row (the only read of the token from its source, as
-// the token crosses once), every later row of the token from that first row
-// (local, once it is ready: its task, of a smaller row, was taken earlier,
-// so the smallest row still waited for never waits for one that is not
+// The expert-major row that task `task` of a dispatch's row moves takes:
+// the experts' segments in order, and inside each the rows from (rank /
+// world) of the way in, wrapping around. A segment's rows are ordered by
+// source rank, so without the turn every rank would read its first rows
+// from rank 0's staging, then from rank 1's, and so on, all at once: one
+// peer's NVLink port carrying the traffic of all ranks (as the normal
+// mode's pull did, ep_spread_row). With one rank it is the identity.
+__device__ __forceinline__ int ep_mega_spread_row(const MegaParams& p, int task) {
+    const int expert = ep_segment_of(p.expert_layout, p.local_experts, task);
+    const int start = __ldg(p.expert_layout + expert);
+    const int rows = __ldg(p.expert_layout + expert + 1) - start;
+    const int turn =
+        static_cast<int>(static_cast<int64_t>(rows) * p.dispatch.rank / p.dispatch.world);
+    const int inside = task - start + turn;
+    return start + (inside >= rows ? inside - rows : inside);
+}
+
+// Dispatch: the expert-major rows, expert after expert (ep_mega_spread_row),
+// `warp` of `warps`, each moved into its row by its own task, so an expert's
+// rows are ready before the next expert's (the GEMM's units start with the
+// first expert): a token's first row from the source rank's staged row (the
+// only read of the token from its source, as the token crosses once), every
+// later row of the token from that first row (local, once it is ready: it
+// lies in an earlier expert's segment, so its task was taken earlier, and
+// the earliest task still waited for never waits for one that is not
 // taken). `kUnroll`: 16-byte vectors in flight per lane (ep_warp_copy_row).
 // (When the first row's task moved the token into all its rows at once, an
 // expert's rows were ready only once every task of its rows had written up
@@ -429,7 +447,8 @@ __device__ __forceinline__ void ep_mega_move_rows(const MegaParams& p, MegaLayou
                                                   int warp, int warps, int lane) {
     const DispatchParams& d = p.dispatch;
     const int total = l.rows;
-    for (int j = warp; j < total; j += warps) {
+    for (int task = warp; task < total; task += warps) {
+        const int j = ep_mega_spread_row(p, task);
         const int row = d.expert_src_row[j];
         if (row < 0) {
             // Padding: zero row, zero scales, zero output row.
