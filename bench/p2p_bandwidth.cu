@@ -20,14 +20,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                   \
-    do {                                                           \
-        cudaError_t e = (x);                                       \
-        if (e != cudaSuccess) {                                    \
-            printf("%s: %s\n", #x, cudaGetErrorString(e));         \
-            exit(1);                                               \
-        }                                                          \
-    } while (0)
+#include "bench_common.cuh"
 
 constexpr int kRowBytes = 14336;
 constexpr int kRows = 4096;  // rows per peer
@@ -51,16 +44,8 @@ __global__ void __launch_bounds__(kThreads) move_rows(Peers peers) {
         int4* d = reinterpret_cast<int4*>(peers.dst[p] + int64_t(r) * kRowBytes);
         for (int base = 0; base < kVectors; base += 32 * kUnroll) {
             int4 v[kUnroll];
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int i = base + u * 32 + lane;
-                if (i < kVectors) v[u] = s[i];
-            }
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int i = base + u * 32 + lane;
-                if (i < kVectors) d[i] = v[u];
-            }
+            load_vectors<kUnroll>(v, s, base, kVectors, lane);
+            store_vectors<kUnroll>(d, v, base, kVectors, lane);
         }
     }
 }

@@ -22,14 +22,7 @@
 #include <random>
 #include <vector>
 
-#define CHECK(x)                                                            \
-    do {                                                                    \
-        cudaError_t e = (x);                                                \
-        if (e != cudaSuccess) {                                             \
-            printf("%s: %s\n", #x, cudaGetErrorString(e));                  \
-            exit(1);                                                        \
-        }                                                                   \
-    } while (0)
+#include "bench_common.cuh"
 
 constexpr int kRowBytes = 14336;   // a BF16 row of hidden 7168
 constexpr int kTokens = 4096;
@@ -49,18 +42,10 @@ __global__ void __launch_bounds__(kWarpThreads)
         const int4* s = reinterpret_cast<const int4*>(src + int64_t(t) * kRowBytes);
         for (int base = 0; base < kVectors; base += 32 * kUnroll) {
             int4 v[kUnroll];
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int i = base + u * 32 + lane;
-                if (i < kVectors) v[u] = s[i];
-            }
+            load_vectors<kUnroll>(v, s, base, kVectors, lane);
             for (int k = 0; k < kCopies; ++k) {
                 int4* d = reinterpret_cast<int4*>(dst + int64_t(dest_rows[t * kCopies + k]) * kRowBytes);
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int i = base + u * 32 + lane;
-                    if (i < kVectors) d[i] = v[u];
-                }
+                store_vectors<kUnroll>(d, v, base, kVectors, lane);
             }
         }
     }
