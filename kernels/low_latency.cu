@@ -1174,9 +1174,15 @@ __device__ bool combine_send(const LlParams& p, const LlCall& call) {
     }
     note_time(p, EP_LL_TIME_ANNOUNCED);
     const EpNet net = net_of(p);
+    // One node: the sources in turn from this rank's next one. The grid's
+    // warps cover a few sources at a time, and in source order every rank
+    // would write rank 0's return rows first, one NVLink port taking all
+    // ranks' traffic (as ep_spread_row says of the normal mode). Across
+    // nodes the order stays the sources' own (not measured there).
     for (int item = blockIdx.x * EP_LL_WARPS + threadIdx.x / 32; item < p.world * M * C;
          item += gridDim.x * EP_LL_WARPS) {
-        const int c = item % C, t = item / C % M, s = item / (C * M);
+        const int c = item % C, t = item / C % M;
+        const int s = kNet ? item / (C * M) : (item / (C * M) + p.rank + 1) % p.world;
         if (t >= dispatched[s]) {
             continue;
         }
