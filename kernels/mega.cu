@@ -65,21 +65,23 @@
 // showed the warps of one warpgroup at different units, bench/RESULTS.md).
 //
 // ep_mega_dispatch_gemm = count, stage, barrier, pull (kernels/normal.cu,
-// with `skip_expert_rows`: the pull writes every output but the
-// expert-major rows), this kernel, barrier. Here the communication warps
-// take the expert-major rows j in ascending order (warp w: rows w, w + W,
-// ...), so early experts fill first. Each real row is its own task: the
-// token's FIRST expert-major row is copied from the source rank's staged
+// with `skip_expert_rows`: the pull writes every output but the expert-major
+// rows), this kernel, barrier. Here the communication warps take the
+// experts' segments of expert-major rows in ascending order (warp w: tasks
+// w, w + W, ...), so early experts fill first; inside a segment a rank
+// starts (rank / world) of the way in and wraps (ep_mega_spread_row), so
+// that ranks do not all read from one source. Each real row is its own task:
+// the token's FIRST expert-major row is copied from the source rank's staged
 // row (over NVLink for a peer: the token crosses once), every later row of
 // the token from that first row once its flag holds the sequence number
 // (acquire); each task then release-stores the call's sequence number into
 // row_ready[row] (ep_mega_move_rows). A padding row gets zeros (and its y
-// row too). The producer acquire-loads row_ready of every real row of a
-// tile until each holds the sequence number, and release-stores the number
-// into tile_ready[m-tile]; the producers of the tile's later units (other
+// row too). The producer acquire-loads row_ready of every real row of a tile
+// until each holds the sequence number, and release-stores the number into
+// tile_ready[m-tile]; the producers of the tile's later units (other
 // n-tiles) acquire that flag instead (wait_for_tile_rows). Then it issues
-// `fence.proxy.async.global` before its TMA loads: the rows were written
-// by generic stores, the TMA reads them through the async proxy.
+// `fence.proxy.async.global` before its TMA loads: the rows were written by
+// generic stores, the TMA reads them through the async proxy.
 //
 // ep_mega_gemm_combine = this kernel, barrier, reduce (kernels/normal.cu),
 // barrier. The GEMM's n-tiles are split into column bands (MegaParams::bands,
@@ -98,10 +100,11 @@
 //      (ep_mega_send_early_bands): one of them looks at band_count[band]
 //      (relaxed loads, one every EP_MEGA_LONG_POLL_SLEEP_NS) until it holds
 //      all the band's units, fences (acquire), the three meet, and the
-//      communication warps of the grid take received rows (source order,
-//      warp w of W: rows w, w + W, ...) and send the band's columns of each
-//      (ep_combine_send_row: the weighted sum of its expert-major rows of
-//      y, to its source rank's returned rows).
+//      communication warps of the grid take received rows (warp w of W:
+//      items w, w + W, ... spread over the sources, ep_spread_row) and
+//      send the band's columns of each (ep_combine_send_row: the weighted
+//      sum of its expert-major rows of y, to its source rank's returned
+//      rows).
 //   2. The last band, once EVERY block's tiles are stored. The thread that
 //      issued a warpgroup's TMA stores waits until they have written y and
 //      orders them before its generic accesses (fence.proxy.async); each

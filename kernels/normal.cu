@@ -25,7 +25,9 @@
 //      the alignment) from the records in its own area, and copies each
 //      received token ONCE over NVLink into its source-order row and all its
 //      expert-major rows. Only the token data crosses NVLink here, so a row
-//      costs one remote round trip, not a chain of them.
+//      costs one remote round trip, not a chain of them. The warps running
+//      at once take rows of every source (ep_spread_row), not one source
+//      after the other.
 //   5. closing barrier: nobody restages (next dispatch) while a peer still
 //      reads. The runtime enqueues it only before the next dispatch, and
 //      only if no other exchange came between (a combine's middle barrier
@@ -36,7 +38,7 @@
 //      order) or the weighted sum of its expert rows (expert-major, fp32, the
 //      products rounded before they are added, local experts ascending),
 //      rounded to BF16 and written into the source's return rows, slot
-//      (this rank, token).
+//      (this rank, token); rows of every source at once, as the pull.
 //   2. barrier.
 //   3. reduce (source side): out[t] = BF16 of the fp32 sum of the returned
 //      rows of token t, ranks ascending; zeros for a token routed nowhere.
