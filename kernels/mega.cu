@@ -128,10 +128,10 @@
 // Why bands, and not each row as soon as its tiles are stored: in source
 // order a row's expert-major rows lie in about topk random experts, so
 // almost no row is complete before almost every tile is. Waiting for them
-// row by row kept three warps of every block with rows polling tile flags (GPU-scope
-// acquires: each look a strong load plus an invalidation of the SM's L1,
-// CCTL.IVALL) for the whole GEMM, and the call took about 100 times the
-// GEMM's time (232 ms at W3, bench/RESULTS.md).
+// row by row kept three warps of every block with rows polling tile flags
+// (GPU-scope acquires: each look a strong load plus an invalidation of the
+// SM's L1, CCTL.IVALL) for the whole GEMM, and the call took about 100 times
+// the GEMM's time (232 ms at W3, bench/RESULTS.md).
 //
 // Sequence numbers: state[0] is the number of the last fused call; every
 // block reads it at its start and uses state[0] + 1; the last block to
@@ -145,15 +145,15 @@
 //
 // Waits: every wait on another block (rows, bands, the grid's GEMM) is an
 // ep_mega_wait (ep_wait_until with GPU-scope acquires and a short sleep
-// between looks, or for a band relaxed looks every 10 us and one acquire
-// fence) with the context timeout and abort flag. A wait that fails records the error
-// and the block goes on without waiting any more (computing garbage, the
-// call having failed), so no block, and no consumer waiting on a stage,
-// hangs. The waits on stages and on the mailbox are local to a cluster
-// (a block, or its pair) and complete once every warp of the cluster goes
-// on, whatever the routing: each consumer warp releases every stage it
-// waited for, and block 0 posts each unit before it waits for anything of
-// that unit.
+// between looks, or for a band relaxed looks every
+// EP_MEGA_LONG_POLL_SLEEP_NS and one acquire fence) with the context timeout
+// and abort flag. A wait that fails records the error and the block goes on
+// without waiting any more (computing garbage, the call having failed), so
+// no block, and no consumer waiting on a stage, hangs. The waits on stages
+// and on the mailbox are local to a cluster (a block, or its pair) and
+// complete once every warp of the cluster goes on, whatever the routing:
+// each consumer warp releases every stage it waited for, and block 0 posts
+// each unit before it waits for anything of that unit.
 //
 // Blocks of one launch must all be resident (a dispatch's tiles wait for
 // rows other blocks move, a combine's blocks for every block's GEMM): the

@@ -197,19 +197,6 @@ __device__ __forceinline__ int ep_chunk_count(int num_tokens) {
     return max(1, (num_tokens + EP_CHUNK_TOKENS - 1) / EP_CHUNK_TOKENS);
 }
 
-// For chunk `chunk`, by the whole block, writes
-//   chunk_counts[chunk][r]         tokens of the chunk that go to rank r,
-//   chunk_counts[chunk][world + e] (token, slot) pairs of the chunk for e,
-//   rank_pos[t][r]                 position of token t among the chunk's
-//                                  tokens for rank r, or -1 when t does not
-//                                  go there,
-//   slot_rank[t][k]                position of (t, k) among the chunk's
-//                                  pairs of its expert (effective experts).
-// Positions follow token order: a warp takes 32 tokens, finds ranks inside
-// the warp with ballots (ranks) and __match_any_sync (experts), and the
-// warps' counts are then turned into per-warp bases in token order.
-// `warp_counts` is the kernel's dynamic shared memory, `warp_pairs` one
-// EpWarpPairs per warp.
 // Warp-wide: the positions of the warp's (token, slot) pairs among the
 // warp's pairs of their expert, counted into my_counts[world + expert].
 // Pairs in token-major order, 32 per round: lane l of round r holds pair
@@ -266,6 +253,19 @@ __device__ __forceinline__ void ep_scan_warp_counts(int* warp_counts, int* chunk
     }
 }
 
+// For chunk `chunk`, by the whole block, writes
+//   chunk_counts[chunk][r]         tokens of the chunk that go to rank r,
+//   chunk_counts[chunk][world + e] (token, slot) pairs of the chunk for e,
+//   rank_pos[t][r]                 position of token t among the chunk's
+//                                  tokens for rank r, or -1 when t does not
+//                                  go there,
+//   slot_rank[t][k]                position of (t, k) among the chunk's
+//                                  pairs of its expert (effective experts).
+// Positions follow token order: a warp takes 32 tokens, finds ranks inside
+// the warp with ballots (ranks) and __match_any_sync (experts), and the
+// warps' counts are then turned into per-warp bases in token order.
+// `warp_counts` is the kernel's dynamic shared memory, `warp_pairs` one
+// EpWarpPairs per warp.
 __device__ void ep_count_chunk(const DispatchParams& p, int chunk, int* warp_counts,
                                EpWarpPairs* warp_pairs) {
     const int columns = p.world + p.num_experts;
