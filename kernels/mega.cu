@@ -14,8 +14,11 @@
 //
 // Tiles: an m-tile is EP_MEGA_BLOCK_M consecutive rows of ONE expert,
 // starting at its segment start (so tiles need no particular expert
-// alignment; the last tile of an expert is ragged: its TMA load also reads
-// the rows after the segment, whatever they hold, and its stores skip them).
+// alignment; the last tile of an expert is ragged: its stores skip the rows
+// past the segment). A stage holds only as many boxes of A rows (kABoxRows)
+// as cover the tile's real rows; the last box may reach past the
+// segment into rows that hold anything, and the MMAs read the stage's
+// other rows as earlier stages left them: no such row's result is stored.
 // Work units: a unit is an (m-tile, n-tile) pair (in clusters of 2, two
 // consecutive m-tiles of one expert, a block each, and one n-tile). Units
 // are numbered expert by expert (early experts first), and inside an
@@ -625,6 +628,7 @@ struct Bf16Gemm {
     static constexpr int kBlockK = EP_MEGA_BF16_BLOCK_K;
     static constexpr int kStages = 4;
     static constexpr bool kScaled = false;
+    static constexpr int kABoxRows = EP_MEGA_BF16_A_BOX_ROWS;
 };
 
 // FP8: 128 x 192 tiles, k-blocks of 128 (one scale block), 5 stages
@@ -642,6 +646,7 @@ struct Fp8Gemm {
     static constexpr int kBlockK = EP_MEGA_FP8_BLOCK_K;
     static constexpr int kStages = 5;
     static constexpr bool kScaled = true;
+    static constexpr int kABoxRows = EP_MEGA_FP8_A_BOX_ROWS;
 };
 
 // The m-tile, n-tile and band of a work unit for this block (ep_mega_unit).
@@ -677,8 +682,18 @@ struct Gemm {
     static constexpr int kScaleAlign = ep_gcd(kBlockN, EP_MEGA_SCALE_BLOCK);
     static constexpr int kBScales =
         (EP_MEGA_SCALE_BLOCK - kScaleAlign + kBlockN + EP_MEGA_SCALE_BLOCK - 1) / EP_MEGA_SCALE_BLOCK;
-    static constexpr uint32_t kStageBytes =
-        (kBlockM + kBlockN) * kBlockK * static_cast<uint32_t>(sizeof(Element));
+    // A stage's A rows come in boxes of kABoxRows, each a whole number of
+    // the 128-byte swizzle's 8-row atoms (1024 bytes), so boxes stacked in
+    // a stage lay out its rows as one box of kBlockM would.
+    static constexpr int kABoxRows = G::kABoxRows;
+    static_assert(kBlockM % kABoxRows == 0 && kABoxRows % 8 == 0,
+                  "A boxes tile an m-tile in whole swizzle atoms");
+    // The A boxes of a tile of `rows` real rows: enough to cover them.
+    __device__ static int a_boxes(int rows) { return (rows + kABoxRows - 1) / kABoxRows; }
+    // Bytes of a stage with `boxes` A boxes and the whole weight tile.
+    __device__ static uint32_t stage_bytes(int boxes) {
+        return (boxes * kABoxRows + kBlockN) * kBlockK * static_cast<uint32_t>(sizeof(Element));
+    }
     // full[s] waits for the producer's arrive (and, FP8, 32 cp.async arrivals).
     static constexpr uint32_t kFullArrivals = G::kScaled ? 33 : 1;
     // empty[s] waits for each consumer warp of every block of the cluster
@@ -868,7 +883,10 @@ __device__ __forceinline__ void load_stage_scales(const MegaParams& p,
                                                   const MegaTile& t, int n0, int kb,
                                                   int scale_cols, int lane) {
     using T = Gemm<G>;
-    for (int i = lane; i < T::kBlockM; i += 32) {
+    // The scales of the rows the stage's A boxes load (the consumers read
+    // no other row's into a stored result).
+    const int rows = T::kABoxRows == T::kBlockM ? T::kBlockM : T::a_boxes(t.rows) * T::kABoxRows;
+    for (int i = lane; i < rows; i += 32) {
         const int64_t row = t.first_row + i;
         const bool inside = row < p.rows;
         const float* src = p.a_scales + (inside ? row * scale_cols + kb : 0);
@@ -894,8 +912,9 @@ __device__ __forceinline__ void load_stage_scales(const MegaParams& p,
 
 // Producer warp's lane 0: the unit (`work`) into the stage at `ring`, then
 // the arrival that expects the stage's bytes and the TMA loads of k-block
-// `kb`: the A rows of the m-tile, and this block's part of the weight tile
-// (all of it, or in a cluster of 2 its half, multicast to both blocks).
+// `kb`: the boxes of the m-tile's real A rows, and this block's part of the
+// weight tile (all of it, or in a cluster of 2 its half, multicast to both
+// blocks).
 template <class G>
 __device__ __forceinline__ void load_stage_tiles(const MegaParams& p, typename Gemm<G>::Shared& s,
                                                  const Ring& ring, const MegaWork& work, int n0,
@@ -906,10 +925,15 @@ __device__ __forceinline__ void load_stage_tiles(const MegaParams& p, typename G
     // The unit before the arrival (program order).
     s.work[ring.stage] = work;
     uint64_t* full = &s.full[ring.stage];
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, T::kStageBytes);
+    // One box of the whole m-tile, or as many as cover its real rows.
+    const int a_boxes = T::kABoxRows == T::kBlockM ? 1 : T::a_boxes(work.tile.rows);
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, T::stage_bytes(a_boxes));
     const uint64_t hint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
-    SM90_TMA_LOAD_2D::copy(&p.a, full, hint, s.a + ring.stage * T::kBlockM * T::kBlockK,
-                           kb * T::kBlockK, work.tile.first_row);
+    typename T::Element* a = s.a + ring.stage * T::kBlockM * T::kBlockK;
+    for (int box = 0; box < a_boxes; ++box) {
+        SM90_TMA_LOAD_2D::copy(&p.a, full, hint, a + box * T::kABoxRows * T::kBlockK,
+                               kb * T::kBlockK, work.tile.first_row + box * T::kABoxRows);
+    }
     typename T::Element* b = s.b + (ring.stage * T::kBlockN + cluster.rank * b_rows) * T::kBlockK;
     const int b_row = n0 + cluster.rank * b_rows;
     if (cluster.size == 1) {

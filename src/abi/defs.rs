@@ -126,6 +126,16 @@ abi_consts! {
     /// weight scale blocks), and of k per stage (one scale block).
     MEGA_FP8_BLOCK_N: usize = 192;
     MEGA_FP8_BLOCK_K: usize = 128;
+    /// Fused BF16 kernel: rows of one TMA load of a tile's A rows. A stage
+    /// gets as many boxes as cover the tile's real rows, so a decode tile
+    /// of 32 rows reads 32 rows of A, not 128 (the MMAs read the rest of
+    /// the stage as they find it: those rows' results are never stored).
+    /// The FP8 kernel loads a whole m-tile in one box: there four boxes
+    /// made the W3 calls 20-25 % slower (its producer warp, whose stage
+    /// loads any added instruction delayed, is on the critical path;
+    /// bench/RESULTS.md).
+    MEGA_BF16_A_BOX_ROWS: usize = 32;
+    MEGA_FP8_A_BOX_ROWS: usize = 128;
     /// Fused kernels: the box in which a consumer warpgroup stores its
     /// rows of a tile with TMA: 64 BF16 columns (128 bytes, the swizzle's
     /// span) by the warpgroup's 64 rows.

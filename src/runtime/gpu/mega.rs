@@ -20,9 +20,9 @@
 use super::normal::{combined, Dispatched, Exchange, GpuHandle, NormalMode};
 use super::{ptr, Bound, Runtime};
 use crate::abi::{
-    MegaParams, MEGA_BF16_BLOCK_K, MEGA_BF16_BLOCK_N, MEGA_BLOCK_M, MEGA_FP8_BLOCK_K,
-    MEGA_FP8_BLOCK_N, MEGA_MAX_BANDS, MEGA_MODE_COMBINE, MEGA_MODE_DISPATCH, MEGA_STORE_COLS,
-    MEGA_STORE_ROWS, MEGA_THREADS,
+    MegaParams, MEGA_BF16_A_BOX_ROWS, MEGA_BF16_BLOCK_K, MEGA_BF16_BLOCK_N, MEGA_BLOCK_M,
+    MEGA_FP8_A_BOX_ROWS, MEGA_FP8_BLOCK_K, MEGA_FP8_BLOCK_N, MEGA_MAX_BANDS, MEGA_MODE_COMBINE,
+    MEGA_MODE_DISPATCH, MEGA_STORE_COLS, MEGA_STORE_ROWS, MEGA_THREADS,
 };
 use crate::error::{Error, Result};
 use crate::reference::normal::worst_case_rows;
@@ -282,18 +282,20 @@ impl MegaMode {
         rows: usize,
     ) -> Result<MegaParams> {
         let cfg = &rt.cfg;
-        let (element, size, block_k, block_n) = match gemm.dtype {
+        let (element, size, block_k, block_n, a_box_rows) = match gemm.dtype {
             Dtype::Bf16 => (
                 TensorElement::Bf16,
                 2u64,
                 MEGA_BF16_BLOCK_K,
                 MEGA_BF16_BLOCK_N,
+                MEGA_BF16_A_BOX_ROWS,
             ),
             Dtype::Fp8E4m3 => (
                 TensorElement::Byte,
                 1u64,
                 MEGA_FP8_BLOCK_K,
                 MEGA_FP8_BLOCK_N,
+                MEGA_FP8_A_BOX_ROWS,
             ),
         };
         // Each block of a cluster loads its share of the weight tile's rows.
@@ -304,7 +306,7 @@ impl MegaMode {
             ptr(x),
             &[k, rows.max(1) as u64],
             &[k * size],
-            &[block_k, MEGA_BLOCK_M as u32],
+            &[block_k, a_box_rows as u32],
         )?;
         let b = tensor_map(
             element,
