@@ -15,10 +15,11 @@
 // Tiles: an m-tile is EP_MEGA_BLOCK_M consecutive rows of ONE expert,
 // starting at its segment start (so tiles need no particular expert
 // alignment; the last tile of an expert is ragged: its stores skip the rows
-// past the segment). A stage holds only as many boxes of A rows (kABoxRows)
-// as cover the tile's real rows; the last box may reach past the
-// segment into rows that hold anything, and the MMAs read the stage's
-// other rows as earlier stages left them: no such row's result is stored.
+// past the segment). A stage holds only as many boxes of A rows (kABoxRows:
+// 32 in BF16, the whole m-tile in FP8) as cover the tile's real rows; the
+// last box may reach past the segment into rows that hold anything, and the
+// MMAs read the stage's other rows as earlier stages left them: no such
+// row's result is stored.
 // Work units: a unit is an (m-tile, n-tile) pair (in clusters of 2, two
 // consecutive m-tiles of one expert, a block each, and one n-tile). Units
 // are numbered expert by expert (early experts first), and inside an
