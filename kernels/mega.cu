@@ -519,12 +519,8 @@ __device__ __forceinline__ void ep_mega_send_rows(const MegaParams& p, MegaLayou
         if (row < 0) {
             continue;
         }
-        const int source = c.handle_row_src[2 * row];
-        const int token = c.handle_row_src[2 * row + 1];
-        int4* dst = ep_area<int4>(c.peer_bases, source, c.normal.area, c.normal.off_returned) +
-                    (static_cast<int64_t>(c.rank) * c.max_tokens + token) * vectors;
-        ep_combine_send_row<kUnroll>(c, row, dst, l.warp_rows[slot], l.warp_weights[slot], first,
-                                     end, lane);
+        ep_combine_send_row<kUnroll>(c, row, ep_returned_row(c, row, vectors), l.warp_rows[slot],
+                                     l.warp_weights[slot], first, end, lane);
         __syncwarp();
     }
 }
@@ -689,8 +685,11 @@ struct Gemm {
     static constexpr int kABoxRows = G::kABoxRows;
     static_assert(kBlockM % kABoxRows == 0 && kABoxRows % 8 == 0,
                   "A boxes tile an m-tile in whole swizzle atoms");
-    // The A boxes of a tile of `rows` real rows: enough to cover them.
-    __device__ static int a_boxes(int rows) { return (rows + kABoxRows - 1) / kABoxRows; }
+    // The A boxes of a tile of `rows` real rows: enough to cover them, or
+    // the one box of a whole m-tile (a cluster's filler tile too).
+    __device__ static int a_boxes(int rows) {
+        return kABoxRows == kBlockM ? 1 : (rows + kABoxRows - 1) / kABoxRows;
+    }
     // Bytes of a stage with `boxes` A boxes and the whole weight tile.
     __device__ static uint32_t stage_bytes(int boxes) {
         return (boxes * kABoxRows + kBlockN) * kBlockK * static_cast<uint32_t>(sizeof(Element));
@@ -884,10 +883,8 @@ __device__ __forceinline__ void load_stage_scales(const MegaParams& p,
                                                   const MegaTile& t, int n0, int kb,
                                                   int scale_cols, int lane) {
     using T = Gemm<G>;
-    // The scales of the rows the stage's A boxes load (the consumers read
-    // no other row's into a stored result).
-    const int rows = T::kABoxRows == T::kBlockM ? T::kBlockM : T::a_boxes(t.rows) * T::kABoxRows;
-    for (int i = lane; i < rows; i += 32) {
+    static_assert(T::kABoxRows == T::kBlockM, "a scaled kernel loads whole m-tiles of A");
+    for (int i = lane; i < T::kBlockM; i += 32) {
         const int64_t row = t.first_row + i;
         const bool inside = row < p.rows;
         const float* src = p.a_scales + (inside ? row * scale_cols + kb : 0);
@@ -926,8 +923,7 @@ __device__ __forceinline__ void load_stage_tiles(const MegaParams& p, typename G
     // The unit before the arrival (program order).
     s.work[ring.stage] = work;
     uint64_t* full = &s.full[ring.stage];
-    // One box of the whole m-tile, or as many as cover its real rows.
-    const int a_boxes = T::kABoxRows == T::kBlockM ? 1 : T::a_boxes(work.tile.rows);
+    const int a_boxes = T::a_boxes(work.tile.rows);
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, T::stage_bytes(a_boxes));
     const uint64_t hint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
     typename T::Element* a = s.a + ring.stage * T::kBlockM * T::kBlockK;

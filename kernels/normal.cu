@@ -781,10 +781,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
         if (row < 0) {
             continue;
         }
-        const int source = p.handle_row_src[2 * row];
-        const int token = p.handle_row_src[2 * row + 1];
-        int4* dst = ep_area<int4>(p.peer_bases, source, p.normal.area, p.normal.off_returned) +
-                    (static_cast<int64_t>(p.rank) * p.max_tokens + token) * vectors;
+        int4* dst = ep_returned_row(p, row, vectors);
         if (!p.expert_major) {
             ep_warp_copy_row(reinterpret_cast<const uint8_t*>(x + static_cast<int64_t>(row) * vectors),
                              reinterpret_cast<uint8_t*>(dst), nullptr, nullptr, 0, p.hidden * 2,

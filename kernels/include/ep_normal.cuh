@@ -122,6 +122,15 @@ __device__ __forceinline__ void ep_warp_copy_row(const uint8_t* src, uint8_t* ds
     }
 }
 
+// Where a combine returns received row `row` (`vectors` 16-byte vectors):
+// its source rank's returned rows, slot (this rank, token).
+__device__ __forceinline__ int4* ep_returned_row(const CombineParams& p, int row, int vectors) {
+    const int source = p.handle_row_src[2 * row];
+    const int token = p.handle_row_src[2 * row + 1];
+    return ep_area<int4>(p.peer_bases, source, p.normal.area, p.normal.off_returned) +
+           (static_cast<int64_t>(p.rank) * p.max_tokens + token) * vectors;
+}
+
 // The expert-major combine of one received row: dst = BF16 of the fp32 sum
 // of weight * row over the row's expert-major rows in ascending order (=
 // local experts ascending, the reference's summation order), each product
