@@ -62,24 +62,6 @@ __global__ void __launch_bounds__(kWarpThreads) warp_zero(uint8_t* dst) {
 }
 
 // TMA bulk copies (PTX cp.async.bulk).
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void barrier_init(uint64_t* b) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(b)));
-}
-__device__ __forceinline__ void barrier_expect(uint64_t* b, int bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(b)),
-                 "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void barrier_wait(uint64_t* b, int parity) {
-    asm volatile(
-        "{ .reg .pred done; WAIT: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1; "
-        "@!done bra WAIT; }" ::"r"(shared_address(b)),
-        "r"(parity)
-        : "memory");
-}
 __device__ __forceinline__ void bulk_load(void* smem, const void* global, int bytes, uint64_t* b) {
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
@@ -159,27 +141,6 @@ __global__ void __launch_bounds__(kWarps * 32) tma_zero(uint8_t* dst) {
         if (++groups > 4) bulk_wait_read<4>();
     }
     bulk_wait_all();
-}
-
-template <class F>
-float median_us(F run) {
-    cudaEvent_t start, stop;
-    CHECK(cudaEventCreate(&start));
-    CHECK(cudaEventCreate(&stop));
-    for (int i = 0; i < 3; ++i) run();
-    std::vector<float> times;
-    for (int i = 0; i < 20; ++i) {
-        CHECK(cudaEventRecord(start));
-        run();
-        CHECK(cudaEventRecord(stop));
-        CHECK(cudaEventSynchronize(stop));
-        float ms;
-        CHECK(cudaEventElapsedTime(&ms, start, stop));
-        times.push_back(ms * 1000);
-    }
-    CHECK(cudaGetLastError());
-    std::sort(times.begin(), times.end());
-    return times[times.size() / 2];
 }
 
 int main() {

@@ -43,39 +43,16 @@ struct Variant {
     int pair;       // k-blocks issued back to back (1 or 2)
 };
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void bar_init(uint64_t* bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
-}
-
-__device__ __forceinline__ void bar_expect(uint64_t* bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
-                 "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void bar_arrive(uint64_t* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
-__device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity) {
-    asm volatile(
-        "{\n .reg .pred done;\n wait:\n"
-        " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        " @!done bra wait;\n}" ::"r"(smem_addr(bar)),
-        "r"(parity)
-        : "memory");
+__device__ __forceinline__ void barrier_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(bar)) : "memory");
 }
 
 __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int x,
                                             int y, int z) {
     asm volatile(
         "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(smem_addr(dst)),
-        "l"(map), "r"(smem_addr(bar)), "r"(x), "r"(y), "r"(z)
+        " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(shared_address(dst)),
+        "l"(map), "r"(shared_address(bar)), "r"(x), "r"(y), "r"(z)
         : "memory");
 }
 
@@ -87,15 +64,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     __shared__ uint64_t full[kMaxStages], empty[kMaxStages];
     __shared__ int unit_of[kMaxStages];
     // The 128-byte swizzle wants stages on 1024-byte boundaries.
-    uint8_t* base = stage_bytes + ((1024 - smem_addr(stage_bytes) % 1024) % 1024);
+    uint8_t* base = stage_bytes + ((1024 - shared_address(stage_bytes) % 1024) % 1024);
     const int stage_size = v.rows * v.inner;
     const int k_blocks = v.row_bytes / v.inner;
     const int n_tiles = (kN + v.rows - 1) / v.rows;  // the last one ragged: rows past n come as zeros, not from memory
     const int units = kExperts * n_tiles;
     if (threadIdx.x == 0) {
         for (int s = 0; s < v.stages; ++s) {
-            bar_init(&full[s], 1);
-            bar_init(&empty[s], 1);
+            barrier_init(&full[s]);
+            barrier_init(&empty[s]);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -106,9 +83,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (;;) {
             const int unit = atomicAdd(counter, 1);
             if (unit >= units) {  // the end: a stage with no data and unit -1
-                bar_wait(&empty[stage], parity);
+                barrier_wait(&empty[stage], parity);
                 unit_of[stage] = -1;
-                bar_arrive(&full[stage]);
+                barrier_arrive(&full[stage]);
                 break;
             }
             const int expert = unit / n_tiles, row = (unit % n_tiles) * v.rows;
@@ -118,12 +95,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                 int s = stage;
                 uint32_t ph = parity;
                 for (int i = 0; i < group; ++i) {
-                    bar_wait(&empty[s], ph);
+                    barrier_wait(&empty[s], ph);
                     if (++s == v.stages) s = 0, ph ^= 1;
                 }
                 for (int i = 0; i < group; ++i) {
                     unit_of[stage] = unit;
-                    bar_expect(&full[stage], stage_size);
+                    barrier_expect(&full[stage], stage_size);
                     tma_load_3d(base + stage * stage_size, &map, &full[stage], (kb + i) * v.inner,
                                 row, expert);
                     if (++stage == v.stages) stage = 0, parity ^= 1;
@@ -134,9 +111,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         int stage = 0;
         uint32_t parity = 0;
         for (;;) {
-            bar_wait(&full[stage], parity);
+            barrier_wait(&full[stage], parity);
             const int unit = unit_of[stage];
-            bar_arrive(&empty[stage]);
+            barrier_arrive(&empty[stage]);
             if (++stage == v.stages) stage = 0, parity ^= 1;
             if (unit < 0) break;
         }
@@ -166,31 +143,9 @@ static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
 }
 
-template <class F>
-static float median_ms(cudaStream_t stream, F launch) {
-    cudaEvent_t a, b;
-    CHECK(cudaEventCreate(&a));
-    CHECK(cudaEventCreate(&b));
-    std::vector<float> t;
-    for (int i = 0; i < 23; ++i) {
-        CHECK(cudaEventRecord(a, stream));
-        launch();
-        CHECK(cudaGetLastError());
-        CHECK(cudaEventRecord(b, stream));
-        CHECK(cudaEventSynchronize(b));
-        float ms = 0;
-        CHECK(cudaEventElapsedTime(&ms, a, b));
-        if (i >= 3) t.push_back(ms);
-    }
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-}
-
 int main() {
     int sms = 0;
     CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    cudaStream_t stream;
-    CHECK(cudaStreamCreate(&stream));
     const int64_t max_bytes = int64_t(kExperts) * kN * 14336;
     uint8_t* weights;
     int *counter, *sink;
@@ -232,21 +187,21 @@ int main() {
             return 1;
         }
         const int smem = v.rows * v.inner * v.stages + 1024;
-        const float ms = median_ms(stream, [&] {
-            CHECK(cudaMemsetAsync(counter, 0, sizeof(int), stream));
-            stream_weights<<<sms, kThreads, smem, stream>>>(map, v, counter);
+        const float us = median_us([&] {
+            CHECK(cudaMemsetAsync(counter, 0, sizeof(int)));
+            stream_weights<<<sms, kThreads, smem>>>(map, v, counter);
         });
-        printf("| %s | %.0f | %.1f | %.0f |\n", v.name, bytes / 1e6, ms * 1e3, bytes / (ms * 1e6));
+        printf("| %s | %.0f | %.1f | %.0f |\n", v.name, bytes / 1e6, us, bytes / (us * 1e3));
     }
     for (int row_bytes : {7168, 14336}) {
         const int64_t bytes = int64_t(kExperts) * kN * row_bytes;
         for (int per_sm : {2, 4}) {
-            const float ms = median_ms(stream, [&] {
-                read_all<<<sms * per_sm, 512, 0, stream>>>(reinterpret_cast<const int4*>(weights),
-                                                             bytes / 16, sink);
+            const float us = median_us([&] {
+                read_all<<<sms * per_sm, 512>>>(reinterpret_cast<const int4*>(weights), bytes / 16,
+                                               sink);
             });
             printf("| plain 16-byte loads, %d x 512 threads per SM | %.0f | %.1f | %.0f |\n", per_sm,
-                   bytes / 1e6, ms * 1e3, bytes / (ms * 1e6));
+                   bytes / 1e6, us, bytes / (us * 1e3));
         }
     }
     CHECK(cudaDeviceSynchronize());
