@@ -725,6 +725,58 @@ __device__ void put_token(const LlParams& p, int set, int t, uint64_t dests) {
     }
 }
 
+// Warp k of step 4, for token t: the route of slot k (its expert, and its
+// position among this rank's rows for that expert = the earlier (token,
+// slot) entries with the same expert; a token lists an expert at most once)
+// and its weight, into the block's s_expert[k], s_route[k] (as in the
+// header) and s_weight[k].
+__device__ __forceinline__ void route_slot(const LlParams& p, int t, int k,
+                                           const int16_t* s_experts, int* s_expert, int* s_route,
+                                           float* s_weight) {
+    const int lane = threadIdx.x % 32;
+    const int K = p.topk;
+    // The caller's weight is loaded first: its latency overlaps the count
+    // below.
+    const float weight = lane == 0 && p.topk_weights != nullptr
+                             ? p.topk_weights[static_cast<int64_t>(t) * K + k]
+                             : 0.0f;
+    const int expert = s_experts[t * K + k];
+    int earlier = 0;
+    if (expert >= 0) {
+        for (int i = lane; i < t * K; i += 32) {
+            earlier += s_experts[i] == expert;
+        }
+    }
+    earlier = __reduce_add_sync(0xffffffffu, earlier);
+    if (lane == 0) {
+        s_expert[k] = expert;
+        s_route[k] = expert >= 0 ? expert | earlier << EP_LL_ROUTE_POS_SHIFT : -1;
+        s_weight[k] = weight;
+    }
+}
+
+// Block-wide part of step 4: the token's header (the routes, then the
+// weights; the same for every rank) into the message slot s_slot[d] of
+// every rank d of `header_mask`.
+__device__ __forceinline__ void write_headers(const LlParams& p, uint64_t header_mask,
+                                              const int* s_route, const float* s_weight,
+                                              uint8_t* const* s_slot) {
+    const int K = p.topk;
+    for (int i = threadIdx.x; i < p.world * 32; i += blockDim.x) {
+        const int d = i / 32, j = i % 32;
+        if ((header_mask >> d & 1) == 0) {
+            continue;
+        }
+        int word;
+        if (j < EP_MAX_TOPK) {
+            word = j < K ? s_route[j] : -1;
+        } else {
+            word = __float_as_int(j - EP_MAX_TOPK < K ? s_weight[j - EP_MAX_TOPK] : 0.0f);
+        }
+        reinterpret_cast<int*>(s_slot[d])[j] = word;
+    }
+}
+
 // Block-wide send phase of dispatch call `call` (steps 1-4 of the header).
 template <bool kNet>
 __device__ bool dispatch_send(const LlParams& p, const LlCall& call) {
@@ -736,7 +788,7 @@ __device__ bool dispatch_send(const LlParams& p, const LlCall& call) {
     __shared__ float s_weight[EP_MAX_TOPK];
     __shared__ uint8_t* s_slot[EP_MAX_WORLD_SIZE];
     const int seq = call.seq, set = seq & 1;
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int tid = threadIdx.x, warp = tid / 32;
     const int K = p.topk, L = local_experts(p);
     // The routing is the caller's: read it before waiting (the wait's
     // barrier also orders it for the whole block).
@@ -762,28 +814,8 @@ __device__ bool dispatch_send(const LlParams& p, const LlCall& call) {
     for (int t = first_token; t < n; t += gridDim.x) {
         // The previous token's readers of the shared arrays are done.
         __syncthreads();
-        // Warp k: the position of slot k among this rank's rows for its
-        // expert = the earlier (token, slot) entries with the same expert
-        // (a token lists an expert at most once).
         if (warp < K) {
-            // The caller's weight is loaded first: its latency overlaps the
-            // count below.
-            const float weight = lane == 0 && p.topk_weights != nullptr
-                                     ? p.topk_weights[static_cast<int64_t>(t) * K + warp]
-                                     : 0.0f;
-            const int expert = s_experts[t * K + warp];
-            int earlier = 0;
-            if (expert >= 0) {
-                for (int i = lane; i < t * K; i += 32) {
-                    earlier += s_experts[i] == expert;
-                }
-            }
-            earlier = __reduce_add_sync(0xffffffffu, earlier);
-            if (lane == 0) {
-                s_expert[warp] = expert;
-                s_route[warp] = expert >= 0 ? expert | earlier << EP_LL_ROUTE_POS_SHIFT : -1;
-                s_weight[warp] = weight;
-            }
+            route_slot(p, t, warp, s_experts, s_expert, s_route, s_weight);
         }
         // A rank of this node gets the message in its slot; the ranks on
         // other nodes get it from this rank's staging slot for the token.
@@ -806,20 +838,7 @@ __device__ bool dispatch_send(const LlParams& p, const LlCall& call) {
         // The header (the same for every rank) to every rank of this node
         // (those without an expert see only other ranks' experts) and the
         // staging slot.
-        const uint64_t header_mask = in_node | staged;
-        for (int i = tid; i < p.world * 32; i += blockDim.x) {
-            const int d = i / 32, j = i % 32;
-            if ((header_mask >> d & 1) == 0) {
-                continue;
-            }
-            int word;
-            if (j < EP_MAX_TOPK) {
-                word = j < K ? s_route[j] : -1;
-            } else {
-                word = __float_as_int(j - EP_MAX_TOPK < K ? s_weight[j - EP_MAX_TOPK] : 0.0f);
-            }
-            reinterpret_cast<int*>(s_slot[d])[j] = word;
-        }
+        write_headers(p, in_node | staged, s_route, s_weight, s_slot);
         send_token_row(p, t, (dest_mask & in_node) | staged, s_slot);
         // The barrier orders every thread's header and row stores before
         // thread d's release store, which (being cumulative) publishes them,
@@ -868,20 +887,39 @@ __device__ __forceinline__ void store_chunk(void* row, const int4 (&v)[EP_LL_LAN
     }
 }
 
-// Block-wide receive phase of dispatch call `call` (steps 5-6 of the
-// header). Returns early when a wait failed (the error is recorded).
-template <bool kNet>
-__device__ void dispatch_receive(const LlParams& p, const LlCall& call) {
-    // First row of (local expert le, source s) at [le * W + s]; tokens of s.
-    __shared__ int s_first[EP_MAX_EXPERTS];
-    __shared__ int s_tokens[EP_MAX_WORLD_SIZE];
-    const int seq = call.seq, set = seq & 1;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int W = p.world, M = p.max_tokens, K = p.topk, L = local_experts(p);
-    const int capacity = W * M;
+// What the receive phase's steps need of the call, computed once: the token
+// bookkeeping arrays (rows and weights of each received token's slots), the
+// local experts, the rows per expert, and a row's bytes, 16-byte vectors and
+// FP8 scale columns.
+struct ReceivedRows {
+    int* token_rows;
+    float* token_weights;
+    int local_experts;
+    int capacity;
+    int row_bytes;
+    int data_vecs;
+    int scale_cols;
+};
 
-    // Step 5: the flag of a source of this node, the counts signal of one
-    // on another node (one add per call, so the set's calls).
+__device__ __forceinline__ ReceivedRows received_rows(const LlParams& p) {
+    const int row_bytes = p.fp8 ? p.hidden : 2 * p.hidden;
+    return ReceivedRows{ll_at<int>(p, p.rank, p.off_token_rows),
+                        ll_at<float>(p, p.rank, p.off_token_weights),
+                        local_experts(p),
+                        p.world * p.max_tokens,
+                        row_bytes,
+                        row_bytes / 16,
+                        p.hidden / EP_HIDDEN_ALIGNMENT};
+}
+
+// Step 5, block-wide: thread s < W waits for source s's counts (the flag of
+// a source of this node, the counts signal of one on another node: one add
+// per call, so the set's calls). Returns false to every thread when a wait
+// failed (the error is recorded).
+template <bool kNet>
+__device__ __forceinline__ bool wait_for_counts(const LlParams& p, const LlCall& call) {
+    const int seq = call.seq, set = seq & 1;
+    const int W = p.world;
     const int source = threadIdx.x;
     bool failed = false;
     if (source < W) {
@@ -892,12 +930,19 @@ __device__ void dispatch_receive(const LlParams& p, const LlCall& call) {
                      : !wait_for(p, ll_at<int>(p, p.rank, p.off_dispatch_flags) + set * W + source,
                                  seq, call, source, EP_PHASE_LL_DISPATCH);
     }
-    if (__syncthreads_or(failed)) {
-        return;
-    }
-    note_time(p, EP_LL_TIME_COUNTS_IN);
-    // The flags were acquired by threads 0..W-1; the barrier above orders
-    // every thread's reads of the counts after those acquires.
+    return !__syncthreads_or(failed);
+}
+
+// Block-wide, after wait_for_counts: the sources' counts of set `set` laid
+// out: s_first[le * W + s] the first row of (local expert le, source s),
+// s_tokens[s] the tokens of s; block 0 also writes the caller's recv_count
+// and recv_layout_range and the tokens per source the combine reads.
+__device__ __forceinline__ void read_counts(const LlParams& p, const ReceivedRows& r, int set,
+                                            int* s_first, int* s_tokens) {
+    const int W = p.world, L = r.local_experts;
+    // The flags were acquired by threads 0..W-1; the barrier of
+    // wait_for_counts orders every thread's reads of the counts after those
+    // acquires.
     for (int le = threadIdx.x; le < L; le += blockDim.x) {
         int first = 0;
         for (int s = 0; s < W; ++s) {
@@ -921,14 +966,91 @@ __device__ void dispatch_receive(const LlParams& p, const LlCall& call) {
         }
     }
     __syncthreads();
+}
+
+// Step 6, one warp: chunk c of token t of source s, whose message has
+// arrived: the chunk (and with the first chunk the FP8 scales) into every
+// row of this rank's experts the header names; the first chunk's warp also
+// keeps the token's bookkeeping (its rows, its weights, recv_src_info).
+__device__ __forceinline__ void receive_chunk(const LlParams& p, const ReceivedRows& r, int set,
+                                              int s, int t, int c, const int* s_first) {
+    const int lane = threadIdx.x % 32;
+    const int W = p.world, K = p.topk, L = r.local_experts;
+    const int capacity = r.capacity, row_bytes = r.row_bytes, data_vecs = r.data_vecs;
+    const int scale_cols = r.scale_cols;
+    const uint8_t* msg = dispatch_msg(p, p.rank, set, s, t);
+    // The chunk, and with the first chunk the FP8 scales, are loaded
+    // before the header is read: neither load needs the other, so their
+    // latencies overlap. (For a token with no expert here the slot's data
+    // is stale and goes unused.)
+    const uint8_t* data = msg + EP_LL_HEADER_BYTES;
+    int4 v[EP_LL_LANE_VECS];
+    load_chunk(v, data, c * EP_LL_CHUNK_VECS, data_vecs);
+    const bool with_scales = p.fp8 && c == 0;
+    float scale[EP_LL_SCALES_PER_LANE];
+#pragma unroll
+    for (int u = 0; u < EP_LL_SCALES_PER_LANE; ++u) {
+        const int col = lane + 32 * u;
+        scale[u] = with_scales && col < scale_cols
+                       ? reinterpret_cast<const float*>(data + p.hidden)[col]
+                       : 0.0f;
+    }
+    int row = -1;
+    if (lane < K) {
+        // The slot's expert, if it is one of this rank's (the header is
+        // the same for every rank).
+        const int route = reinterpret_cast<const int*>(msg)[lane];
+        const int le = (route & EP_LL_ROUTE_EXPERT_MASK) - p.rank * L;
+        const int pos = route >> EP_LL_ROUTE_POS_SHIFT;
+        // A position past the expert's segment cannot come from a peer
+        // with this configuration; guard the caller's arrays anyway.
+        if (route >= 0 && le >= 0 && le < L && s_first[le * W + s] + pos < capacity) {
+            row = le * capacity + s_first[le * W + s] + pos;
+        }
+        // The first chunk's warp keeps the token's bookkeeping.
+        if (c == 0) {
+            r.token_rows[token_entry(p, s, t, lane)] = row;
+            r.token_weights[token_entry(p, s, t, lane)] =
+                reinterpret_cast<const float*>(msg)[EP_MAX_TOPK + lane];
+            if (row >= 0) {
+                ep_store_optional(p.recv_src_info, row, t);
+            }
+        }
+    }
+    const unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
+    for (unsigned m = rows_mask; m != 0; m &= m - 1) {
+        const int to = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+        store_chunk(p.recv_x + static_cast<int64_t>(to) * row_bytes, v, c * EP_LL_CHUNK_VECS,
+                    data_vecs);
+#pragma unroll
+        for (int u = 0; u < EP_LL_SCALES_PER_LANE; ++u) {
+            const int col = lane + 32 * u;
+            if (with_scales && col < scale_cols) {
+                p.recv_scales[static_cast<int64_t>(to) * scale_cols + col] = scale[u];
+            }
+        }
+    }
+}
+
+// Block-wide receive phase of dispatch call `call` (steps 5-6 of the
+// header). Returns early when a wait failed (the error is recorded).
+template <bool kNet>
+__device__ void dispatch_receive(const LlParams& p, const LlCall& call) {
+    // First row of (local expert le, source s) at [le * W + s]; tokens of s.
+    __shared__ int s_first[EP_MAX_EXPERTS];
+    __shared__ int s_tokens[EP_MAX_WORLD_SIZE];
+    const int seq = call.seq, set = seq & 1;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int W = p.world, M = p.max_tokens, K = p.topk;
+    const ReceivedRows rows = received_rows(p);
+    if (!wait_for_counts<kNet>(p, call)) {
+        return;
+    }
+    note_time(p, EP_LL_TIME_COUNTS_IN);
+    read_counts(p, rows, set, s_first, s_tokens);
 
     // Step 6: a warp per (source, token, chunk of the message data).
-    int* token_rows = ll_at<int>(p, p.rank, p.off_token_rows);
-    float* token_weights = ll_at<float>(p, p.rank, p.off_token_weights);
-    const int row_bytes = p.fp8 ? p.hidden : 2 * p.hidden;
-    const int data_vecs = row_bytes / 16;
-    const int chunks = (data_vecs + EP_LL_CHUNK_VECS - 1) / EP_LL_CHUNK_VECS;
-    const int scale_cols = p.hidden / EP_HIDDEN_ALIGNMENT;
+    const int chunks = (rows.data_vecs + EP_LL_CHUNK_VECS - 1) / EP_LL_CHUNK_VECS;
     for (int item = blockIdx.x * EP_LL_WARPS + warp; item < W * M * chunks;
          item += gridDim.x * EP_LL_WARPS) {
         const int c = item % chunks, t = item / chunks % M, s = item / (chunks * M);
@@ -939,7 +1061,7 @@ __device__ void dispatch_receive(const LlParams& p, const LlCall& call) {
         if (net && !token_sent(p, set, s, t)) {
             // No expert here: nothing was put, and the token has no rows.
             if (c == 0 && lane < K) {
-                token_rows[token_entry(p, s, t, lane)] = -1;
+                rows.token_rows[token_entry(p, s, t, lane)] = -1;
             }
             continue;
         }
@@ -954,58 +1076,7 @@ __device__ void dispatch_receive(const LlParams& p, const LlCall& call) {
         if (!arrived) {
             return;
         }
-        const uint8_t* msg = dispatch_msg(p, p.rank, set, s, t);
-        // The chunk, and with the first chunk the FP8 scales, are loaded
-        // before the header is read: neither load needs the other, so their
-        // latencies overlap. (For a token with no expert here the slot's data
-        // is stale and goes unused.)
-        const uint8_t* data = msg + EP_LL_HEADER_BYTES;
-        int4 v[EP_LL_LANE_VECS];
-        load_chunk(v, data, c * EP_LL_CHUNK_VECS, data_vecs);
-        const bool with_scales = p.fp8 && c == 0;
-        float scale[EP_LL_SCALES_PER_LANE];
-#pragma unroll
-        for (int u = 0; u < EP_LL_SCALES_PER_LANE; ++u) {
-            const int col = lane + 32 * u;
-            scale[u] = with_scales && col < scale_cols
-                           ? reinterpret_cast<const float*>(data + p.hidden)[col]
-                           : 0.0f;
-        }
-        int row = -1;
-        if (lane < K) {
-            // The slot's expert, if it is one of this rank's (the header is
-            // the same for every rank).
-            const int route = reinterpret_cast<const int*>(msg)[lane];
-            const int le = (route & EP_LL_ROUTE_EXPERT_MASK) - p.rank * L;
-            const int pos = route >> EP_LL_ROUTE_POS_SHIFT;
-            // A position past the expert's segment cannot come from a peer
-            // with this configuration; guard the caller's arrays anyway.
-            if (route >= 0 && le >= 0 && le < L && s_first[le * W + s] + pos < capacity) {
-                row = le * capacity + s_first[le * W + s] + pos;
-            }
-            // The first chunk's warp keeps the token's bookkeeping.
-            if (c == 0) {
-                token_rows[token_entry(p, s, t, lane)] = row;
-                token_weights[token_entry(p, s, t, lane)] =
-                    reinterpret_cast<const float*>(msg)[EP_MAX_TOPK + lane];
-                if (row >= 0) {
-                    ep_store_optional(p.recv_src_info, row, t);
-                }
-            }
-        }
-        const unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
-        for (unsigned m = rows_mask; m != 0; m &= m - 1) {
-            const int r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
-            store_chunk(p.recv_x + static_cast<int64_t>(r) * row_bytes, v, c * EP_LL_CHUNK_VECS,
-                        data_vecs);
-#pragma unroll
-            for (int u = 0; u < EP_LL_SCALES_PER_LANE; ++u) {
-                const int col = lane + 32 * u;
-                if (with_scales && col < scale_cols) {
-                    p.recv_scales[static_cast<int64_t>(r) * scale_cols + col] = scale[u];
-                }
-            }
-        }
+        receive_chunk(p, rows, set, s, t, c, s_first);
     }
 }
 
