@@ -795,6 +795,16 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
 
 // Combine 3: reduce (grid = SM budget, EP_MOVE_THREADS threads). A warp per
 // token of this rank sums the rows the ranks returned for it.
+//
+// Loads in flight: each lane loads EP_REDUCE_UNROLL vectors of a returned
+// row before it adds them, one row at a time. A token has one returned row
+// per rank it went to, so at small world sizes the combine send's shape
+// (EP_SUM_ROWS_IN_FLIGHT rows of EP_SUM_UNROLL vectors) left 4 loads per
+// lane in flight, and with the SM budget's few warps the sum waited on
+// memory latency; from two rows on the loads in flight are as many as with
+// that shape (bench/RESULTS.md, 2026-11-27, the reduce's loads in flight).
+#define EP_REDUCE_UNROLL 8
+#define EP_REDUCE_ROWS_IN_FLIGHT 1
 extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     ep_combine_reduce_kernel(const CombineParams p) {
     ep_kernel_start();
@@ -815,9 +825,10 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
             w = 1.0f;
             return in_rank[r] != 0;
         };
-        for (int base = lane; base < vectors; base += 32 * EP_SUM_UNROLL) {
-            float acc[EP_SUM_UNROLL][8] = {};
-            ep_add_weighted_rows(acc, p.world, returned_row, base, vectors);
+        for (int base = lane; base < vectors; base += 32 * EP_REDUCE_UNROLL) {
+            float acc[EP_REDUCE_UNROLL][8] = {};
+            ep_add_weighted_rows<EP_REDUCE_UNROLL, EP_REDUCE_ROWS_IN_FLIGHT>(
+                acc, p.world, returned_row, base, vectors);
             ep_store_bf16_vectors(out + static_cast<int64_t>(token) * vectors, acc, base, vectors);
         }
     }

@@ -554,16 +554,16 @@ __device__ __forceinline__ int4 ep_pack_bf16x8(const float (&in)[8]) {
 // this too); vectors at `vectors` and beyond are left out. The vectors of
 // up to EP_SUM_ROWS_IN_FLIGHT rows are loaded before any of them is added.
 // kUnroll: vectors per lane and row (EP_SUM_UNROLL, or fewer where
-// registers are scarce).
-template <int kUnroll, typename RowOf>
+// registers are scarce); kRows: rows loaded at once (EP_SUM_ROWS_IN_FLIGHT).
+template <int kUnroll, int kRows = EP_SUM_ROWS_IN_FLIGHT, typename RowOf>
 __device__ __forceinline__ void ep_add_weighted_rows(float (&acc)[kUnroll][8], int rows,
                                                      RowOf row_of, int base, int vectors) {
-    for (int first = 0; first < rows; first += EP_SUM_ROWS_IN_FLIGHT) {
-        int4 raw[EP_SUM_ROWS_IN_FLIGHT][kUnroll];
-        float w[EP_SUM_ROWS_IN_FLIGHT];
-        bool present[EP_SUM_ROWS_IN_FLIGHT];
+    for (int first = 0; first < rows; first += kRows) {
+        int4 raw[kRows][kUnroll];
+        float w[kRows];
+        bool present[kRows];
 #pragma unroll
-        for (int i = 0; i < EP_SUM_ROWS_IN_FLIGHT; ++i) {
+        for (int i = 0; i < kRows; ++i) {
             const int4* row = nullptr;
             present[i] = first + i < rows && row_of(first + i, row, w[i]);
             if (present[i]) {
@@ -576,7 +576,7 @@ __device__ __forceinline__ void ep_add_weighted_rows(float (&acc)[kUnroll][8], i
             }
         }
 #pragma unroll
-        for (int i = 0; i < EP_SUM_ROWS_IN_FLIGHT; ++i) {
+        for (int i = 0; i < kRows; ++i) {
             if (!present[i]) {
                 continue;
             }
