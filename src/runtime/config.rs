@@ -175,9 +175,24 @@ impl Config {
     }
 }
 
+impl Config {
+    /// Once the ranks have met in `group`: the nodes from `host_ranks` (see
+    /// [`Config::resolve_nodes`]), then the check that every rank passed the
+    /// same configuration. Every backend runs this before it makes
+    /// anything of the group.
+    pub fn settle(
+        &mut self,
+        group: &dyn super::group::HostGroup,
+        host_ranks: &[usize],
+    ) -> Result<()> {
+        self.resolve_nodes(host_ranks)?;
+        agree_on_config(group, self)
+    }
+}
+
 /// Checks that every rank passed the same configuration; a mismatch would
 /// otherwise surface as corrupted data or a hang.
-pub fn agree_on_config(group: &dyn super::group::HostGroup, cfg: &Config) -> Result<()> {
+fn agree_on_config(group: &dyn super::group::HostGroup, cfg: &Config) -> Result<()> {
     let t = &cfg.topo;
     let fields: [(&str, u64); 10] = [
         ("max_tokens_per_rank", cfg.max_tokens as u64),

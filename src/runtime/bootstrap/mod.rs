@@ -60,6 +60,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::config::Config;
 use crate::error::{Error, Result};
 use collective::Op;
 use id::UniqueId;
@@ -131,6 +132,19 @@ pub struct Bootstrap {
 }
 
 impl Bootstrap {
+    /// Joins the group of `id` as `cfg`'s rank (with an abort flag of its
+    /// own, returned beside it) and settles the configuration with the
+    /// other ranks ([`Config::settle`]): the start every backend shares.
+    pub fn join(
+        id: &[u8; UNIQUE_ID_BYTES],
+        cfg: &mut Config,
+    ) -> Result<(Bootstrap, Arc<AtomicBool>)> {
+        let aborted = Arc::new(AtomicBool::new(false));
+        let boot = Bootstrap::connect(id, cfg.rank, cfg.world(), cfg.timeout, aborted.clone())?;
+        cfg.settle(&boot, boot.local_ranks())?;
+        Ok((boot, aborted))
+    }
+
     /// Joins the group; returns when all `world` ranks have joined and the mesh is connected.
     ///
     /// The rendezvous at the root and the connection of the mesh each wait

@@ -29,7 +29,7 @@ mod symmetric;
 
 use super::backend::{Backend, HandleState, Inputs, LlTimeline, Monitor, Stream};
 use super::bootstrap::Bootstrap;
-use super::config::{agree_on_config, Config};
+use super::config::Config;
 use super::contract::{Field, Memory, PointerCheck};
 use super::cuda::{
     self, ContextGuard, Device, DeviceStatus, Kernel, LaunchOrder, MappedHost, Module, OwnedStream,
@@ -176,16 +176,7 @@ pub fn create(
     // Probe the driver before joining, so a machine without a GPU fails at
     // once with `CudaUnavailable`.
     let device = Device::new(cfg.device as usize)?;
-    let aborted = Arc::new(AtomicBool::new(false));
-    let boot = Bootstrap::connect(
-        unique_id,
-        cfg.rank,
-        cfg.world(),
-        cfg.timeout,
-        aborted.clone(),
-    )?;
-    cfg.resolve_nodes(boot.local_ranks())?;
-    agree_on_config(&boot, cfg)?;
+    let (boot, aborted) = Bootstrap::join(unique_id, cfg)?;
     let placement = Placement::exchange(&device, &boot)?;
     let (module, kernels) = loaded_kernels(&device)?;
     log_summary(cfg, &device, &module);
@@ -304,8 +295,7 @@ pub unsafe fn create_from_nccl(
     } else {
         Vec::new()
     };
-    cfg.resolve_nodes(&lsa_ranks)?;
-    agree_on_config(&group, cfg)?;
+    cfg.settle(&group, &lsa_ranks)?;
     let placement = Placement::exchange(&device, &group)?;
     let (module, kernels) = loaded_kernels(&device)?;
     log_summary(cfg, &device, &module);

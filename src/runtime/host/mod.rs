@@ -33,7 +33,7 @@ mod shm;
 
 use super::backend::{Backend, HandleState, Inputs, Monitor, Stream};
 use super::bootstrap::Bootstrap;
-use super::config::{agree_on_config, Config};
+use super::config::Config;
 use super::contract::{Field, PointerCheck};
 use super::log;
 use super::ops::{
@@ -67,16 +67,7 @@ pub fn create(
     cfg: &mut Config,
     unique_id: &[u8; 128],
 ) -> Result<(Box<dyn Backend>, Arc<dyn Monitor>)> {
-    let aborted = Arc::new(AtomicBool::new(false));
-    let boot = Bootstrap::connect(
-        unique_id,
-        cfg.rank,
-        cfg.world(),
-        cfg.timeout,
-        aborted.clone(),
-    )?;
-    cfg.resolve_nodes(boot.local_ranks())?;
-    agree_on_config(&boot, cfg)?;
+    let (boot, aborted) = Bootstrap::join(unique_id, cfg)?;
     if boot.local_ranks().len() != cfg.world() {
         return Err(Error::unsupported(format!(
             "the host backend needs every rank on one host; {} of {} are on this one",
