@@ -53,7 +53,7 @@ pub struct Config {
     pub timeout: Duration,
     /// 0 when the low-latency mode is disabled.
     pub ll_max_tokens: usize,
-    /// Ranks per node; 0 until [`Config::resolve_nodes`] asks the hosts.
+    /// Ranks per node; 0 until [`Config::settle`] asks the hosts.
     pub ranks_per_node: usize,
 }
 
@@ -157,7 +157,7 @@ impl Config {
     /// ascending; they must be consecutive and start at a multiple of their
     /// count (every host holding as many is checked when the ranks agree on
     /// the configuration).
-    pub fn resolve_nodes(&mut self, host_ranks: &[usize]) -> Result<()> {
+    fn resolve_nodes(&mut self, host_ranks: &[usize]) -> Result<()> {
         if self.ranks_per_node != 0 {
             return Ok(());
         }
@@ -173,11 +173,9 @@ impl Config {
         self.ranks_per_node = n;
         Ok(())
     }
-}
 
-impl Config {
     /// Once the ranks have met in `group`: the nodes from `host_ranks` (see
-    /// [`Config::resolve_nodes`]), then the check that every rank passed the
+    /// `resolve_nodes`), then the check that every rank passed the
     /// same configuration. Every backend runs this before it makes
     /// anything of the group.
     pub fn settle(
