@@ -568,7 +568,9 @@ __device__ bool ep_pull_layout(const DispatchParams& p, PullLayout& layout) {
 // Block 0 (other blocks return at once): the layout's outputs: the
 // received rows (0 when the layout is not sane), the handle's rows (0
 // unless they fit the buffers), and the expert-major offsets and real rows
-// (also the handle's copy).
+// (also the handle's copy). A host that waits for the counts
+// (`host_counts`) learns them here, before the rows move: after the counts,
+// thread 0 publishes the dispatch's number (host_counts_seq) behind them.
 __device__ __forceinline__ void ep_pull_publish_layout(const DispatchParams& p,
                                                        const PullLayout& layout, bool sane,
                                                        bool fits, int local_experts) {
@@ -589,6 +591,16 @@ __device__ __forceinline__ void ep_pull_publish_layout(const DispatchParams& p,
                 ep_store_optional(p.expert_counts, le, layout.expert_total[le]);
                 ep_store_optional(p.host_counts, 1 + le, layout.expert_total[le]);
             }
+        }
+    }
+    if (blockIdx.x == 0 && p.host_counts != nullptr) {
+        // The barrier orders every thread's counts before thread 0's
+        // release (a release is cumulative: it publishes the stores the
+        // barrier ordered before it), which the host's acquire pairs with
+        // (src/runtime/gpu/normal.rs, `wait_for_host_counts`).
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            ep_st_release_sys(p.host_counts + 1 + local_experts, p.host_counts_seq);
         }
     }
 }

@@ -99,7 +99,8 @@ fn combine_of_received_rows(
 }
 
 /// The no-sync dispatch and a combine, captured once in a CUDA graph and
-/// replayed with new routing and tokens, on 2 and 4 ranks.
+/// replayed with new routing and tokens, on 2 and 4 ranks. A dispatch that
+/// waits for its counts is refused during the capture, which goes on.
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn no_sync_dispatch_and_combine_replay_in_a_cuda_graph() {
@@ -137,8 +138,14 @@ fn replay_in_a_cuda_graph(world: usize) {
         let mut c = common::combine_args();
         c.x = out.recv_x.as_const();
         c.out = y.as_mut();
-        // SAFETY (both calls): device buffers that outlive every replay.
+        let synced = ep_dispatch_args_t { flags: 0, ..args };
+        // SAFETY (every call): device buffers that outlive every replay.
         let graph = Graph::capture(|stream| unsafe {
+            assert_eq!(
+                ep_dispatch(ctx.0, &synced, handle.0, stream),
+                EP_ERR_INVALID_ARGUMENT,
+                "a host-synchronised dispatch during a capture"
+            );
             ok(
                 ep_dispatch(ctx.0, &args, handle.0, stream),
                 "captured dispatch",

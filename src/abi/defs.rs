@@ -363,8 +363,9 @@ abi_struct! {
         /// (`local_experts + 1`, the last one the end), then the real rows of
         /// each local expert (what a fused combine multiplies).
         handle_expert_layout: u64 => "int*",
-        /// Host-mapped `[1 + local_experts]`: rows, then rows per local
-        /// expert; nullptr when the host does not wait for them.
+        /// Host-mapped `[1 + local_experts + 1]`: rows, rows per local
+        /// expert, then `host_counts_seq` once they are written; nullptr
+        /// when the host does not wait for them.
         host_counts: u64 => "int*",
         status: u64 => "EpDeviceStatus*",
         abort_flag: u64 => "const int*",
@@ -398,6 +399,10 @@ abi_struct! {
         /// stages (every single-node dispatch); zero: the hierarchical
         /// mode's count, which stages in its own kernels.
         stage_in_count: i32,
+        /// With `host_counts`: the number the pull writes after the counts
+        /// (the host's count of its waiting dispatches), which tells the
+        /// waiting host that this dispatch's counts are complete.
+        host_counts_seq: i32,
     }
 }
 

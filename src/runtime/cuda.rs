@@ -20,6 +20,7 @@ use std::ffi::{c_void, CStr};
 use std::marker::PhantomData;
 use std::mem::size_of;
 use std::ptr;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::sys;
@@ -311,6 +312,20 @@ impl Device {
             self.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
             self.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
         ))
+    }
+
+    /// Whether all work queued on `stream` has finished (without waiting);
+    /// an error when some of it failed.
+    ///
+    /// # Safety
+    /// As [`Device::stream_synchronize`].
+    pub unsafe fn stream_done(&self, stream: CUstream) -> Result<bool> {
+        let _context = self.bind()?;
+        // SAFETY: the caller vouches for the stream.
+        match unsafe { sys::cuStreamQuery(stream) } {
+            CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            res => check(res, "cuStreamQuery").map(|()| true),
+        }
     }
 
     /// Waits until all work queued on `stream` has finished.
@@ -1021,6 +1036,19 @@ impl<T: Plain> MappedHost<T> {
         assert!(index < self.len, "index {index} out of {}", self.len);
         // SAFETY: in bounds and aligned.
         unsafe { ptr::write_volatile(self.host.add(index), value) }
+    }
+}
+
+impl MappedHost<i32> {
+    /// Reads value `index` with acquire ordering: what the device wrote
+    /// before its release store of that value is visible after it. Panics
+    /// when out of range.
+    pub fn load_acquire(&self, index: usize) -> i32 {
+        assert!(index < self.len, "index {index} out of {}", self.len);
+        // SAFETY: in bounds and aligned for an i32, which AtomicI32 shares;
+        // the buffer lives as long as `self`, and every access to it is
+        // volatile or atomic.
+        unsafe { AtomicI32::from_ptr(self.host.add(index)) }.load(Ordering::Acquire)
     }
 }
 

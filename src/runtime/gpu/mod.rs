@@ -648,6 +648,54 @@ impl Runtime {
         unsafe { self.device.stream_synchronize(stream as _)? };
         self.monitor.async_error()
     }
+
+    /// Waits until `published()` holds: work queued on `stream` publishes
+    /// something the host reads (host-mapped memory, written with a
+    /// release), long before the stream has run dry. Then reports any
+    /// error a kernel recorded by then. Fails at once on a recorded error
+    /// (a wait that timed out or was aborted ends in one), on a failed
+    /// stream, and when the stream ran everything without publishing
+    /// (`what` names it). The host spins, as a stream synchronisation may;
+    /// after `YIELD_AFTER` it yields its core between looks.
+    pub fn wait_until_published(
+        &self,
+        stream: Stream,
+        what: &str,
+        published: impl Fn() -> bool,
+    ) -> Result<()> {
+        /// Looks at `published` between two looks at the status and the
+        /// stream (each a host memory read or a driver call).
+        const LOOKS_PER_CHECK: u32 = 64;
+        const YIELD_AFTER: std::time::Duration = std::time::Duration::from_millis(1);
+        let start = std::time::Instant::now();
+        let mut look = 0u32;
+        loop {
+            if published() {
+                return self.monitor.async_error();
+            }
+            look = look.wrapping_add(1);
+            if look % LOOKS_PER_CHECK != 0 {
+                std::hint::spin_loop();
+                continue;
+            }
+            self.monitor.async_error()?;
+            // SAFETY: the caller's stream of this device (API rule).
+            if unsafe { self.device.stream_done(stream as _)? } {
+                // Everything the stream held has run, so what it published
+                // is visible: now or never.
+                if published() {
+                    return self.monitor.async_error();
+                }
+                self.monitor.async_error()?;
+                return Err(Error::internal(format!(
+                    "the stream ran dry without publishing {what}"
+                )));
+            }
+            if start.elapsed() > YIELD_AFTER {
+                std::thread::yield_now();
+            }
+        }
+    }
 }
 
 /// The runtime with its device's context current on this thread, for the

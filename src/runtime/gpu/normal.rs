@@ -300,9 +300,13 @@ pub struct NormalMode {
     /// Where the mode's area starts in every rank's buffer.
     offset: usize,
     area: Area,
-    /// `[1 + local experts]`: rows received, then rows per local expert,
-    /// written by the pull kernel for the host-synchronised dispatch.
+    /// `[1 + local experts + 1]`: rows received, rows per local expert,
+    /// then the number of the host-synchronised dispatch they belong to,
+    /// written by the pull kernel (see [`NormalMode::wait_for_host_counts`]).
     host_counts: MappedHost<i32>,
+    /// The number of the last host-synchronised dispatch (never 0, the
+    /// buffer's first value).
+    host_counts_seq: i32,
     /// With several nodes: the hierarchical exchange, which replaces the
     /// single-node one.
     hier: Option<Hierarchy>,
@@ -335,7 +339,8 @@ impl NormalMode {
         Ok(NormalMode {
             offset,
             area,
-            host_counts: MappedHost::new(&rt.device, 1 + rt.cfg.local_experts())?,
+            host_counts: MappedHost::new(&rt.device, 1 + rt.cfg.local_experts() + 1)?,
+            host_counts_seq: 0,
             hier,
             spares,
             unclosed: Unclosed::default(),
@@ -437,8 +442,19 @@ impl NormalMode {
             None
         };
         let host_sync = !op.no_host_sync && cached.is_none();
+        // SAFETY: the caller's stream of this device (API rule).
+        if host_sync && unsafe { rt.capturing(stream)? } {
+            return Err(Error::invalid(
+                "a dispatch that waits for its counts cannot be captured in a CUDA graph \
+                 (EP_DISPATCH_NO_HOST_SYNC can)",
+            ));
+        }
         handle.dispatched = None;
-        let params = self.dispatch_params(rt, call, op, handle, host_sync);
+        let mut params = self.dispatch_params(rt, call, op, handle, host_sync);
+        if host_sync {
+            self.host_counts_seq = self.host_counts_seq.checked_add(1).unwrap_or(1);
+            params.host_counts_seq = self.host_counts_seq;
+        }
         // SAFETY: the parameters describe the caller's arrays, which stay
         // valid until the stream has run the kernels (API rule), and the
         // handle's and the context's, valid until they are destroyed.
@@ -455,10 +471,7 @@ impl NormalMode {
             }
         }
         let host_counts = if host_sync {
-            rt.synchronize(stream)?;
-            let counts: Vec<i32> = (0..self.host_counts.len())
-                .map(|i| self.host_counts.read(i))
-                .collect();
+            let counts = self.wait_for_host_counts(rt, stream)?;
             check_capacity(op, &counts)?;
             Some(counts)
         } else {
@@ -494,6 +507,22 @@ impl NormalMode {
             expert_capacity: op.expert.map(|e| e.capacity),
         });
         Ok(received)
+    }
+
+    /// The counts of the host-synchronised dispatch just enqueued on
+    /// `stream` (rows received, then rows per local expert), as soon as the
+    /// pull has laid out its rows: the host waits for the number the pull
+    /// writes after them, not for the stream, whose pull goes on moving the
+    /// rows (what `ep_dispatch` promises: the counts before it returns; its
+    /// outputs in stream order). Errors a kernel recorded by then are
+    /// reported here, as a synchronisation would.
+    fn wait_for_host_counts(&self, rt: &Bound, stream: Stream) -> Result<Vec<i32>> {
+        let published = self.host_counts.len() - 1;
+        let seq = self.host_counts_seq;
+        rt.wait_until_published(stream, "the dispatch's counts", || {
+            self.host_counts.load_acquire(published) == seq
+        })?;
+        Ok((0..published).map(|i| self.host_counts.read(i)).collect())
     }
 
     /// The dispatch kernels' parameters for `op` (call `call`), recording
@@ -559,6 +588,7 @@ impl NormalMode {
             skip_expert_rows: 0,
             keep_padding: expert.map_or(0, |e| e.keep_padding as i32),
             stage_in_count: 0,
+            host_counts_seq: 0,
         }
     }
 
