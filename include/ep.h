@@ -899,10 +899,11 @@ ep_status_t ep_handle_destroy(struct ep_handle_t *handle);
 // experts and writes what this rank receives (see `ep_dispatch_args_t`),
 // recording the layout in `handle` for `ep_combine`. Unless
 // `EP_DISPATCH_NO_HOST_SYNC`, waits for the counts and writes the `host_*`
-// outputs before returning: on the GPU it returns as soon as the counts
-// are known, while the rows still move; the device outputs are complete in
-// stream order, like those of any enqueued work. Such a call cannot be
-// captured in a CUDA graph. Every rank of the context must call it.
+// outputs before returning (on the GPU with one node, as soon as the
+// counts are known, while the rows still move; the device outputs are
+// complete in stream order, like those of any enqueued work). Such a call
+// cannot be captured in a CUDA graph. Every rank of the context must call
+// it.
 //
 // Pointers: `ctx`, `args` and `handle` are required; `stream` may be NULL
 // (the legacy default stream). The pointers in `args` follow their fields'

@@ -570,7 +570,8 @@ __device__ bool ep_pull_layout(const DispatchParams& p, PullLayout& layout) {
 // unless they fit the buffers), and the expert-major offsets and real rows
 // (also the handle's copy). A host that waits for the counts
 // (`host_counts`) learns them here, before the rows move: after the counts,
-// thread 0 publishes the dispatch's number (host_counts_seq) behind them.
+// thread 0 publishes the dispatch's number (host_counts_seq, when not 0)
+// behind them.
 __device__ __forceinline__ void ep_pull_publish_layout(const DispatchParams& p,
                                                        const PullLayout& layout, bool sane,
                                                        bool fits, int local_experts) {
@@ -593,7 +594,7 @@ __device__ __forceinline__ void ep_pull_publish_layout(const DispatchParams& p,
             }
         }
     }
-    if (blockIdx.x == 0 && p.host_counts != nullptr) {
+    if (blockIdx.x == 0 && p.host_counts != nullptr && p.host_counts_seq != 0) {
         // The barrier orders every thread's counts before thread 0's
         // release (a release is cumulative: it publishes the stores the
         // barrier ordered before it), which the host's acquire pairs with

@@ -401,7 +401,8 @@ abi_struct! {
         stage_in_count: i32,
         /// With `host_counts`: the number the pull writes after the counts
         /// (the host's count of its waiting dispatches), which tells the
-        /// waiting host that this dispatch's counts are complete.
+        /// waiting host that this dispatch's counts are complete; 0: none
+        /// (the host waits for the stream).
         host_counts_seq: i32,
     }
 }

@@ -674,7 +674,7 @@ impl Runtime {
                 return self.monitor.async_error();
             }
             look = look.wrapping_add(1);
-            if look % LOOKS_PER_CHECK != 0 {
+            if !look.is_multiple_of(LOOKS_PER_CHECK) {
                 std::hint::spin_loop();
                 continue;
             }

@@ -450,8 +450,14 @@ impl NormalMode {
             ));
         }
         handle.dispatched = None;
+        let hierarchical = self.hier.is_some() && handle.hier.is_some();
         let mut params = self.dispatch_params(rt, call, op, handle, host_sync);
-        if host_sync {
+        // A single-node dispatch's counts are final once its pull has laid
+        // out the rows: nothing after that waits for anyone, so nothing can
+        // fail. The hierarchical pull is followed by the world barrier: its
+        // host waits for the stream, so that the call reports its errors.
+        let early_counts = host_sync && !hierarchical;
+        if early_counts {
             self.host_counts_seq = self.host_counts_seq.checked_add(1).unwrap_or(1);
             params.host_counts_seq = self.host_counts_seq;
         }
@@ -471,7 +477,12 @@ impl NormalMode {
             }
         }
         let host_counts = if host_sync {
-            let counts = self.wait_for_host_counts(rt, stream)?;
+            let counts = if early_counts {
+                self.wait_for_host_counts(rt, stream)?
+            } else {
+                rt.synchronize(stream)?;
+                self.read_host_counts()
+            };
             check_capacity(op, &counts)?;
             Some(counts)
         } else {
@@ -522,7 +533,15 @@ impl NormalMode {
         rt.wait_until_published(stream, "the dispatch's counts", || {
             self.host_counts.load_acquire(published) == seq
         })?;
-        Ok((0..published).map(|i| self.host_counts.read(i)).collect())
+        Ok(self.read_host_counts())
+    }
+
+    /// The counts in `host_counts` (rows received, then rows per local
+    /// expert), without the number after them.
+    fn read_host_counts(&self) -> Vec<i32> {
+        (0..self.host_counts.len() - 1)
+            .map(|i| self.host_counts.read(i))
+            .collect()
     }
 
     /// The dispatch kernels' parameters for `op` (call `call`), recording
