@@ -496,9 +496,24 @@ pub fn run_gpu_world_on<T: Send>(
         |rank, id| join_on_gpu(world, cfg, rank, ordinal(rank), Some(gate.clone()), id),
         |rank, ctx| {
             let _break = BreakOnPanic(gate.clone());
-            body(rank, ctx)
+            let out = body(rank, ctx);
+            // A context is destroyed only when no work of it runs (API
+            // rule), and a call may return with work in flight (a dispatch
+            // that waited for its counts only).
+            settle();
+            out
         },
     )
+}
+
+/// Waits for this rank's stream, whatever became of its work (a failed
+/// stream is the test's to report; its context goes away next).
+fn settle() {
+    let s = stream();
+    if !s.is_null() {
+        // SAFETY: a plain driver call on this thread's stream.
+        let _ = unsafe { sys::cuStreamSynchronize(s as sys::CUstream) };
+    }
 }
 
 /// NCCL communicators for the GPU tests: `EP_TEST_NCCL=1` makes every GPU
