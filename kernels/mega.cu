@@ -108,7 +108,8 @@
 //      items w, w + W, ... spread over the sources, ep_spread_row) and
 //      send the band's columns of each (ep_combine_send_row: the weighted
 //      sum of its expert-major rows of y, to its source rank's returned
-//      rows).
+//      rows, or straight into `out` for a token that stays home,
+//      ep_combine_row_dst).
 //   2. The last band, once EVERY block's tiles are stored. The thread that
 //      issued a warpgroup's TMA stores waits until they have written y and
 //      orders them before its generic accesses (fence.proxy.async); each
@@ -475,10 +476,9 @@ __device__ __forceinline__ void ep_mega_move_rows(const MegaParams& p, MegaLayou
         const uint8_t* src;
         const float* scales;
         if (first == j) {
-            const int source = d.handle_row_src[2 * row];
-            const int token = d.handle_row_src[2 * row + 1];
-            src = ep_token_row(d, source, token);
-            scales = ep_token_scales(d, source, token);
+            const EpRowSource from = ep_row_source(d.handle_row_src, row);
+            src = ep_token_row(d, from.source, from.token);
+            scales = ep_token_scales(d, from.source, from.token);
         } else {
             ep_mega_wait(p, l, p.row_ready + first, seq, EP_PHASE_DISPATCH);
             src = d.expert_x + static_cast<int64_t>(first) * d.row_bytes;
@@ -501,15 +501,15 @@ __device__ __forceinline__ void ep_mega_move_rows(const MegaParams& p, MegaLayou
 
 // Combine, once the tiles of a band are stored: the band's columns of the
 // received rows, `warp` of `warps`, each the weighted sum of its
-// expert-major rows of y sent back to its source rank
-// (ep_combine_send_row); `slot`: the warp in its block (its scratch).
+// expert-major rows of y sent back to its source rank, or into `out` for
+// a token that stays home (ep_combine_send_row); `slot`: the warp in its
+// block (its scratch).
 template <int kUnroll>
 __device__ __forceinline__ void ep_mega_send_rows(const MegaParams& p, MegaLayout& l,
                                                   const MegaBands& bands, int band, int warp,
                                                   int warps, int slot, int lane) {
     const CombineParams& c = p.combine;
     const int rows = *c.handle_num_rows;
-    const int vectors = c.hidden / 8;
     int first;
     int end;
     ep_mega_band_vectors(bands, band, c.hidden, &first, &end);
@@ -519,8 +519,8 @@ __device__ __forceinline__ void ep_mega_send_rows(const MegaParams& p, MegaLayou
         if (row < 0) {
             continue;
         }
-        ep_combine_send_row<kUnroll>(c, row, ep_returned_row(c, row, vectors), l.warp_rows[slot],
-                                     l.warp_weights[slot], first, end, lane);
+        ep_combine_send_row<kUnroll>(c, row, l.warp_rows[slot], l.warp_weights[slot], first, end,
+                                     lane);
         __syncwarp();
     }
 }

@@ -13,7 +13,8 @@
 //      positions into positions over all tokens (the prefix over earlier
 //      chunks, which each chunk's block waits for), writes the totals,
 //      pushes a small record per (token, destination rank) into the
-//      destination's area (token index, and per slot the local expert, its
+//      destination's area (token index, marked EP_ONE_RANK_BIT when the
+//      token goes to that rank only, and per slot the local expert, its
 //      weight and the pair's position among this source's pairs of that
 //      expert), and copies the tokens (and scales) into its own area for
 //      the peers to pull; the pull reads the rank's own tokens from the
@@ -38,10 +39,17 @@
 //      order) or the weighted sum of its expert rows (expert-major, fp32, the
 //      products rounded before they are added, local experts ascending),
 //      rounded to BF16 and written into the source's return rows, slot
-//      (this rank, token); rows of every source at once, as the pull.
+//      (this rank, token); rows of every source at once, as the pull. A
+//      row of one of this rank's own tokens that went to no other rank
+//      (every routed token with one rank; "stays home": the record the
+//      stage pushed says so, EP_ONE_RANK_BIT, and the pull marks the row)
+//      is the token's whole sum: it goes straight
+//      into `out` (with -0 made +0, as the reduce's sum from a zero makes
+//      it), not through the return rows.
 //   2. barrier.
 //   3. reduce (source side): out[t] = BF16 of the fp32 sum of the returned
-//      rows of token t, ranks ascending; zeros for a token routed nowhere.
+//      rows of token t, ranks ascending; zeros for a token routed nowhere;
+//      a token that stays home is left as the send wrote it.
 //   4. closing barrier: nobody sends the next combine's rows before this
 //      reduce; enqueued, like the dispatch's, only when the next exchange
 //      is a combine.
@@ -110,6 +118,11 @@ __device__ void ep_push_records(const DispatchParams& p, int token, const int* c
         ranks[k] = k < p.topk ? slot_rank[k] : 0;
         weights[k] = k < p.topk ? p.topk_weights[first_pair + k] : 0.0f;
     }
+    int destinations = 0;
+    for (int r = 0; r < p.world; ++r) {
+        destinations += rank_pos[r] >= 0;
+    }
+    const int token_mark = destinations == 1 ? token | EP_ONE_RANK_BIT : token;
     for (int r = 0; r < p.world; ++r) {
         const int pos = rank_pos[r];
         p.handle_in_rank[static_cast<int64_t>(token) * p.world + r] = pos >= 0;
@@ -118,7 +131,7 @@ __device__ void ep_push_records(const DispatchParams& p, int token, const int* c
         }
         // The record goes to row (this rank, pos) of rank r's area.
         const int64_t record = static_cast<int64_t>(p.rank) * p.max_tokens + chunk_base[r] + pos;
-        ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_token)[record] = token;
+        ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_token)[record] = token_mark;
         int* in_local = ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_local) + record * p.topk;
         int* in_rank = ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_rank) + record * p.topk;
         float* in_weight =
@@ -619,7 +632,8 @@ __device__ __forceinline__ void ep_pull_row(const DispatchParams& p, PullLayout&
     // The source's record for this row, in this rank's own area.
     const int64_t record =
         static_cast<int64_t>(source) * p.max_tokens + row - layout.source_offset[source];
-    const int token = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_in_token)[record];
+    const int marked = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_in_token)[record];
+    const int token = marked & ~EP_ONE_RANK_BIT;
 
     // Lane k < topk handles slot k: its local expert, weight and
     // expert-major row.
@@ -653,7 +667,8 @@ __device__ __forceinline__ void ep_pull_row(const DispatchParams& p, PullLayout&
         ep_store_optional(p.recv_src_info, 2 * row, source);
         ep_store_optional(p.recv_src_info, 2 * row + 1, token);
         p.handle_row_src[2 * row] = source;
-        p.handle_row_src[2 * row + 1] = token;
+        // The mark stays for a token of this rank's own (ep_row_source).
+        p.handle_row_src[2 * row + 1] = source == p.rank ? marked : token;
     }
 
     // The expert-major rows of this token, in slot order (none when the
@@ -762,7 +777,8 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
 // ---------------------------------------------------------------------------
 
 // Combine 1: send (grid = SM budget, EP_MOVE_THREADS threads). A warp per
-// received row writes its BF16 row into the source's returned rows.
+// received row writes its BF16 row into the source's returned rows, or
+// into `out` for a token that stays home (ep_combine_row_dst).
 extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     ep_combine_send_kernel(const CombineParams p) {
     ep_kernel_start();
@@ -794,20 +810,27 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
         if (row < 0) {
             continue;
         }
-        int4* dst = ep_returned_row(p, row, vectors);
         if (!p.expert_major) {
-            ep_warp_copy_row(reinterpret_cast<const uint8_t*>(x + static_cast<int64_t>(row) * vectors),
-                             reinterpret_cast<uint8_t*>(dst), nullptr, nullptr, 0, p.hidden * 2,
-                             lane);
+            bool home;
+            uint8_t* dst = reinterpret_cast<uint8_t*>(ep_combine_row_dst(p, row, vectors, &home));
+            const uint8_t* src =
+                reinterpret_cast<const uint8_t*>(x + static_cast<int64_t>(row) * vectors);
+            if (home) {
+                ep_warp_copy_row<EP_COPY_UNROLL, true>(src, dst, nullptr, nullptr, 0, p.hidden * 2,
+                                                       lane);
+            } else {
+                ep_warp_copy_row(src, dst, nullptr, nullptr, 0, p.hidden * 2, lane);
+            }
             continue;
         }
-        ep_combine_send_row(p, row, dst, slot_rows[warp], slot_weights[warp], 0, vectors, lane);
+        ep_combine_send_row(p, row, slot_rows[warp], slot_weights[warp], 0, vectors, lane);
         __syncwarp();
     }
 }
 
 // Combine 3: reduce (grid = SM budget, EP_MOVE_THREADS threads). A warp per
-// token of this rank sums the rows the ranks returned for it.
+// token of this rank sums the rows the ranks returned for it; a token that
+// stays home (ep_stays_home) the send has written already.
 //
 // Loads in flight: each lane loads EP_REDUCE_UNROLL vectors of a returned
 // row before it adds them, one row at a time. A token has one returned row
@@ -831,12 +854,15 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     const int4* returned = ep_area<int4>(p.peer_bases, p.rank, p.normal.area, p.normal.off_returned);
     int4* out = reinterpret_cast<int4*>(p.out);
     for (int token = blockIdx.x * EP_MOVE_WARPS + warp; token < p.num_tokens; token += warps) {
-        const uint8_t* in_rank = p.handle_in_rank + static_cast<int64_t>(token) * p.world;
+        const uint64_t ranks = ep_token_ranks(p, token, lane);
+        if (ep_stays_home(p, ranks)) {
+            continue;
+        }
         // Rank r's returned row, when the token went to r.
         const auto returned_row = [&](int r, const int4*& row, float& w) {
             row = returned + (static_cast<int64_t>(r) * p.max_tokens + token) * vectors;
             w = 1.0f;
-            return in_rank[r] != 0;
+            return ((ranks >> r) & 1) != 0;
         };
         for (int base = lane; base < vectors; base += 32 * EP_REDUCE_UNROLL) {
             float acc[EP_REDUCE_UNROLL][8] = {};

@@ -369,6 +369,28 @@ fn null_pointers_of_context_functions() {
             "{}",
             last_error()
         );
+        // The output may not overlap the rows it sums: the 3 tokens came
+        // back as 3 source-order rows, so `out` may start at row 3 of one
+        // buffer whose rows 0-2 are `x`, not before.
+        let mut shared = vec![0u16; 8 * 128];
+        let mut d = c;
+        d.x = shared.as_ptr() as *const _;
+        for row in [0, 2] {
+            d.out = shared[row * 128..].as_mut_ptr() as *mut _;
+            expect(
+                ep_combine(ctx.0, &d, h.0, null_mut()),
+                EP_ERR_INVALID_ARGUMENT,
+                "ep_combine",
+                &["`out`", "overlaps `x`", "3 rows"],
+            );
+        }
+        d.out = shared[3 * 128..].as_mut_ptr() as *mut _;
+        assert_eq!(
+            ep_combine(ctx.0, &d, h.0, null_mut()),
+            EP_SUCCESS,
+            "{}",
+            last_error()
+        );
 
         // Megakernels: context, arguments, handle.
         let dispatch_half = dispatch_args();

@@ -593,15 +593,38 @@ __device__ __forceinline__ void ep_add_weighted_rows(float (&acc)[kUnroll][8], i
     }
 }
 
+// Two BF16 values with -0 made +0: what a sum that starts from an fp32 zero
+// (the combine's reduce, the reference's sums) makes of a single row.
+// Where a row is its token's whole sum, it is written through this.
+__device__ __forceinline__ unsigned ep_bf16x2_plus_zero(unsigned pair) {
+    constexpr unsigned kMagnitudes = 0x7fff7fffu;
+    constexpr unsigned kSigns = 0x80008000u;
+    // Bit 15 of each half of `nonzero` is set unless the half's magnitude
+    // is 0: adding 0x7fff to a 15-bit magnitude carries into it, and no
+    // carry crosses into the high half.
+    const unsigned nonzero = (pair & kMagnitudes) + kMagnitudes;
+    return pair & (kMagnitudes | (nonzero & kSigns));
+}
+
+// The same for the eight BF16 values of a 16-byte vector.
+__device__ __forceinline__ int4 ep_bf16x8_plus_zero(int4 v) {
+    v.x = static_cast<int>(ep_bf16x2_plus_zero(static_cast<unsigned>(v.x)));
+    v.y = static_cast<int>(ep_bf16x2_plus_zero(static_cast<unsigned>(v.y)));
+    v.z = static_cast<int>(ep_bf16x2_plus_zero(static_cast<unsigned>(v.z)));
+    v.w = static_cast<int>(ep_bf16x2_plus_zero(static_cast<unsigned>(v.w)));
+    return v;
+}
+
 // row[base + 32 u] = BF16 of acc[u], for the vectors of one lane below
-// `vectors`.
-template <int kUnroll>
+// `vectors`; kPlusZero: with every -0 made +0 (ep_bf16x8_plus_zero).
+template <int kUnroll, bool kPlusZero = false>
 __device__ __forceinline__ void ep_store_bf16_vectors(int4* row, const float (&acc)[kUnroll][8],
                                                       int base, int vectors) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
         if (base + u * 32 < vectors) {
-            row[base + u * 32] = ep_pack_bf16x8(acc[u]);
+            const int4 v = ep_pack_bf16x8(acc[u]);
+            row[base + u * 32] = kPlusZero ? ep_bf16x8_plus_zero(v) : v;
         }
     }
 }

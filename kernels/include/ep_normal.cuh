@@ -25,6 +25,12 @@
 // of the 128 a thread may use at EP_MOVE_THREADS); the send kernel (122)
 // and the fused kernel do not.
 #define EP_PULL_COPY_UNROLL 16
+// In a token's record (off_in_token) and in the handle's row_src: the token
+// went to one rank only, the record's (ep_push_records); set in row_src
+// only for a row of this rank's own tokens, which then "stays home" in the
+// combine (ep_combine_row_dst). Token indices are far below it
+// (MAX_TOKENS_PER_RANK, src/runtime/config.rs).
+#define EP_ONE_RANK_BIT (1 << 30)
 
 // ---------------------------------------------------------------------------
 // Small helpers
@@ -83,8 +89,9 @@ __device__ __forceinline__ const float* ep_token_scales(const DispatchParams& p,
 // Copies `bytes` (a multiple of 16) from `src` to `dst` (unless nullptr)
 // and to the rows `extra_rows[0..num_extra)` of `extra_base`, with the
 // whole warp: every lane keeps kUnroll 16-byte loads in flight before it
-// stores, so a remote (NVLink) source is read at full speed.
-template <int kUnroll = EP_COPY_UNROLL>
+// stores, so a remote (NVLink) source is read at full speed. kPlusZero: the
+// rows are BF16, copied with every -0 made +0 (ep_bf16x8_plus_zero).
+template <int kUnroll = EP_COPY_UNROLL, bool kPlusZero = false>
 __device__ __forceinline__ void ep_warp_copy_row(const uint8_t* src, uint8_t* dst,
                                                  uint8_t* extra_base, const int* extra_rows,
                                                  int num_extra, int bytes, int lane) {
@@ -97,6 +104,15 @@ __device__ __forceinline__ void ep_warp_copy_row(const uint8_t* src, uint8_t* ds
             const int i = base + u * 32 + lane;
             if (i < vectors) {
                 v[u] = s[i];
+            }
+        }
+        // After every load is issued, so that they are in flight together.
+        if (kPlusZero) {
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                if (base + u * 32 + lane < vectors) {
+                    v[u] = ep_bf16x8_plus_zero(v[u]);
+                }
             }
         }
         if (dst != nullptr) {
@@ -122,25 +138,94 @@ __device__ __forceinline__ void ep_warp_copy_row(const uint8_t* src, uint8_t* ds
     }
 }
 
-// Where a combine returns received row `row` (`vectors` 16-byte vectors):
-// its source rank's returned rows, slot (this rank, token).
-__device__ __forceinline__ int4* ep_returned_row(const CombineParams& p, int row, int vectors) {
-    const int source = p.handle_row_src[2 * row];
-    const int token = p.handle_row_src[2 * row + 1];
-    return ep_area<int4>(p.peer_bases, source, p.normal.area, p.normal.off_returned) +
-           (static_cast<int64_t>(p.rank) * p.max_tokens + token) * vectors;
+// A received row's source rank and token (the handle's row_src, written by
+// the pull), and whether the token went to its source's rank alone
+// (EP_ONE_RANK_BIT, set only where that rank is this one).
+struct EpRowSource {
+    int source;
+    int token;
+    bool one_rank;
+};
+
+__device__ __forceinline__ EpRowSource ep_row_source(const int* row_src, int row) {
+    const int source = row_src[2 * row];
+    const int token = row_src[2 * row + 1];
+    return {source, token & ~EP_ONE_RANK_BIT, (token & EP_ONE_RANK_BIT) != 0};
 }
 
-// The expert-major combine of one received row: dst = BF16 of the fp32 sum
-// of weight * row over the row's expert-major rows in ascending order (=
-// local experts ascending, the reference's summation order), each product
-// rounded before it is added; only the 16-byte vectors [first, end) of the
-// row (a fused combine sends a row's columns band by band). `slot_rows`
-// and `slot_weights` are the warp's scratch of EP_MAX_TOPK entries in
-// shared memory. kUnroll: vectors per lane and row in flight
-// (ep_add_weighted_rows). Whole warp.
+// The ranks this rank's token `token` went to, bit r for rank r (the
+// handle's in_rank row), read by the whole warp at once: one round trip,
+// not one per rank.
+__device__ __forceinline__ uint64_t ep_token_ranks(const CombineParams& p, int token, int lane) {
+    static_assert(EP_MAX_WORLD_SIZE <= 64, "a token's ranks are one 64-bit mask");
+    const uint8_t* in_rank = p.handle_in_rank + static_cast<int64_t>(token) * p.world;
+    uint64_t ranks = 0;
+    for (int first = 0; first < p.world; first += 32) {
+        const int r = first + lane;
+        const unsigned went = __ballot_sync(0xffffffffu, r < p.world && in_rank[r] != 0);
+        ranks |= static_cast<uint64_t>(went) << first;
+    }
+    return ranks;
+}
+
+// Whether a combine may write a token of this rank that went to this rank
+// alone straight into `out`: its combine is then the one row this rank
+// sends it, not a trip through the returned rows and a sum of one row.
+// With one rank every routed token "stays home"; with more, one whose
+// experts all live on its own rank. Not where the reduce's rows are not
+// the send's (`p.home_tokens` is 0 in the hierarchical mode), nor without
+// `out`.
+__device__ __forceinline__ bool ep_home_allowed(const CombineParams& p) {
+    return p.home_tokens && p.out != nullptr;
+}
+
+// Whether the reduce finds this rank's token that went to `ranks`
+// (ep_token_ranks) written by the send already.
+__device__ __forceinline__ bool ep_stays_home(const CombineParams& p, uint64_t ranks) {
+    return ep_home_allowed(p) && ranks == (uint64_t{1} << p.rank);
+}
+
+// Where a combine writes received row `row` (`vectors` 16-byte vectors):
+// the token's row of `out` when it is one of this rank's tokens that stays
+// home (the pull marked it, EP_ONE_RANK_BIT; `*home` is then true), else its
+// source rank's returned rows, slot (this rank, token). No load waits for
+// another: the mark travels with the row's source.
+__device__ __forceinline__ int4* ep_combine_row_dst(const CombineParams& p, int row, int vectors,
+                                                    bool* home) {
+    const EpRowSource src = ep_row_source(p.handle_row_src, row);
+    *home = src.one_rank && ep_home_allowed(p);
+    if (*home) {
+        return reinterpret_cast<int4*>(p.out) + static_cast<int64_t>(src.token) * vectors;
+    }
+    return ep_area<int4>(p.peer_bases, src.source, p.normal.area, p.normal.off_returned) +
+           (static_cast<int64_t>(p.rank) * p.max_tokens + src.token) * vectors;
+}
+
+// dst[v] = BF16 of the sum of the `terms` weighted rows that `term` gives
+// (ep_add_weighted_rows), for the vectors v in [first, end) of this lane;
+// kPlusZero: with every -0 made +0. Whole warp.
+template <int kUnroll, bool kPlusZero, typename Term>
+__device__ __forceinline__ void ep_store_weighted_sums(int4* dst, int terms, Term term, int first,
+                                                       int end, int lane) {
+    for (int base = first + lane; base < end; base += 32 * kUnroll) {
+        float acc[kUnroll][8] = {};
+        ep_add_weighted_rows(acc, terms, term, base, end);
+        ep_store_bf16_vectors<kUnroll, kPlusZero>(dst, acc, base, end);
+    }
+}
+
+// The expert-major combine of one received row: BF16 of the fp32 sum of
+// weight * row over the row's expert-major rows in ascending order (= local
+// experts ascending, the reference's summation order), each product
+// rounded before it is added, into the row's destination
+// (ep_combine_row_dst: the source's returned row, or `out` for a token that
+// stays home, then with -0 made +0 as the reduce would); only the 16-byte
+// vectors [first, end) of the row (a fused combine sends a row's columns
+// band by band). `slot_rows` and `slot_weights` are the warp's scratch of
+// EP_MAX_TOPK entries in shared memory. kUnroll: vectors per lane and row
+// in flight (ep_add_weighted_rows). Whole warp.
 template <int kUnroll = EP_SUM_UNROLL>
-__device__ __forceinline__ void ep_combine_send_row(const CombineParams& p, int row, int4* dst,
+__device__ __forceinline__ void ep_combine_send_row(const CombineParams& p, int row,
                                                     int* slot_rows, float* slot_weights,
                                                     int first, int end, int lane) {
     const int vectors = p.hidden / 8;
@@ -153,6 +238,9 @@ __device__ __forceinline__ void ep_combine_send_row(const CombineParams& p, int 
         pos = p.handle_row_expert_pos[static_cast<int64_t>(row) * p.topk + lane];
         weight = p.handle_row_weights[static_cast<int64_t>(row) * p.topk + lane];
     }
+    // Its destination, while those loads are on their way.
+    bool home;
+    int4* dst = ep_combine_row_dst(p, row, vectors, &home);
     const unsigned valid = __ballot_sync(0xffffffffu, pos >= 0);
     if (pos >= 0) {
         int order = 0;
@@ -170,9 +258,12 @@ __device__ __forceinline__ void ep_combine_send_row(const CombineParams& p, int 
         w = slot_weights[i];
         return true;
     };
-    for (int base = first + lane; base < end; base += 32 * kUnroll) {
-        float acc[kUnroll][8] = {};
-        ep_add_weighted_rows(acc, terms, term, base, end);
-        ep_store_bf16_vectors(dst, acc, base, end);
+    // One loop or the other, chosen once per row: a choice per vector
+    // costs the sums' loop a few instructions, which shows where the send
+    // is bound by them (a few SMs).
+    if (home) {
+        ep_store_weighted_sums<kUnroll, true>(dst, terms, term, first, end, lane);
+    } else {
+        ep_store_weighted_sums<kUnroll, false>(dst, terms, term, first, end, lane);
     }
 }

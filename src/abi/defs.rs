@@ -433,6 +433,12 @@ abi_struct! {
         max_tokens: i32,
         /// The operation's code, for its call word (`CALL_NUMBER_BITS`).
         collective: i32,
+        /// Nonzero: a token of this rank that went to this rank alone
+        /// "stays home": the send writes its one row straight into `out`
+        /// and the reduce leaves it alone (kernels/normal.cu). Zero where
+        /// the reduce's rows are not the send's (the hierarchical mode's
+        /// node partials).
+        home_tokens: i32,
     }
 }
 

@@ -407,8 +407,9 @@ pub struct ep_combine_args_t {
     pub x: *const c_void,
     /// `[num_tokens, hidden]` BF16 output for this rank's tokens of the
     /// dispatch; a token routed nowhere gets zeros. Here num_tokens is the
-    /// dispatch's. Required when num_tokens > 0; may be NULL otherwise (then
-    /// not written).
+    /// dispatch's. Must not overlap `x` (the GPU writes a token's output
+    /// while it still reads other rows). Required when num_tokens > 0; may
+    /// be NULL otherwise (then not written).
     pub out: *mut c_void,
 }
 

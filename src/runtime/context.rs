@@ -240,6 +240,11 @@ impl Context {
         Ok(())
     }
 
+    /// Bytes of a BF16 row of `hidden` channels (a combine's rows).
+    fn bf16_row_bytes(&self) -> usize {
+        self.cfg.topo.hidden * 2
+    }
+
     pub fn combine(&self, op: &CombineOp, handle: &Handle, stream: Stream) -> Result<()> {
         let mut inner = self.lock()?;
         self.check_handle(handle)?;
@@ -259,6 +264,14 @@ impl Context {
             ..Facts::default()
         };
         check_pointers(contract::COMBINE, op, &facts, &*inner.backend)?;
+        let received = d.received.map(|r| {
+            if op.expert_major {
+                r.expert_rows
+            } else {
+                r.source_rows
+            }
+        });
+        op.check_disjoint("x", op.x, received, d.num_tokens, self.bf16_row_bytes())?;
         inner.check_stream(stream)?;
         let call = inner.next_call(Collective::Combine, d.call);
         inner.backend.combine(call, op, &handle.state, stream)
@@ -433,6 +446,10 @@ impl Context {
             &op.gemm.facts(true),
             &*inner.backend,
         )?;
+        // The combine sums the GEMM's output rows `y`.
+        let rows = d.received.map(|r| r.expert_rows);
+        let combine = &op.combine;
+        combine.check_disjoint("y", op.gemm.y, rows, d.num_tokens, self.bf16_row_bytes())?;
         inner.check_stream(stream)?;
         inner.backend.check_supported(Collective::MegaCombine)?;
         let call = inner.next_call(Collective::MegaCombine, d.call);

@@ -222,6 +222,41 @@ pub struct CombineOp {
     pub out: *mut u8,
 }
 
+impl CombineOp {
+    /// An error when `out` (`num_tokens` rows) overlaps the rows it sums:
+    /// `rows` rows at `input` (`input_name`), or its first row when the host
+    /// does not know how many arrived. The GPU writes the output of a token
+    /// that went to its own rank alone while it still reads other rows
+    /// (kernels/normal.cu), so the output may not be the input, on any
+    /// backend. Rows are `row_bytes` long.
+    pub fn check_disjoint(
+        &self,
+        input_name: &str,
+        input: *const u8,
+        rows: Option<usize>,
+        num_tokens: usize,
+        row_bytes: usize,
+    ) -> Result<()> {
+        let span = |ptr: *const u8, rows: usize| {
+            let start = ptr as usize;
+            start..start.saturating_add(rows.saturating_mul(row_bytes))
+        };
+        let read = span(input, rows.unwrap_or(1));
+        let written = span(self.out, num_tokens);
+        let empty = input.is_null() || self.out.is_null() || read.is_empty() || written.is_empty();
+        if !empty && read.start < written.end && written.start < read.end {
+            return Err(Error::invalid(format!(
+                "`out` ({:#x}, {num_tokens} rows) overlaps `{input_name}` ({:#x}, {} rows): the \
+                 combine's output must not be its input",
+                written.start,
+                read.start,
+                rows.map_or("at least 1".to_string(), |r| r.to_string())
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// Which halves of a low-latency call to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Phases {

@@ -295,14 +295,26 @@ impl Outputs {
 /// The combine inputs of rank `rank` for round `round`: random source-order
 /// rows and random expert-major rows of the right counts.
 pub fn combine_inputs(topo: &Topology, d: &Dispatched, seed: u64) -> (Vec<bf16>, Vec<bf16>) {
+    /// Every this many channels one is a negative zero in the source-order
+    /// rows, and the negative BF16 of least magnitude in the expert-major
+    /// rows (times a weight below 1/2, the sum of one row rounds to -0):
+    /// a sum made from zero turns them into +0, and a row that is a token's
+    /// whole sum must too.
+    const SIGNED_ZERO_EVERY: usize = 61;
     let mut rng = Rng::new(seed);
-    let rows = random_bf16(&mut rng, d.num_rows * topo.hidden);
-    let experts = random_bf16(&mut rng, d.expert_rows * topo.hidden);
+    let mut rows = random_bf16(&mut rng, d.num_rows * topo.hidden);
+    let mut experts = random_bf16(&mut rng, d.expert_rows * topo.hidden);
+    for v in rows.iter_mut().step_by(SIGNED_ZERO_EVERY) {
+        *v = bf16::NEG_ZERO;
+    }
+    for v in experts.iter_mut().step_by(SIGNED_ZERO_EVERY) {
+        *v = -bf16::from_bits(1);
+    }
     (rows, experts)
 }
 
 /// Asserts `got` equals `want` within BF16 rounding (one ulp of the larger
-/// magnitude), and returns whether it is bit-exact.
+/// magnitude; zeros of the same sign), and returns whether it is bit-exact.
 pub fn assert_close(got: &[bf16], want: &[bf16], what: &str) -> bool {
     assert_eq!(got.len(), want.len(), "{what}: length");
     let mut exact = true;
@@ -312,6 +324,10 @@ pub fn assert_close(got: &[bf16], want: &[bf16], what: &str) -> bool {
         }
         exact = false;
         let (g, w) = (g.to_f32(), w.to_f32());
+        assert!(
+            g != 0.0 || w != 0.0,
+            "{what}: element {i}: got {g:?}, want {w:?} (zeros of different signs)"
+        );
         let tolerance = w.abs().max(g.abs()) / 128.0 + 1e-6;
         assert!(
             (g - w).abs() <= tolerance,

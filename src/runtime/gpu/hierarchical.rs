@@ -364,8 +364,10 @@ impl Hierarchy {
         stream: Stream,
     ) -> Result<()> {
         let params = self.params(rt, handle, flat.handle_in_rank);
+        // Every row goes through the node partials: no token stays home.
         let send = CombineParams {
             peer_bases: self.send_table.ptr(),
+            home_tokens: 0,
             ..*flat
         };
         // The final sum reads the node partials: one per node, nodes
@@ -377,6 +379,7 @@ impl Hierarchy {
                 ..flat.normal
             },
             world: self.nodes.nodes() as i32,
+            home_tokens: 0,
             ..*flat
         };
         let sms = rt.normal_grid();

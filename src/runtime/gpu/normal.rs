@@ -738,6 +738,9 @@ impl NormalMode {
             hidden: cfg.topo.hidden as i32,
             max_tokens: cfg.max_tokens as i32,
             collective: call.op.code() as i32,
+            // The hierarchical reduce sums node partials, which its own
+            // kernels write (src/runtime/gpu/hierarchical.rs).
+            home_tokens: self.hier.is_none() as i32,
         }
     }
 
