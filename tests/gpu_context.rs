@@ -3,7 +3,8 @@
 //! the layout kernel against the reference, a garbage expert id reported as
 //! an async error after which every call is refused, ranks as processes on
 //! one GPU refused, destroy after an async error or a timeout leaking
-//! nothing, and the caller's current context left alone.
+//! nothing, destroy right after a dispatch that returned with its rows in
+//! flight, and the caller's current context left alone.
 //! Needs CUDA GPUs: `cargo test --release --test gpu_context -- --ignored`.
 
 mod common;
@@ -12,10 +13,11 @@ use common::gpu::{
     async_status, gate, gpu_config, memory_info, ok, run_gpu_world, run_gpu_world_on, stream, sync,
     test_worlds, trim_pool, DevBuf,
 };
+use common::normal::{dispatch_all, DeviceInput, Input, Outputs};
 use common::{last_error, ll_combine_args, ll_dispatch_args, routing, Ctx, Rng};
 use ep::capi::*;
 use ep::reference::layout::dispatch_layout;
-use ep::reference::Topology;
+use ep::reference::{Dtype, Topology};
 use std::ptr::{null, null_mut};
 use std::time::{Duration, Instant};
 
@@ -329,5 +331,57 @@ fn ranks_as_processes_on_one_gpu_are_refused() {
             Ctx(null_mut())
         },
         |_, _| (),
+    );
+}
+
+/// A host-synchronised dispatch returns once its counts are known, while
+/// its pull still moves rows through the context's buffers. A caller that
+/// destroys the context right after it, without waiting for its stream,
+/// must neither crash the device nor lose rows: the destroy waits for them.
+/// Outputs and inputs are the test's own and outlive the context.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn destroy_right_after_a_dispatch_waits_for_its_rows() {
+    const TOKENS: usize = 4096;
+    const ALIGNMENT: i32 = 128;
+    let topo = Topology {
+        world: 1,
+        num_experts: 256,
+        topk: 8,
+        hidden: 7168,
+    };
+    let cfg = gpu_config(7168, 8, 256, TOKENS as i32, 0, 10_000);
+    let mut rng = Rng::new(77);
+    let input = Input::random(&mut rng, &topo, Dtype::Bf16, TOKENS, false);
+    let want = dispatch_all(
+        topo,
+        Dtype::Bf16,
+        std::slice::from_ref(&input),
+        ALIGNMENT as usize,
+    );
+    run_gpu_world_on(
+        1,
+        &cfg,
+        |_| 0,
+        |_, _| {
+            let dev = DeviceInput::new(&input);
+            for round in 0..3 {
+                // A context of its own, destroyed in the round.
+                let ctx = Ctx::create_on(1, common::unique_id(), 0, 0, &cfg);
+                let handle = ctx.handle();
+                let out = Outputs::new(&ctx, &topo, ALIGNMENT);
+                let args = out.args(&dev, TOKENS, Dtype::Bf16, ALIGNMENT);
+                // SAFETY: device buffers of the sizes the arguments give.
+                ok(
+                    unsafe { ep_dispatch(ctx.0, &args, handle.0, stream()) },
+                    "dispatch",
+                );
+                drop(handle);
+                drop(ctx);
+                // A fault of the dispatch's kernels would fail this wait.
+                sync();
+                out.check(&topo, Dtype::Bf16, &want[0], &format!("round {round}"));
+            }
+        },
     );
 }

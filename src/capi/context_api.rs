@@ -264,7 +264,9 @@ pub unsafe extern "C" fn ep_ctx_create_from_nccl(
 }
 
 /// Frees a context and its buffers. The caller makes sure no work that uses
-/// them is still running (synchronize its streams first). Destroying is
+/// them is still running (synchronize its streams first); only the row
+/// copies of a dispatch that waited for its counts, which may still run when
+/// that call returns, the context waits for itself. Destroying is
 /// the only way out of a context that failed for good (see
 /// `ep_ctx_get_async_error`). `ctx` may be NULL (then nothing happens).
 #[no_mangle]

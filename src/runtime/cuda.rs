@@ -954,6 +954,72 @@ impl Drop for OwnedStream {
     }
 }
 
+/// An event of the library's own (no timing), destroyed on drop: a point
+/// of a stream's work that the host can wait for later.
+pub struct Event {
+    device: Device,
+    event: sys::CUevent,
+}
+
+// SAFETY: an event handle is not tied to a thread; its users serialise
+// their records and waits.
+unsafe impl Send for Event {}
+unsafe impl Sync for Event {}
+
+impl Event {
+    pub fn new(device: &Device) -> Result<Event> {
+        let _context = device.bind()?;
+        let mut event = ptr::null_mut();
+        // SAFETY: writes one event handle; destroyed in drop.
+        check(
+            unsafe {
+                sys::cuEventCreate(
+                    &mut event,
+                    sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
+                )
+            },
+            "cuEventCreate",
+        )?;
+        Ok(Event {
+            device: device.clone(),
+            event,
+        })
+    }
+
+    /// Marks the work queued on `stream` so far.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this device.
+    pub unsafe fn record(&self, stream: CUstream) -> Result<()> {
+        let _context = self.device.bind()?;
+        // SAFETY: a live event; the caller vouches for the stream.
+        check(
+            unsafe { sys::cuEventRecord(self.event, stream) },
+            "cuEventRecord",
+        )
+    }
+
+    /// Waits until the work marked by the last record has run (at once if
+    /// nothing was recorded).
+    pub fn synchronize(&self) -> Result<()> {
+        let _context = self.device.bind()?;
+        // SAFETY: a live event.
+        check(
+            unsafe { sys::cuEventSynchronize(self.event) },
+            "cuEventSynchronize",
+        )
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if let Ok(_context) = self.device.bind() {
+            // SAFETY: created in new, destroyed once.
+            unsafe { sys::cuEventDestroy_v2(self.event) };
+        }
+    }
+}
+
 /// Pinned host memory that the device reads and writes directly
 /// (`cuMemHostAlloc` with `DEVICEMAP | PORTABLE`): `len` values of `T`,
 /// zeroed. For small words both sides poll while a kernel runs, such as

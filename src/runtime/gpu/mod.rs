@@ -876,6 +876,21 @@ struct GpuBackend {
     all_reachable: bool,
 }
 
+impl Drop for GpuBackend {
+    /// Before the buffers go (the fields drop after this): a dispatch that
+    /// returned at its counts may still be moving rows through them, and
+    /// its caller need not have waited for its stream, since the call told
+    /// it the counts.
+    fn drop(&mut self) {
+        if let Err(e) = self.normal.wait_for_rows() {
+            log::warning!(
+                "context destroyed: waiting for the last dispatch's rows failed: {}",
+                e.message
+            );
+        }
+    }
+}
+
 impl PointerCheck for GpuBackend {
     fn check_pointer(&self, field: &Field, ptr: *const c_void) -> Result<()> {
         if field.rows && !(ptr as usize).is_multiple_of(ROW_ALIGNMENT) {

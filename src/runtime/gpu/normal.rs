@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::reference::{normal::worst_case_rows, Dtype};
 use crate::runtime::backend::{HandleState, Stream};
 use crate::runtime::config::Config;
-use crate::runtime::cuda::{DeviceBuffer, MappedHost};
+use crate::runtime::cuda::{DeviceBuffer, Event, MappedHost};
 use crate::runtime::ops::{CombineOp, DispatchOp, LayoutOp, Received};
 use crate::runtime::sequence::Call;
 use std::mem::ManuallyDrop;
@@ -307,6 +307,12 @@ pub struct NormalMode {
     /// The number of the last host-synchronised dispatch (never 0, the
     /// buffer's first value).
     host_counts_seq: i32,
+    /// Recorded after each dispatch that returned at its counts, whose row
+    /// copies may still run then: the context waits for it before its
+    /// buffers go ([`NormalMode::wait_for_rows`]), so that a caller who
+    /// destroys it right after such a call does not free memory under a
+    /// running kernel.
+    rows_in_flight: Event,
     /// With several nodes: the hierarchical exchange, which replaces the
     /// single-node one.
     hier: Option<Hierarchy>,
@@ -341,6 +347,7 @@ impl NormalMode {
             area,
             host_counts: MappedHost::new(&rt.device, 1 + rt.cfg.local_experts() + 1)?,
             host_counts_seq: 0,
+            rows_in_flight: Event::new(&rt.device)?,
             hier,
             spares,
             unclosed: Unclosed::default(),
@@ -475,6 +482,10 @@ impl NormalMode {
                     self.enqueue_routing(rt, &params, op.num_tokens, grid, stream)?
                 }
             }
+            if early_counts {
+                // The caller's stream of this device (API rule).
+                self.rows_in_flight.record(stream as _)?;
+            }
         }
         let host_counts = if host_sync {
             let counts = if early_counts {
@@ -534,6 +545,14 @@ impl NormalMode {
             self.host_counts.load_acquire(published) == seq
         })?;
         Ok(self.read_host_counts())
+    }
+
+    /// Waits until the row copies of the last dispatch that returned at its
+    /// counts have run (at once if none did): before the context's buffers
+    /// go, since such a call returns while its pull still reads and writes
+    /// them.
+    pub(super) fn wait_for_rows(&self) -> Result<()> {
+        self.rows_in_flight.synchronize()
     }
 
     /// The counts in `host_counts` (rows received, then rows per local
