@@ -163,6 +163,19 @@ fn run_case(case: &MegaCase) {
         m.weight_scales = w2.scales.as_ptr();
         m.x_scales = x2_scales.as_ptr();
         m.y = y2.as_mut_ptr() as *mut _;
+        if me.num_tokens > 0 {
+            // `out` may not overlap `y`: refused before anything is made (a
+            // refused call takes no call number, so the ranks stay in step).
+            let mut overlapping = c;
+            overlapping.out = m.y;
+            let mut bad = m;
+            bad.combine = &overlapping;
+            // SAFETY: as above.
+            let status = unsafe { ep_mega_gemm_combine(ctx.0, &bad, handle.0, null_mut()) };
+            assert_eq!(status, EP_ERR_INVALID_ARGUMENT, "{what}: {}", last_error());
+            assert!(last_error().contains("overlaps `y`"), "{}", last_error());
+            assert!(is_poisoned(&y2), "{what}: y written by a refused call");
+        }
         // SAFETY: as above.
         let status = unsafe { ep_mega_gemm_combine(ctx.0, &m, handle.0, null_mut()) };
         assert_eq!(status, EP_SUCCESS, "{what}: {}", last_error());

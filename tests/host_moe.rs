@@ -602,6 +602,10 @@ fn bad_inputs_are_refused_with_their_status() {
             Box::new(|a, _, _| a.y1 = (a.y1 as usize + 1) as *mut _),
             &["`y1`", "2-byte aligned"],
         ),
+        (
+            Box::new(|a, _, c| c.out = a.y2.cast()),
+            &["`out`", "overlaps `y2`"],
+        ),
     ];
     for (change, needles) in &bad {
         let status = f.run(&ctx, change);

@@ -580,8 +580,8 @@ pub struct ep_mega_args_t {
     /// (`expert_capacity` being that dispatch's; only the rows of real
     /// (token, expert) pairs are read); `out` (required when the dispatch had
     /// tokens) receives the combined tokens, as `ep_combine` writes them from
-    /// the rows `y`. Required when the call is ep_mega_gemm_combine; may be
-    /// NULL otherwise (then not read).
+    /// the rows `y`, which it may not overlap. Required when the call is
+    /// ep_mega_gemm_combine; may be NULL otherwise (then not read).
     pub combine: *const ep_combine_args_t,
     /// `EP_DTYPE_BF16` or `EP_DTYPE_FP8_E4M3`: the type of the weights and of
     /// the GEMM's input rows (for `ep_mega_dispatch_gemm`, the dispatch's
@@ -676,7 +676,8 @@ pub struct ep_moe_args_t {
     /// The combine: its `input_layout` must be `EP_COMBINE_EXPERT_MAJOR`,
     /// its `out` (`[num_tokens, hidden]` BF16, required when the dispatch
     /// has tokens) receives the combined tokens, and its `x` is not read
-    /// (the rows `y2` are the combine's input). Required.
+    /// (the rows `y2` are the combine's input, which `out` may not
+    /// overlap). Required.
     pub combine: *const ep_combine_args_t,
     /// `EP_DTYPE_BF16` or `EP_DTYPE_FP8_E4M3`: the type of both weights, of
     /// the dispatched tokens and of `act`.

@@ -484,6 +484,9 @@ impl Context {
         check_pointers(contract::COMBINE, &combine, &facts, &*inner.backend)?;
         let experts = &op.experts;
         check_pointers(contract::MOE, experts, &experts.facts(), &*inner.backend)?;
+        // The combine sums the down GEMM's rows `y2`.
+        let rows = None;
+        combine.check_disjoint("y2", experts.y2, rows, d.num_tokens, self.bf16_row_bytes())?;
         inner.check_stream(stream)?;
         inner
             .backend
