@@ -43,9 +43,9 @@
 //      row of one of this rank's own tokens that went to no other rank
 //      (every routed token with one rank; "stays home": the record the
 //      stage pushed says so, EP_ONE_RANK_BIT, and the pull marks the row)
-//      is the token's whole sum: it goes straight
-//      into `out` (with -0 made +0, as the reduce's sum from a zero makes
-//      it), not through the return rows.
+//      is the token's whole sum: it goes straight into `out` (with -0 made
+//      +0, as the reduce's sum from a zero makes it), not through the
+//      return rows.
 //   2. barrier.
 //   3. reduce (source side): out[t] = BF16 of the fp32 sum of the returned
 //      rows of token t, ranks ascending; zeros for a token routed nowhere;

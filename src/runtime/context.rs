@@ -448,8 +448,8 @@ impl Context {
         )?;
         // The combine sums the GEMM's output rows `y`.
         let rows = d.received.map(|r| r.expert_rows);
-        let combine = &op.combine;
-        combine.check_disjoint("y", op.gemm.y, rows, d.num_tokens, self.bf16_row_bytes())?;
+        op.combine
+            .check_disjoint("y", op.gemm.y, rows, d.num_tokens, self.bf16_row_bytes())?;
         inner.check_stream(stream)?;
         inner.backend.check_supported(Collective::MegaCombine)?;
         let call = inner.next_call(Collective::MegaCombine, d.call);
@@ -484,9 +484,9 @@ impl Context {
         check_pointers(contract::COMBINE, &combine, &facts, &*inner.backend)?;
         let experts = &op.experts;
         check_pointers(contract::MOE, experts, &experts.facts(), &*inner.backend)?;
-        // The combine sums the down GEMM's rows `y2`.
-        let rows = None;
-        combine.check_disjoint("y2", experts.y2, rows, d.num_tokens, self.bf16_row_bytes())?;
+        // The combine sums the down GEMM's rows `y2`, whose count the host
+        // does not learn (the dispatch is fused).
+        combine.check_disjoint("y2", experts.y2, None, d.num_tokens, self.bf16_row_bytes())?;
         inner.check_stream(stream)?;
         inner
             .backend
