@@ -97,40 +97,42 @@
 // count kernel's work after counting, "Dispatch 1")
 // ---------------------------------------------------------------------------
 
-// One token's part of the stage: the handle's is-token-in-rank, and the
-// token's record in the area of every rank it goes to, at its position in
-// its chunk plus `chunk_base` (the counts of the earlier chunks, [world +
-// experts]). Reads the count kernel's positions of the token.
-__device__ void ep_push_records(const DispatchParams& p, int token, const int* chunk_base) {
+// What the count kernel's thread of token t (lane t % 32 of its warp) knows
+// of its token once its chunk is counted (ep_count_chunk), kept in
+// registers for the stage: no round trip through global memory between
+// counting a token and pushing its records.
+struct EpCountedToken {
+    int experts[EP_MAX_TOPK];   // effective expert of each slot, or -1
+    float weights[EP_MAX_TOPK];  // routing weight of each slot (stage only)
+    int slot_pos[EP_MAX_TOPK];  // position of (t, slot) among the chunk's
+                                // pairs of its expert
+    uint64_t ranks;             // bit r: the token goes to rank r
+};
+
+// One token's part of the stage, by every thread of the count kernel's
+// block (the rank positions come from ballots; a thread past the last
+// token goes nowhere): the handle's is-token-in-rank, and the token's
+// record in the area of every rank it goes to. Its position there is its
+// position among its warp's tokens for that rank, plus its warp's base in
+// the chunk (`warp_base`, [world + experts], ep_scan_warp_counts), plus
+// the chunk's base (`chunk_base`, the counts of the earlier chunks).
+__device__ void ep_push_records(const DispatchParams& p, int token, const EpCountedToken& mine,
+                                const int* warp_base, const int* chunk_base) {
     const int local_experts = p.num_experts / p.world;
-    const int* slot_rank = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_slot_rank) +
-                           static_cast<int64_t>(token) * p.topk;
-    const int* rank_pos = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_rank_pos) +
-                          static_cast<int64_t>(token) * p.world;
-    // The token's effective experts, positions and weights, each loaded in
-    // one round trip.
-    int ids[EP_MAX_TOPK], experts[EP_MAX_TOPK], ranks[EP_MAX_TOPK];
-    float weights[EP_MAX_TOPK];
-    const int64_t first_pair = static_cast<int64_t>(token) * p.topk;
-    ep_effective_experts(p.topk_idx + first_pair, p.topk, p.num_experts, ids, experts);
-#pragma unroll
-    for (int k = 0; k < EP_MAX_TOPK; ++k) {
-        ranks[k] = k < p.topk ? slot_rank[k] : 0;
-        weights[k] = k < p.topk ? p.topk_weights[first_pair + k] : 0.0f;
-    }
-    int destinations = 0;
+    const bool real = token < p.num_tokens;
+    const int token_mark = __popcll(mine.ranks) == 1 ? token | EP_ONE_RANK_BIT : token;
     for (int r = 0; r < p.world; ++r) {
-        destinations += rank_pos[r] >= 0;
-    }
-    const int token_mark = destinations == 1 ? token | EP_ONE_RANK_BIT : token;
-    for (int r = 0; r < p.world; ++r) {
-        const int pos = rank_pos[r];
-        p.handle_in_rank[static_cast<int64_t>(token) * p.world + r] = pos >= 0;
-        if (pos < 0) {
+        const bool goes = (mine.ranks >> r) & 1;
+        const unsigned going = __ballot_sync(0xffffffffu, goes);
+        if (real) {
+            p.handle_in_rank[static_cast<int64_t>(token) * p.world + r] = goes;
+        }
+        if (!goes) {
             continue;
         }
         // The record goes to row (this rank, pos) of rank r's area.
-        const int64_t record = static_cast<int64_t>(p.rank) * p.max_tokens + chunk_base[r] + pos;
+        const int pos = chunk_base[r] + warp_base[r] + __popc(going & ep_lanemask_lt());
+        const int64_t record = static_cast<int64_t>(p.rank) * p.max_tokens + pos;
         ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_token)[record] = token_mark;
         int* in_local = ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_local) + record * p.topk;
         int* in_rank = ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_rank) + record * p.topk;
@@ -141,11 +143,11 @@ __device__ void ep_push_records(const DispatchParams& p, int token, const int* c
             if (k >= p.topk) {
                 break;
             }
-            const int e = experts[k];
+            const int e = mine.experts[k];
             const bool here = e >= 0 && e / local_experts == r;
             in_local[k] = here ? e - r * local_experts : -1;
-            in_rank[k] = here ? chunk_base[p.world + e] + ranks[k] : 0;
-            in_weight[k] = here ? weights[k] : 0.0f;
+            in_rank[k] = here ? chunk_base[p.world + e] + mine.slot_pos[k] : 0;
+            in_weight[k] = here ? mine.weights[k] : 0.0f;
         }
     }
 }
@@ -178,7 +180,7 @@ __device__ void ep_stage_rows(const DispatchParams& p) {
 
 // ---------------------------------------------------------------------------
 // Dispatch 1: count and stage (EP_CHUNK_TOKENS threads, dynamic shared
-// memory EP_CHUNK_WARPS * (world + experts) ints)
+// memory (EP_CHUNK_WARPS + 1) * (world + experts) ints)
 // ---------------------------------------------------------------------------
 
 // With `stage_in_count` (every single-node dispatch; grid max(chunks, SM
@@ -201,64 +203,20 @@ __device__ void ep_stage_rows(const DispatchParams& p) {
 #define EP_CHUNK_SYNC_TICKET 0
 #define EP_CHUNK_SYNC_DONE 1
 
-// Per warp, the effective expert of each of its 32 tokens' slots in
-// token-major order (pair 32 r + l is token (32 r + l) / topk's slot
-// (32 r + l) % topk); ids fit 16 bits (EP_MAX_EXPERTS).
-typedef int16_t EpWarpPairs[32 * EP_MAX_TOPK];
-
 __device__ __forceinline__ int ep_chunk_count(int num_tokens) {
     return max(1, (num_tokens + EP_CHUNK_TOKENS - 1) / EP_CHUNK_TOKENS);
 }
 
-// Warp-wide: the positions of the warp's (token, slot) pairs among the
-// warp's pairs of their expert, counted into my_counts[world + expert].
-// Pairs in token-major order, 32 per round: lane l of round r holds pair
-// 32 r + l, whose expert it reads from the warp's pairs in shared memory
-// (`pairs`); its position is the count of earlier pairs of that expert in
-// this warp. pair_expert[r] is -1 for no pair.
-__device__ __forceinline__ void ep_count_expert_pairs(const DispatchParams& p,
-                                                      const int (&token_experts)[EP_MAX_TOPK],
-                                                      int16_t* pairs, int* my_counts,
-                                                      int (&pair_expert)[EP_MAX_TOPK],
-                                                      int (&pair_pos)[EP_MAX_TOPK], int lane) {
-#pragma unroll
-    for (int k = 0; k < EP_MAX_TOPK; ++k) {
-        if (k >= p.topk) {
-            break;
-        }
-        pairs[lane * p.topk + k] = static_cast<int16_t>(token_experts[k]);
-    }
-    __syncwarp();
-#pragma unroll
-    for (int r = 0; r < EP_MAX_TOPK; ++r) {
-        pair_expert[r] = -1;
-        if (r >= p.topk) {
-            continue;
-        }
-        pair_expert[r] = pairs[r * 32 + lane];
-        const int e = pair_expert[r];
-        const unsigned same = __match_any_sync(0xffffffffu, e);
-        if (e >= 0) {
-            pair_pos[r] = my_counts[p.world + e] + __popc(same & ep_lanemask_lt());
-        }
-        __syncwarp();
-        // The highest lane of each group adds the group to the count.
-        if (e >= 0 && lane == 31 - __clz(same)) {
-            my_counts[p.world + e] += __popc(same);
-        }
-        __syncwarp();
-    }
-}
-
-// Block-wide: the warps' counts (`warp_counts`, [warp][columns]) become
-// each warp's base (exclusive, token order), and the chunk's totals go to
+// Block-wide: the warps' lane masks (`warp_counts`, [warp][columns], see
+// ep_count_chunk) become each warp's base (exclusive, token order: the
+// tokens of earlier warps), and the chunk's totals go to
 // chunk_counts[chunk].
 __device__ __forceinline__ void ep_scan_warp_counts(int* warp_counts, int* chunk_counts,
                                                     int chunk, int columns) {
     for (int c = threadIdx.x; c < columns; c += blockDim.x) {
         int running = 0;
         for (int w = 0; w < EP_CHUNK_WARPS; ++w) {
-            const int count = warp_counts[w * columns + c];
+            const int count = __popc(static_cast<unsigned>(warp_counts[w * columns + c]));
             warp_counts[w * columns + c] = running;
             running += count;
         }
@@ -266,106 +224,127 @@ __device__ __forceinline__ void ep_scan_warp_counts(int* warp_counts, int* chunk
     }
 }
 
-// For chunk `chunk`, by the whole block, writes
-//   chunk_counts[chunk][r]         tokens of the chunk that go to rank r,
-//   chunk_counts[chunk][world + e] (token, slot) pairs of the chunk for e,
-//   rank_pos[t][r]                 position of token t among the chunk's
-//                                  tokens for rank r, or -1 when t does not
-//                                  go there,
-//   slot_rank[t][k]                position of (t, k) among the chunk's
-//                                  pairs of its expert (effective experts).
-// Positions follow token order: a warp takes 32 tokens, finds ranks inside
-// the warp with ballots (ranks) and __match_any_sync (experts), and the
-// warps' counts are then turned into per-warp bases in token order.
-// `warp_counts` is the kernel's dynamic shared memory, `warp_pairs` one
-// EpWarpPairs per warp.
+// For chunk `chunk`, by the whole block (thread i holds the chunk's token
+// i), writes chunk_counts[chunk][r] (tokens of the chunk that go to rank
+// r) and chunk_counts[chunk][world + e] ((token, slot) pairs of the chunk
+// for expert e), and fills `mine` (the weights only with
+// `stage_in_count`). Without `stage_in_count` (the hierarchical mode,
+// whose stage kernels read them) it also writes
+//   rank_pos[t][r]   position of token t among the chunk's tokens for rank
+//                    r, or -1 when t does not go there,
+//   slot_rank[t][k]  position of (t, k) among the chunk's pairs of its
+//                    expert (effective experts).
+// Positions follow token order. Each warp first builds, in its row of
+// `warp_counts` (the kernel's dynamic shared memory, [warp][world +
+// experts], zeroed here), a mask per column: bit l when its token l goes
+// to that rank or expert (a token names an expert once, so OR-ing the
+// bits in any order gives the same masks). A token's position among its
+// warp's tokens of a column is then the number of lower bits set, and the
+// block scan turns the masks into per-warp bases.
 __device__ void ep_count_chunk(const DispatchParams& p, int chunk, int* warp_counts,
-                               EpWarpPairs* warp_pairs) {
+                               EpCountedToken& mine) {
     const int columns = p.world + p.num_experts;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int local_experts = p.num_experts / p.world;
-    const int first_token = chunk * EP_CHUNK_TOKENS + warp * 32;
-    int* const my_counts = warp_counts + warp * columns;
-    int* const slot_rank = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_slot_rank);
-    int* const rank_pos = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_rank_pos);
+    const int token = chunk * EP_CHUNK_TOKENS + threadIdx.x;
+    const bool real = token < p.num_tokens;
     int* const chunk_counts = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_counts);
     for (int i = threadIdx.x; i < EP_CHUNK_WARPS * columns; i += blockDim.x) {
         warp_counts[i] = 0;
     }
-    __syncthreads();
 
-    // Lane l holds the warp's token l: its ids and effective experts, loaded
+    // The token's ids and effective experts, and its weights, each loaded
     // in one round trip; ids that are neither -1 nor effective are errors.
-    const int token = first_token + lane;
-    int token_ids[EP_MAX_TOPK], token_experts[EP_MAX_TOPK];
-    ep_effective_experts(p.topk_idx + static_cast<int64_t>(token) * p.topk,
-                         token < p.num_tokens ? p.topk : 0, p.num_experts, token_ids,
-                         token_experts);
+    const int64_t first_pair = static_cast<int64_t>(token) * p.topk;
+    int ids[EP_MAX_TOPK];
+    ep_effective_experts(p.topk_idx + first_pair, real ? p.topk : 0, p.num_experts, ids,
+                         mine.experts);
 #pragma unroll
     for (int k = 0; k < EP_MAX_TOPK; ++k) {
-        if (token_experts[k] < 0 && token_ids[k] != -1) {
+        const bool weighted = p.stage_in_count && real && k < p.topk;
+        mine.weights[k] = weighted ? p.topk_weights[first_pair + k] : 0.0f;
+        if (mine.experts[k] < 0 && ids[k] != -1) {
             ep_record_error(p.status, EP_STATUS_INVALID_EXPERT, -1, EP_PHASE_DISPATCH,
                             token * p.topk + k);
         }
     }
+    __syncthreads();
 
-    int pair_expert[EP_MAX_TOPK];
-    int pair_pos[EP_MAX_TOPK];
-    ep_count_expert_pairs(p, token_experts, warp_pairs[warp], my_counts, pair_expert, pair_pos,
-                          lane);
-
-    // Ranks each of the warp's tokens goes to (lane l holds token l).
-    uint64_t rank_mask = 0;
+    // The warp's masks.
+    unsigned* const masks = reinterpret_cast<unsigned*>(warp_counts + warp * columns);
+    mine.ranks = 0;
 #pragma unroll
     for (int k = 0; k < EP_MAX_TOPK; ++k) {
-        if (token_experts[k] >= 0) {
-            rank_mask |= 1ull << (token_experts[k] / local_experts);
+        const int e = mine.experts[k];
+        if (e >= 0) {
+            atomicOr(masks + p.world + e, 1u << lane);
+            mine.ranks |= 1ull << (e / local_experts);
         }
     }
     for (int r = 0; r < p.world; ++r) {
-        const unsigned going = __ballot_sync(0xffffffffu, (rank_mask >> r) & 1);
+        const unsigned going = __ballot_sync(0xffffffffu, (mine.ranks >> r) & 1);
         if (lane == 0) {
-            my_counts[r] = __popc(going);
+            masks[r] = going;
         }
+    }
+    __syncwarp();
+    int in_warp[EP_MAX_TOPK];
+#pragma unroll
+    for (int k = 0; k < EP_MAX_TOPK; ++k) {
+        const int e = mine.experts[k];
+        in_warp[k] = e >= 0 ? __popc(masks[p.world + e] & ep_lanemask_lt()) : 0;
     }
     __syncthreads();
     ep_scan_warp_counts(warp_counts, chunk_counts, chunk, columns);
     __syncthreads();
 
+    const int* const warp_base = warp_counts + warp * columns;
 #pragma unroll
-    for (int r = 0; r < EP_MAX_TOPK; ++r) {
-        const int e = pair_expert[r];
-        if (e >= 0) {
-            const int pair = r * 32 + lane;
-            const int64_t flat = static_cast<int64_t>(first_token + pair / p.topk) * p.topk +
-                                 pair % p.topk;
-            slot_rank[flat] = my_counts[p.world + e] + pair_pos[r];
+    for (int k = 0; k < EP_MAX_TOPK; ++k) {
+        const int e = mine.experts[k];
+        mine.slot_pos[k] = e >= 0 ? warp_base[p.world + e] + in_warp[k] : 0;
+    }
+    if (p.stage_in_count) {
+        return;
+    }
+    int* const slot_rank = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_slot_rank);
+    int* const rank_pos = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_rank_pos);
+#pragma unroll
+    for (int k = 0; k < EP_MAX_TOPK; ++k) {
+        if (k >= p.topk) {
+            break;
+        }
+        if (real && mine.experts[k] >= 0) {
+            slot_rank[first_pair + k] = mine.slot_pos[k];
         }
     }
     for (int r = 0; r < p.world; ++r) {
-        const bool goes = (rank_mask >> r) & 1;
+        const bool goes = (mine.ranks >> r) & 1;
         const unsigned going = __ballot_sync(0xffffffffu, goes);
-        if (token < p.num_tokens) {
+        if (real) {
             rank_pos[static_cast<int64_t>(token) * p.world + r] =
-                goes ? my_counts[r] + __popc(going & ep_lanemask_lt()) : -1;
+                goes ? warp_base[r] + __popc(going & ep_lanemask_lt()) : -1;
         }
     }
 }
 
 // After ep_count_chunk, with `stage_in_count`: publishes the chunk's counts,
-// waits for the earlier chunks' (see "Dispatch 1"), and stages the chunk's
-// tokens from their bases (`scratch`: `columns` ints of the kernel's shared
-// memory); the last chunk writes the totals. After a failed wait (recorded)
-// it stages nothing.
-__device__ void ep_stage_chunk(const DispatchParams& p, int chunk, int chunks, int* scratch) {
+// waits for the earlier chunks' (see "Dispatch 1"), sums them into the
+// chunk's bases (`chunk_base`: `columns` ints of the kernel's shared
+// memory, after the warps' rows) and pushes the records of the chunk's
+// tokens (`mine`: this thread's); the last chunk writes the totals. After a
+// failed wait (recorded) it stages nothing.
+__device__ void ep_stage_chunk(const DispatchParams& p, int chunk, int chunks,
+                               const int* warp_counts, int* chunk_base,
+                               const EpCountedToken& mine) {
     const int columns = p.world + p.num_experts;
     const int* chunk_counts = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_counts);
     int* const ready = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_sync) +
                        EP_CHUNK_SYNC_HEADER;
-    // The block's stores (counts, positions) are done, and visible to its
-    // own threads; the fence and the release publish the counts to the
-    // blocks that wait for them.
+    // The block's stores of its counts are done, and visible to its own
+    // threads; the fence and the release publish them to the blocks that
+    // wait for them.
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
@@ -384,18 +363,17 @@ __device__ void ep_stage_chunk(const DispatchParams& p, int chunk, int chunks, i
     if (!__syncthreads_and(arrived)) {
         return;
     }
-    ep_sum_chunk_counts(chunk_counts, columns, chunk, scratch);
+    ep_sum_chunk_counts(chunk_counts, columns, chunk, chunk_base);
     __syncthreads();
     if (chunk == chunks - 1) {
         int* totals = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_totals);
         for (int c = threadIdx.x; c < columns; c += blockDim.x) {
-            totals[c] = scratch[c] + chunk_counts[static_cast<int64_t>(chunk) * columns + c];
+            totals[c] = chunk_base[c] + chunk_counts[static_cast<int64_t>(chunk) * columns + c];
         }
     }
-    const int token = chunk * EP_CHUNK_TOKENS + threadIdx.x;
-    if (token < p.num_tokens) {
-        ep_push_records(p, token, scratch);
-    }
+    const int warp = threadIdx.x / 32;
+    ep_push_records(p, chunk * EP_CHUNK_TOKENS + threadIdx.x, mine, warp_counts + warp * columns,
+                    chunk_base);
 }
 
 // The block's ticket (see "Dispatch 1"), by thread 0.
@@ -424,9 +402,11 @@ __device__ void ep_finish_tickets(const DispatchParams& p, int chunks) {
 
 extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
     ep_kernel_start();
-    extern __shared__ int warp_counts[];  // [EP_CHUNK_WARPS][world + experts]
-    __shared__ EpWarpPairs warp_pairs[EP_CHUNK_WARPS];
+    // [EP_CHUNK_WARPS][world + experts]: the warps' masks, then bases;
+    // then [world + experts]: the chunk's bases.
+    extern __shared__ int warp_counts[];
     __shared__ int ticket;
+    EpCountedToken mine;
     const int chunks = ep_chunk_count(p.num_tokens);
     // The dispatch's first kernel starts the collective call (ep_device.cuh,
     // "Collective calls"); the barriers carry its word. Without staging,
@@ -434,7 +414,7 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
     // system-scope fence; with staging, the block of the last ticket at its
     // start, which counts no chunk when the grid has more blocks than chunks.
     if (!p.stage_in_count) {
-        ep_count_chunk(p, blockIdx.x, warp_counts, warp_pairs);
+        ep_count_chunk(p, blockIdx.x, warp_counts, mine);
         if (blockIdx.x == 0 && threadIdx.x == 0) {
             ep_begin_collective(p.peer_bases[p.rank], p.collective);
         }
@@ -449,8 +429,10 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
     __syncthreads();
     const int chunk = ticket;
     if (chunk < chunks) {
-        ep_count_chunk(p, chunk, warp_counts, warp_pairs);
-        ep_stage_chunk(p, chunk, chunks, warp_counts);
+        ep_count_chunk(p, chunk, warp_counts, mine);
+        const int* warp_bases = warp_counts;
+        ep_stage_chunk(p, chunk, chunks, warp_bases,
+                       warp_counts + EP_CHUNK_WARPS * (p.world + p.num_experts), mine);
     }
     ep_stage_rows(p);
     ep_finish_tickets(p, chunks);

@@ -651,7 +651,7 @@ impl NormalMode {
                 &rt.kernels.dispatch_count,
                 blocks,
                 CHUNK_TOKENS as u32,
-                (CHUNK_WARPS * columns * 4) as u32,
+                ((CHUNK_WARPS + 1) * columns * 4) as u32,
                 stream,
                 params,
             )
