@@ -28,7 +28,8 @@
 //      expert-major rows. Only the token data crosses NVLink here, so a row
 //      costs one remote round trip, not a chain of them. The warps running
 //      at once take rows of every source (ep_spread_row), not one source
-//      after the other.
+//      after the other. It also clears the count's chunk sync words for
+//      the next dispatch (ep_clear_chunk_sync).
 //   5. closing barrier: nobody restages (next dispatch) while a peer still
 //      reads. The runtime enqueues it only before the next dispatch, and
 //      only if no other exchange came between (a combine's middle barrier
@@ -134,21 +135,23 @@ __device__ void ep_push_records(const DispatchParams& p, int token, const EpCoun
         const int pos = chunk_base[r] + warp_base[r] + __popc(going & ep_lanemask_lt());
         const int64_t record = static_cast<int64_t>(p.rank) * p.max_tokens + pos;
         ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_token)[record] = token_mark;
-        int* in_local = ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_local) + record * p.topk;
-        int* in_rank = ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_rank) + record * p.topk;
-        float* in_weight =
-            ep_area<float>(p.peer_bases, r, p.normal.area, p.normal.off_in_weight) + record * p.topk;
+        int local[EP_MAX_TOPK], ranks[EP_MAX_TOPK];
+        float weights[EP_MAX_TOPK];
 #pragma unroll
         for (int k = 0; k < EP_MAX_TOPK; ++k) {
-            if (k >= p.topk) {
-                break;
-            }
             const int e = mine.experts[k];
             const bool here = e >= 0 && e / local_experts == r;
-            in_local[k] = here ? e - r * local_experts : -1;
-            in_rank[k] = here ? chunk_base[p.world + e] + mine.slot_pos[k] : 0;
-            in_weight[k] = here ? mine.weights[k] : 0.0f;
+            local[k] = here ? e - r * local_experts : -1;
+            ranks[k] = here ? chunk_base[p.world + e] + mine.slot_pos[k] : 0;
+            weights[k] = here ? mine.weights[k] : 0.0f;
         }
+        const int64_t first = record * p.topk;
+        ep_store_slots(ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_local) + first,
+                       p.topk, local);
+        ep_store_slots(ep_area<int>(p.peer_bases, r, p.normal.area, p.normal.off_in_rank) + first,
+                       p.topk, ranks);
+        ep_store_slots(ep_area<float>(p.peer_bases, r, p.normal.area, p.normal.off_in_weight) + first,
+                       p.topk, weights);
     }
 }
 
@@ -193,15 +196,14 @@ __device__ void ep_stage_rows(const DispatchParams& p) {
 // share of the copy for the peers. A block only ever waits for chunks of
 // lower tickets, whose blocks are running (they took their tickets first)
 // and wait for nobody later, so the waits end whatever the residency. The
-// last block to finish (EP_CHUNK_SYNC_DONE) clears the tickets and flags
-// for the next dispatch, which runs after this kernel on the stream.
-// Without `stage_in_count` (the hierarchical mode, which stages in its own
-// kernels) block b counts chunk b and stops.
+// pull, which follows on the stream, clears the tickets and flags for the
+// next dispatch (ep_clear_chunk_sync). Without `stage_in_count` (the
+// hierarchical mode, which stages in its own kernels) block b counts chunk
+// b and stops.
 //
 // The words of `chunk_sync` (normal.off_chunk_sync, EP_CHUNK_SYNC_HEADER
 // words, then a ready flag per chunk).
 #define EP_CHUNK_SYNC_TICKET 0
-#define EP_CHUNK_SYNC_DONE 1
 
 __device__ __forceinline__ int ep_chunk_count(int num_tokens) {
     return max(1, (num_tokens + EP_CHUNK_TOKENS - 1) / EP_CHUNK_TOKENS);
@@ -260,10 +262,10 @@ __device__ void ep_count_chunk(const DispatchParams& p, int chunk, int* warp_cou
     int ids[EP_MAX_TOPK];
     ep_effective_experts(p.topk_idx + first_pair, real ? p.topk : 0, p.num_experts, ids,
                          mine.experts);
+    ep_load_slots(p.topk_weights + first_pair, p.stage_in_count && real ? p.topk : 0, 0.0f,
+                  mine.weights);
 #pragma unroll
     for (int k = 0; k < EP_MAX_TOPK; ++k) {
-        const bool weighted = p.stage_in_count && real && k < p.topk;
-        mine.weights[k] = weighted ? p.topk_weights[first_pair + k] : 0.0f;
         if (mine.experts[k] < 0 && ids[k] != -1) {
             ep_record_error(p.status, EP_STATUS_INVALID_EXPERT, -1, EP_PHASE_DISPATCH,
                             token * p.topk + k);
@@ -382,20 +384,18 @@ __device__ __forceinline__ int ep_take_ticket(const DispatchParams& p) {
     return atomicAdd(sync + EP_CHUNK_SYNC_TICKET, 1);
 }
 
-// At the end of a staging count kernel, by every block: the last one to
-// finish clears the tickets and the ready flags for the next dispatch.
-__device__ void ep_finish_tickets(const DispatchParams& p, int chunks) {
-    int* sync = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_sync);
-    __shared__ bool last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = ep_last_block_to_arrive(sync + EP_CHUNK_SYNC_DONE);
-    }
-    __syncthreads();
-    if (!last) {
+// By the pull after a staging count (`stage_in_count`), with block 0: the
+// count's tickets and ready flags back to zero for the next dispatch. The
+// count has ended by then (the barrier kernel between them waited for it),
+// so no block of it still reads them, and the count itself ends without
+// waiting for its last block.
+__device__ void ep_clear_chunk_sync(const DispatchParams& p) {
+    if (!p.stage_in_count || blockIdx.x != 0) {
         return;
     }
-    for (int i = threadIdx.x; i < EP_CHUNK_SYNC_HEADER + chunks; i += blockDim.x) {
+    int* sync = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_sync);
+    for (int i = threadIdx.x; i < EP_CHUNK_SYNC_HEADER + ep_chunk_count(p.num_tokens);
+         i += blockDim.x) {
         sync[i] = 0;
     }
 }
@@ -435,7 +435,6 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
                        warp_counts + EP_CHUNK_WARPS * (p.world + p.num_experts), mine);
     }
     ep_stage_rows(p);
-    ep_finish_tickets(p, chunks);
 }
 
 // ---------------------------------------------------------------------------
@@ -714,6 +713,7 @@ __device__ __forceinline__ void ep_pull_padding_row(const DispatchParams& p,
 extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     ep_dispatch_pull_kernel(const DispatchParams p) {
     ep_kernel_start();
+    ep_clear_chunk_sync(p);
     __shared__ PullLayout layout;
     if (!ep_last_barrier_passed(p.peer_bases[p.rank])) {
         return;

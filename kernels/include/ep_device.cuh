@@ -457,22 +457,86 @@ __device__ __forceinline__ bool ep_expert_rows_fit(const int* offset, const int*
     return count[e] >= 0 && offset[e] + count[e] <= offset[e + 1];
 }
 
+// A token's per-slot values (ids, weights, a record's slots) move as whole
+// 16-byte vectors where they can: `n` slots at `p`, when `p` is 16-byte
+// aligned and n a multiple of 4, else one value at a time. A warp whose
+// lanes hold consecutive tokens then reads or writes whole sectors with a
+// quarter of the instructions, instead of one strided word per slot.
+__device__ __forceinline__ bool ep_slots_vectorizable(const void* p, int n) {
+    return n % 4 == 0 && (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
+__device__ __forceinline__ int ep_word_bits(int v) { return v; }
+__device__ __forceinline__ int ep_word_bits(float v) { return __float_as_int(v); }
+
+// v[k] = src[k] for k < n; v[k] = fill from n on.
+template <typename T>
+__device__ __forceinline__ void ep_load_slots(const T* src, int n, T fill, T (&v)[EP_MAX_TOPK]) {
+    static_assert(sizeof(T) == 4, "slots are 32-bit words");
+    if (ep_slots_vectorizable(src, n)) {
+#pragma unroll
+        for (int k = 0; k < EP_MAX_TOPK; k += 4) {
+            const T* q = src + k;
+            if (k < n) {
+                const int4 w = *reinterpret_cast<const int4*>(q);
+                v[k] = *reinterpret_cast<const T*>(&w.x);
+                v[k + 1] = *reinterpret_cast<const T*>(&w.y);
+                v[k + 2] = *reinterpret_cast<const T*>(&w.z);
+                v[k + 3] = *reinterpret_cast<const T*>(&w.w);
+            } else {
+                v[k] = v[k + 1] = v[k + 2] = v[k + 3] = fill;
+            }
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < EP_MAX_TOPK; ++k) {
+            v[k] = k < n ? src[k] : fill;
+        }
+    }
+}
+
+// dst[k] = v[k] for k < n.
+template <typename T>
+__device__ __forceinline__ void ep_store_slots(T* dst, int n, const T (&v)[EP_MAX_TOPK]) {
+    static_assert(sizeof(T) == 4, "slots are 32-bit words");
+    if (ep_slots_vectorizable(dst, n)) {
+#pragma unroll
+        for (int k = 0; k < EP_MAX_TOPK; k += 4) {
+            if (k >= n) {
+                break;
+            }
+            reinterpret_cast<int4*>(dst + k)[0] =
+                make_int4(ep_word_bits(v[k]), ep_word_bits(v[k + 1]), ep_word_bits(v[k + 2]),
+                          ep_word_bits(v[k + 3]));
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < EP_MAX_TOPK; ++k) {
+            if (k >= n) {
+                break;
+            }
+            dst[k] = v[k];
+        }
+    }
+}
+
 // The expert each slot of a token really uses (its "effective expert"):
 // the id, or -1 when the slot is dropped (-1), is not an expert id, or
 // repeats an earlier slot of the same token. Every kernel routes by these
 // functions, so an id from the caller is never used as an address
 // unchecked.
 //
-// A thread's token: its `topk` ids at `ids` into `id` and each slot's
-// effective expert into `experts` (-1 from slot topk on). The ids are
-// loaded together, one memory round trip (checking slot by slot against
-// the earlier slots in memory would chain up to topk loads per slot).
+// A thread's token: its `topk` ids at `ids` into `id` (-1 from slot topk
+// on) and each slot's effective expert into `experts` (-1 from slot topk
+// on). The ids are loaded together (ep_load_slots), one memory round trip
+// (checking slot by slot against the earlier slots in memory would chain
+// up to topk loads per slot).
 __device__ __forceinline__ void ep_effective_experts(const int* ids, int topk, int num_experts,
                                                      int (&id)[EP_MAX_TOPK],
                                                      int (&experts)[EP_MAX_TOPK]) {
+    ep_load_slots(ids, topk, -1, id);
 #pragma unroll
     for (int k = 0; k < EP_MAX_TOPK; ++k) {
-        id[k] = k < topk ? ids[k] : -1;
         experts[k] = -1;
     }
     // Slots from topk on stay -1: the loop stops there, so a token of topk

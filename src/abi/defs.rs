@@ -68,7 +68,7 @@ abi_consts! {
     CHUNK_TOKENS: usize = 256;
     /// Normal mode: words of the count kernel's `chunk_sync` before its
     /// per-chunk ready flags (kernels/normal.cu, "Dispatch 1").
-    CHUNK_SYNC_HEADER: usize = 2;
+    CHUNK_SYNC_HEADER: usize = 1;
     /// Normal mode: threads per block of the pull, send and reduce kernels.
     MOVE_THREADS: usize = 512;
 
@@ -396,7 +396,8 @@ abi_struct! {
         /// `expert_x` and `expert_scales` are not written.
         keep_padding: i32,
         /// Non-zero: the count kernel (grid max(chunks, SM budget)) also
-        /// stages (every single-node dispatch); zero: the hierarchical
+        /// stages (every single-node dispatch), and the pull after it
+        /// clears the count's chunk sync words; zero: the hierarchical
         /// mode's count, which stages in its own kernels.
         stage_in_count: i32,
         /// With `host_counts`: the number the pull writes after the counts

@@ -662,8 +662,8 @@ impl NormalMode {
     /// of the last dispatch if it needs one, count and stage in one kernel
     /// (`stage_in_count`, on max(chunks, SM budget) blocks), barrier, pull
     /// on `pull_grid` blocks (which moves the expert-major rows too unless
-    /// `params.skip_expert_rows`); the dispatch is then left open (see
-    /// [`Exchange`]).
+    /// `params.skip_expert_rows`, and clears the count's chunk sync words);
+    /// the dispatch is then left open (see [`Exchange`]).
     ///
     /// # Safety
     /// As [`Self::enqueue_count`].
@@ -692,7 +692,7 @@ impl NormalMode {
                 MOVE_THREADS as u32,
                 0,
                 stream,
-                params,
+                &staging,
             )?;
         }
         self.unclosed.leave(Exchange::Dispatch);
