@@ -559,23 +559,23 @@ __device__ bool ep_pull_layout(const DispatchParams& p, PullLayout& layout) {
     return sane;
 }
 
-// Block 0 (other blocks return at once): the layout's outputs: the
-// received rows (0 when the layout is not sane), the handle's rows (0
-// unless they fit the buffers), and the expert-major offsets and real rows
-// (also the handle's copy). A host that waits for the counts
+// The grid's last block (ep_last_block; the others return at once): the
+// layout's outputs: the received rows (0 when the layout is not sane), the
+// handle's rows (0 unless they fit the buffers), and the expert-major
+// offsets and real rows (also the handle's copy). A host that waits for the counts
 // (`host_counts`) learns them here, before the rows move: after the counts,
 // thread 0 publishes the dispatch's number (host_counts_seq, when not 0)
 // behind them.
 __device__ __forceinline__ void ep_pull_publish_layout(const DispatchParams& p,
                                                        const PullLayout& layout, bool sane,
                                                        bool fits, int local_experts) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (ep_last_block() && threadIdx.x == 0) {
         const int written_rows = sane ? layout.source_offset[p.world] : 0;
         ep_store_optional(p.recv_num_rows, 0, written_rows);
         *p.handle_num_rows = fits ? layout.source_offset[p.world] : 0;
         ep_store_optional(p.host_counts, 0, written_rows);
     }
-    if (blockIdx.x == 0 && sane) {
+    if (ep_last_block() && sane) {
         for (int le = threadIdx.x; le <= local_experts; le += blockDim.x) {
             if (p.expert_x != nullptr) {
                 p.expert_offsets[le] = layout.expert_offset[le];
@@ -588,7 +588,7 @@ __device__ __forceinline__ void ep_pull_publish_layout(const DispatchParams& p,
             }
         }
     }
-    if (blockIdx.x == 0 && p.host_counts != nullptr && p.host_counts_seq != 0) {
+    if (ep_last_block() && p.host_counts != nullptr && p.host_counts_seq != 0) {
         // The barrier orders every thread's counts before thread 0's
         // release (a release is cumulative: it publishes the stores the
         // barrier ordered before it), which the host's acquire pairs with
@@ -733,9 +733,8 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     }
 
     const int rows = layout.source_offset[p.world];
-    const int warps = gridDim.x * EP_MOVE_WARPS;
     const int items = ep_spread_items(rows, p.world);
-    for (int i = blockIdx.x * EP_MOVE_WARPS + warp; i < items; i += warps) {
+    for (int i = ep_first_item(warp); i < items; i += ep_item_stride()) {
         const int row = ep_spread_row(i, rows, p.world, p.rank);
         if (row >= 0) {
             ep_pull_row(p, layout, row, local_experts, warp, lane);
@@ -749,7 +748,7 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     if (p.expert_x == nullptr) {
         return;
     }
-    for (int r = blockIdx.x * EP_MOVE_WARPS + warp; r < padded_rows; r += warps) {
+    for (int r = ep_first_item(warp); r < padded_rows; r += ep_item_stride()) {
         ep_pull_padding_row(p, layout, r, local_experts, lane);
     }
 }
@@ -766,8 +765,10 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     ep_kernel_start();
     __shared__ int slot_rows[EP_MOVE_WARPS][EP_MAX_TOPK];
     __shared__ float slot_weights[EP_MOVE_WARPS][EP_MAX_TOPK];
-    // The combine's first kernel starts the collective call.
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
+    // The combine's first kernel starts the collective call, from the
+    // grid's last warp: the last to get a row (ep_first_item), so no row
+    // waits for its system-scope fence.
+    if (ep_last_warp_of_grid() && threadIdx.x % 32 == 0) {
         ep_begin_collective(p.peer_bases[p.rank], p.collective);
     }
     // After a failed dispatch the handle's rows cannot be trusted.
@@ -784,10 +785,9 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
         return;
     }
     const int vectors = p.hidden / 8;
-    const int warps = gridDim.x * EP_MOVE_WARPS;
     const int4* x = reinterpret_cast<const int4*>(p.x);
     const int items = ep_spread_items(rows, p.world);
-    for (int i = blockIdx.x * EP_MOVE_WARPS + warp; i < items; i += warps) {
+    for (int i = ep_first_item(warp); i < items; i += ep_item_stride()) {
         const int row = ep_spread_row(i, rows, p.world, p.rank);
         if (row < 0) {
             continue;
@@ -832,10 +832,9 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int vectors = p.hidden / 8;
-    const int warps = gridDim.x * EP_MOVE_WARPS;
     const int4* returned = ep_area<int4>(p.peer_bases, p.rank, p.normal.area, p.normal.off_returned);
     int4* out = reinterpret_cast<int4*>(p.out);
-    for (int token = blockIdx.x * EP_MOVE_WARPS + warp; token < p.num_tokens; token += warps) {
+    for (int token = ep_first_item(warp); token < p.num_tokens; token += ep_item_stride()) {
         const uint64_t ranks = ep_token_ranks(p, token, lane);
         if (ep_stays_home(p, ranks)) {
             continue;

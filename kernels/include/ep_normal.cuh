@@ -43,6 +43,32 @@ __device__ __forceinline__ T* ep_area(const uint64_t* peer_bases, int r, int64_t
     return reinterpret_cast<T*>(peer_bases[r] + area + offset);
 }
 
+// The work items (rows, tokens) of a move kernel, a warp each: item i goes
+// to warp i / grid of block i % grid, so that a small batch spreads over
+// every block of the grid instead of filling the first blocks' warps (with
+// 256 rows on 132 blocks of 16 warps, 16 blocks took every row and their
+// SMs moved all the bytes while the other 116 idled).
+//   for (int i = ep_first_item(warp); i < items; i += ep_item_stride()) ...
+__device__ __forceinline__ int ep_first_item(int warp) {
+    return warp * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x);
+}
+
+__device__ __forceinline__ int ep_item_stride() {
+    return static_cast<int>(gridDim.x) * EP_MOVE_WARPS;
+}
+
+// The grid's last block, and the last warp of it: they get the fewest
+// work items (ep_first_item), so what a move kernel does besides its items
+// (publishing a layout, numbering a call) is done there, where it delays
+// the fewest rows.
+__device__ __forceinline__ bool ep_last_block() {
+    return blockIdx.x == gridDim.x - 1;
+}
+
+__device__ __forceinline__ bool ep_last_warp_of_grid() {
+    return ep_last_block() && threadIdx.x / 32 == blockDim.x / 32 - 1;
+}
+
 // Row loops over rows ordered by source rank (a dispatch's received rows,
 // which the pull reads from their sources; a combine's rows, which the send
 // writes back to them): work item `i` takes row ep_spread_row(i) (-1: none)
