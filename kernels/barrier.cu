@@ -103,17 +103,26 @@ extern "C" __global__ void ep_barrier_kernel(const BarrierParams p) {
         }
         return;
     }
-    const uint64_t own_base = reinterpret_cast<uint64_t>(peer_signals[rank]);
-    // After a failed barrier, signal nothing more (see "Failure").
-    if (!ep_last_barrier_passed(own_base)) {
+    // This rank's words, all read before any is used, so that they cost one
+    // memory round trip instead of a chain of them: its two barrier words,
+    // its open exchange and the call it is in. Its buffer (the call words')
+    // starts EP_BARRIER_COUNTER_OFFSET bytes before the barrier words.
+    const uint64_t own_base = reinterpret_cast<uint64_t>(epoch_counter) - EP_BARRIER_COUNTER_OFFSET;
+    const volatile int* words = epoch_counter;
+    const int entered = words[0];
+    const int passed = words[1];
+    const int open = *reinterpret_cast<const volatile int*>(p.open_exchange);
+    const int call = ep_current_call(own_base);
+    // After a failed barrier, signal nothing more (see "Failure"; the test
+    // of ep_last_barrier_passed).
+    if (entered != passed) {
         return;
     }
     // A closing barrier with nothing of its kind open (see "Roles").
-    if (p.role == EP_BARRIER_CLOSING && *p.open_exchange != p.exchange) {
+    if (p.role == EP_BARRIER_CLOSING && open != p.exchange) {
         return;
     }
-    const int epoch = epoch_counter[0] + 1;
-    const int call = ep_current_call(own_base);
+    const int epoch = entered + 1;
     // Every thread has read the old count before thread 0 replaces it.
     __syncthreads();
     if (threadIdx.x == 0) {

@@ -253,7 +253,9 @@ abi_struct! {
         /// `[world]` address, valid on this GPU, of every rank's signal
         /// slots (the start of its symmetric buffer).
         peer_signals: u64 => "uint64_t* const*",
-        /// This rank's two barrier words (`BARRIER_COUNTER_OFFSET`).
+        /// This rank's two barrier words: `BARRIER_COUNTER_OFFSET` into
+        /// its buffer, the one `peer_signals[rank]` names (the kernel
+        /// finds the buffer's call words from this address).
         epoch_counter: u64 => "int*",
         /// This rank's open-exchange word (`OPEN_EXCHANGE_OFFSET`).
         open_exchange: u64 => "int*",
