@@ -343,8 +343,10 @@ typedef struct ep_combine_args_t {
   // `[num_tokens, hidden]` BF16 output for this rank's tokens of the
   // dispatch; a token routed nowhere gets zeros. Here num_tokens is the
   // dispatch's. Must not overlap `x` (the GPU writes a token's output
-  // while it still reads other rows). Required when num_tokens > 0; may
-  // be NULL otherwise (then not written).
+  // while it still reads other rows); refused when it does and the host
+  // knows the rows `x` holds (a dispatch with host synchronisation), and
+  // when it is `x` itself. Required when num_tokens > 0; may be NULL
+  // otherwise (then not written).
   void *out;
 } ep_combine_args_t;
 

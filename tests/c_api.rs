@@ -391,6 +391,34 @@ fn null_pointers_of_context_functions() {
             "{}",
             last_error()
         );
+        // Without host synchronisation the host does not learn the rows:
+        // here every slot is dropped, no row arrives, and `x` may be any
+        // small buffer right before `out`. Only `out` = `x` is refused.
+        let dropped = vec![-1i32; t.idx.len()];
+        let mut b = a;
+        b.topk_idx = dropped.as_ptr();
+        b.flags = EP_DISPATCH_NO_HOST_SYNC;
+        assert_eq!(dispatch(&ctx, &b, &h), EP_SUCCESS, "{}", last_error());
+        shared.fill(0x3f80); // BF16 1.0
+        let mut d = c;
+        d.x = shared.as_ptr() as *const _;
+        d.out = shared[1..].as_mut_ptr() as *mut _;
+        assert_eq!(
+            ep_combine(ctx.0, &d, h.0, null_mut()),
+            EP_SUCCESS,
+            "{}",
+            last_error()
+        );
+        // Tokens routed nowhere come out as zeros.
+        assert!(shared[1..1 + 3 * 128].iter().all(|&v| v == 0));
+        assert_eq!(shared[0], 0x3f80);
+        d.out = shared.as_mut_ptr() as *mut _;
+        expect(
+            ep_combine(ctx.0, &d, h.0, null_mut()),
+            EP_ERR_INVALID_ARGUMENT,
+            "ep_combine",
+            &["`out`", "overlaps `x`", "unknown rows"],
+        );
 
         // Megakernels: context, arguments, handle.
         let dispatch_half = dispatch_args();

@@ -224,11 +224,14 @@ pub struct CombineOp {
 
 impl CombineOp {
     /// An error when `out` (`num_tokens` rows) overlaps the rows it sums:
-    /// `rows` rows at `input` (`input_name`), or its first row when the host
-    /// does not know how many arrived. The GPU writes the output of a token
-    /// that went to its own rank alone while it still reads other rows
-    /// (kernels/normal.cu), so the output may not be the input, on any
-    /// backend. Rows are `row_bytes` long.
+    /// `rows` rows at `input` (`input_name`). When the host does not know
+    /// how many rows arrived (`rows` is `None`: a dispatch without host
+    /// synchronisation, or a fused one), only an `out` at the input's own
+    /// address is refused: the rank may have received no row, and its input
+    /// may then be any small buffer, right next to `out` too. The GPU writes
+    /// the output of a token that went to its own rank alone while it still
+    /// reads other rows (kernels/normal.cu), so the output may not be the
+    /// input, on any backend. Rows are `row_bytes` long.
     pub fn check_disjoint(
         &self,
         input_name: &str,
@@ -241,16 +244,24 @@ impl CombineOp {
             let start = ptr as usize;
             start..start.saturating_add(rows.saturating_mul(row_bytes))
         };
-        let read = span(input, rows.unwrap_or(1));
         let written = span(self.out, num_tokens);
-        let empty = input.is_null() || self.out.is_null() || read.is_empty() || written.is_empty();
-        if !empty && read.start < written.end && written.start < read.end {
+        if input.is_null() || written.is_empty() {
+            return Ok(());
+        }
+        let overlaps = match rows {
+            Some(rows) => {
+                let read = span(input, rows);
+                !read.is_empty() && read.start < written.end && written.start < read.end
+            }
+            None => input as usize == written.start,
+        };
+        if overlaps {
             return Err(Error::invalid(format!(
                 "`out` ({:#x}, {num_tokens} rows) overlaps `{input_name}` ({:#x}, {} rows): the \
                  combine's output must not be its input",
                 written.start,
-                read.start,
-                rows.map_or("at least 1".to_string(), |r| r.to_string())
+                input as usize,
+                rows.map_or("unknown".to_string(), |r| r.to_string())
             )));
         }
         Ok(())
