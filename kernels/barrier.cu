@@ -108,21 +108,18 @@ extern "C" __global__ void ep_barrier_kernel(const BarrierParams p) {
     // its open exchange and the call it is in. Its buffer (the call words')
     // starts EP_BARRIER_COUNTER_OFFSET bytes before the barrier words.
     const uint64_t own_base = reinterpret_cast<uint64_t>(epoch_counter) - EP_BARRIER_COUNTER_OFFSET;
-    const volatile int* words = epoch_counter;
-    const int entered = words[0];
-    const int passed = words[1];
+    const EpBarrierWords words = ep_barrier_words(own_base);
     const int open = *reinterpret_cast<const volatile int*>(p.open_exchange);
     const int call = ep_current_call(own_base);
-    // After a failed barrier, signal nothing more (see "Failure"; the test
-    // of ep_last_barrier_passed).
-    if (entered != passed) {
+    // After a failed barrier, signal nothing more (see "Failure").
+    if (!words.last_passed()) {
         return;
     }
     // A closing barrier with nothing of its kind open (see "Roles").
     if (p.role == EP_BARRIER_CLOSING && open != p.exchange) {
         return;
     }
-    const int epoch = entered + 1;
+    const int epoch = words.entered + 1;
     // Every thread has read the old count before thread 0 replaces it.
     __syncthreads();
     if (threadIdx.x == 0) {

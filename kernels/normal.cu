@@ -430,9 +430,8 @@ extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
     const int chunk = ticket;
     if (chunk < chunks) {
         ep_count_chunk(p, chunk, warp_counts, mine);
-        const int* warp_bases = warp_counts;
-        ep_stage_chunk(p, chunk, chunks, warp_bases,
-                       warp_counts + EP_CHUNK_WARPS * (p.world + p.num_experts), mine);
+        int* const chunk_base = warp_counts + EP_CHUNK_WARPS * (p.world + p.num_experts);
+        ep_stage_chunk(p, chunk, chunks, warp_counts, chunk_base, mine);
     }
     ep_stage_rows(p);
 }
@@ -562,10 +561,10 @@ __device__ bool ep_pull_layout(const DispatchParams& p, PullLayout& layout) {
 // The grid's last block (ep_last_block; the others return at once): the
 // layout's outputs: the received rows (0 when the layout is not sane), the
 // handle's rows (0 unless they fit the buffers), and the expert-major
-// offsets and real rows (also the handle's copy). A host that waits for the counts
-// (`host_counts`) learns them here, before the rows move: after the counts,
-// thread 0 publishes the dispatch's number (host_counts_seq, when not 0)
-// behind them.
+// offsets and real rows (also the handle's copy). A host that waits for
+// the counts (`host_counts`) learns them here, before the rows move: after
+// the counts, thread 0 publishes the dispatch's number (host_counts_seq,
+// when not 0) behind them.
 __device__ __forceinline__ void ep_pull_publish_layout(const DispatchParams& p,
                                                        const PullLayout& layout, bool sane,
                                                        bool fits, int local_experts) {

@@ -371,13 +371,25 @@ __device__ __forceinline__ bool ep_wait_until_ge(const int* addr, int target, ui
 // rank itself: the number of barriers it has entered, then the number of
 // the last one it passed.
 
-// True when this rank passed its latest barrier (or has run none), read
-// from its own buffer `own_base`: kernels that use what peers wrote before
-// a barrier check it first, and do nothing after a barrier that timed out
-// or was aborted. Device memory, so the check costs no host round trip.
-__device__ __forceinline__ bool ep_last_barrier_passed(uint64_t own_base) {
+struct EpBarrierWords {
+    int entered;
+    int passed;
+    // This rank passed its latest barrier (or has run none).
+    __device__ __forceinline__ bool last_passed() const { return entered == passed; }
+};
+
+// The two words, read from the rank's own buffer `own_base`.
+__device__ __forceinline__ EpBarrierWords ep_barrier_words(uint64_t own_base) {
     const volatile int* words = reinterpret_cast<const volatile int*>(own_base + EP_BARRIER_COUNTER_OFFSET);
-    return words[0] == words[1];
+    return {words[0], words[1]};
+}
+
+// True when this rank passed its latest barrier (or has run none): kernels
+// that use what peers wrote before a barrier check it first, and do nothing
+// after a barrier that timed out or was aborted. Device memory, so the
+// check costs no host round trip.
+__device__ __forceinline__ bool ep_last_barrier_passed(uint64_t own_base) {
+    return ep_barrier_words(own_base).last_passed();
 }
 
 // ---------------------------------------------------------------------------

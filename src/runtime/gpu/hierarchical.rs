@@ -364,10 +364,10 @@ impl Hierarchy {
         stream: Stream,
     ) -> Result<()> {
         let params = self.params(rt, handle, flat.handle_in_rank);
-        // Every row goes through the node partials: no token stays home.
+        // Every row goes through the node partials: no token stays home
+        // (`flat.home_tokens` is 0 with a hierarchy, see `combine_params`).
         let send = CombineParams {
             peer_bases: self.send_table.ptr(),
-            home_tokens: 0,
             ..*flat
         };
         // The final sum reads the node partials: one per node, nodes
@@ -379,7 +379,6 @@ impl Hierarchy {
                 ..flat.normal
             },
             world: self.nodes.nodes() as i32,
-            home_tokens: 0,
             ..*flat
         };
         let sms = rt.normal_grid();
