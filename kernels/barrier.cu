@@ -12,14 +12,15 @@
 //
 // Protocol for the barrier with number `epoch`, in call `call`:
 //   1. for every rank p (this one too): store (call, epoch) into slot [rank]
-//      of p's array, as one release store;
+//      of p's array, as one release: a system-scope fence, then the store
+//      (ep_fence_and_store_sys_u64);
 //   2. wait until every slot of this rank's own array has reached `epoch`,
 //      with acquire loads; a slot at exactly `epoch` must carry `call`.
 // When step 2 finishes, every rank has finished step 1, so every rank has
 // reached the barrier. Because the stores are releases and the loads are
 // acquires, whatever a rank wrote before the barrier (its earlier kernels on
-// this stream included: stream order puts them before this kernel, and a
-// release publishes everything its thread has observed) is visible to every
+// this stream included: stream order puts them before this kernel, and the
+// fence orders them before the store) is visible to every
 // rank after it. So a rank may write into a peer's buffer, barrier, and the
 // peer may read.
 //
@@ -105,9 +106,17 @@ extern "C" __global__ void ep_barrier_kernel(const BarrierParams p) {
     }
     // This rank's words, all read before any is used, so that they cost one
     // memory round trip instead of a chain of them: its two barrier words,
-    // its open exchange and the call it is in. Its buffer (the call words')
-    // starts EP_BARRIER_COUNTER_OFFSET bytes before the barrier words.
+    // its open exchange and the call it is in (its buffer, the call words',
+    // starts EP_BARRIER_COUNTER_OFFSET bytes before the barrier words), and
+    // thread p's two slots of peer p.
     const uint64_t own_base = reinterpret_cast<uint64_t>(epoch_counter) - EP_BARRIER_COUNTER_OFFSET;
+    const int peer = threadIdx.x;
+    uint64_t* slot_at_peer = nullptr;            // peer's slot [rank]
+    const uint64_t* my_slot_for_peer = nullptr;  // this rank's slot [peer]
+    if (peer < world) {
+        slot_at_peer = peer_signals[peer] + rank;
+        my_slot_for_peer = peer_signals[rank] + peer;
+    }
     const EpBarrierWords words = ep_barrier_words(own_base);
     const int open = *reinterpret_cast<const volatile int*>(p.open_exchange);
     const int call = ep_current_call(own_base);
@@ -125,25 +134,22 @@ extern "C" __global__ void ep_barrier_kernel(const BarrierParams p) {
     if (threadIdx.x == 0) {
         epoch_counter[0] = epoch;
     }
-    const int peer = threadIdx.x;
     bool arrived = true;
     if (peer < world) {
         // Step 1: tell `peer` that this rank has arrived. The fence orders
         // the writes of the kernels before this one on the stream, which
         // this thread has not observed itself, before the signal.
-        __threadfence_system();
-        ep_st_release_sys_u64(peer_signals[peer] + rank, ep_barrier_signal(epoch, call));
+        ep_fence_and_store_sys_u64(slot_at_peer, ep_barrier_signal(epoch, call));
 
         // Step 2: wait for `peer` to arrive here. A thread that fails stops
         // waiting; its siblings notice the recorded error on their next
         // poll and stop as well (see ep_wait_until).
-        const uint64_t* my_slot_for_peer = peer_signals[rank] + peer;
         uint64_t seen = 0;
         const auto load = [&] {
             seen = ep_ld_acquire_sys_u64(my_slot_for_peer);
             return ep_signal_epoch(seen);
         };
-        const uint64_t peer_base = reinterpret_cast<uint64_t>(peer_signals[peer]);
+        const uint64_t peer_base = reinterpret_cast<uint64_t>(slot_at_peer - rank);
         arrived = ep_wait_until(load, epoch, ep_deadline_after(p.timeout_ns), p.abort_flag,
                                 p.status, peer, EP_PHASE_BARRIER, ep_peer_call(peer_base, call));
         if (arrived && ep_signal_epoch(seen) == epoch && ep_signal_call(seen) != call) {

@@ -183,7 +183,7 @@ __device__ void ep_stage_rows(const DispatchParams& p) {
 
 // ---------------------------------------------------------------------------
 // Dispatch 1: count and stage (EP_CHUNK_TOKENS threads, dynamic shared
-// memory (EP_CHUNK_WARPS + 1) * (world + experts) ints)
+// memory EP_COUNT_SHARED_ROWS * (world + experts) ints)
 // ---------------------------------------------------------------------------
 
 // With `stage_in_count` (every single-node dispatch; grid max(chunks, SM
@@ -192,18 +192,34 @@ __device__ void ep_stage_rows(const DispatchParams& p) {
 // chunks to count. A block that has counted its chunk publishes its counts
 // (ready flag c, a GPU-scope release), waits for the counts of every
 // earlier chunk (acquires), sums them into its chunk's bases and stages its
-// tokens; the last chunk also writes the totals. Then every block takes its
-// share of the copy for the peers. A block only ever waits for chunks of
-// lower tickets, whose blocks are running (they took their tickets first)
-// and wait for nobody later, so the waits end whatever the residency. The
-// pull, which follows on the stream, clears the tickets and flags for the
-// next dispatch (ep_clear_chunk_sync). Without `stage_in_count` (the
-// hierarchical mode, which stages in its own kernels) block b counts chunk
-// b and stops.
+// tokens; the last chunk also writes the totals, and publishes no flag:
+// only later chunks wait for one. Then every block takes its share of the
+// copy for the peers. A block only ever waits for chunks of lower tickets,
+// whose blocks are running (they took their tickets first) and wait for
+// nobody later, so the waits end whatever the residency. A dispatch of one
+// chunk (up to EP_CHUNK_TOKENS tokens) takes no tickets: nobody waits, so
+// block 0 counts it at once. The pull, which follows on the stream, clears
+// the tickets and flags for the next dispatch (ep_clear_chunk_sync).
+// Without `stage_in_count` (the hierarchical mode, which stages in its own
+// kernels) block b counts chunk b and stops.
 //
 // The words of `chunk_sync` (normal.off_chunk_sync, EP_CHUNK_SYNC_HEADER
 // words, then a ready flag per chunk).
 #define EP_CHUNK_SYNC_TICKET 0
+
+// The count kernel's dynamic shared memory, EP_COUNT_SHARED_ROWS rows of
+// `columns` (world + experts) ints: EP_CHUNK_WARPS rows of the warps'
+// masks, then bases (ep_count_chunk); the chunk's bases (the counts of the
+// earlier chunks); the chunk's own counts.
+static_assert(EP_COUNT_SHARED_ROWS == EP_CHUNK_WARPS + 2, "count kernel's shared rows");
+
+__device__ __forceinline__ int* ep_chunk_base(int* shared, int columns) {
+    return shared + EP_CHUNK_WARPS * columns;
+}
+
+__device__ __forceinline__ int* ep_chunk_total(int* shared, int columns) {
+    return shared + (EP_CHUNK_WARPS + 1) * columns;
+}
 
 __device__ __forceinline__ int ep_chunk_count(int num_tokens) {
     return max(1, (num_tokens + EP_CHUNK_TOKENS - 1) / EP_CHUNK_TOKENS);
@@ -212,9 +228,10 @@ __device__ __forceinline__ int ep_chunk_count(int num_tokens) {
 // Block-wide: the warps' lane masks (`warp_counts`, [warp][columns], see
 // ep_count_chunk) become each warp's base (exclusive, token order: the
 // tokens of earlier warps), and the chunk's totals go to
-// chunk_counts[chunk].
+// chunk_counts[chunk] (for the later chunks) and to the block's
+// `chunk_total` (for itself, without a round trip through global memory).
 __device__ __forceinline__ void ep_scan_warp_counts(int* warp_counts, int* chunk_counts,
-                                                    int chunk, int columns) {
+                                                    int* chunk_total, int chunk, int columns) {
     for (int c = threadIdx.x; c < columns; c += blockDim.x) {
         int running = 0;
         for (int w = 0; w < EP_CHUNK_WARPS; ++w) {
@@ -223,6 +240,7 @@ __device__ __forceinline__ void ep_scan_warp_counts(int* warp_counts, int* chunk
             running += count;
         }
         chunk_counts[static_cast<int64_t>(chunk) * columns + c] = running;
+        chunk_total[c] = running;
     }
 }
 
@@ -298,7 +316,8 @@ __device__ void ep_count_chunk(const DispatchParams& p, int chunk, int* warp_cou
         in_warp[k] = e >= 0 ? __popc(masks[p.world + e] & ep_lanemask_lt()) : 0;
     }
     __syncthreads();
-    ep_scan_warp_counts(warp_counts, chunk_counts, chunk, columns);
+    ep_scan_warp_counts(warp_counts, chunk_counts, ep_chunk_total(warp_counts, columns), chunk,
+                        columns);
     __syncthreads();
 
     const int* const warp_base = warp_counts + warp * columns;
@@ -331,30 +350,29 @@ __device__ void ep_count_chunk(const DispatchParams& p, int chunk, int* warp_cou
     }
 }
 
-// After ep_count_chunk, with `stage_in_count`: publishes the chunk's counts,
-// waits for the earlier chunks' (see "Dispatch 1"), sums them into the
-// chunk's bases (`chunk_base`: `columns` ints of the kernel's shared
-// memory, after the warps' rows) and pushes the records of the chunk's
+// After ep_count_chunk, with `stage_in_count`: publishes the chunk's counts
+// unless it is the last chunk, waits for the earlier chunks' (see
+// "Dispatch 1"), sums them into the chunk's bases (ep_chunk_base in the
+// kernel's shared memory `shared`) and pushes the records of the chunk's
 // tokens (`mine`: this thread's); the last chunk writes the totals. After a
 // failed wait (recorded) it stages nothing.
-__device__ void ep_stage_chunk(const DispatchParams& p, int chunk, int chunks,
-                               const int* warp_counts, int* chunk_base,
+__device__ void ep_stage_chunk(const DispatchParams& p, int chunk, int chunks, int* shared,
                                const EpCountedToken& mine) {
     const int columns = p.world + p.num_experts;
     const int* chunk_counts = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_counts);
     int* const ready = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_sync) +
                        EP_CHUNK_SYNC_HEADER;
+    int* const chunk_base = ep_chunk_base(shared, columns);
     // The block's stores of its counts are done, and visible to its own
     // threads; the fence and the release publish them to the blocks that
-    // wait for them.
+    // wait for them. Nobody waits for the last chunk.
     __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        ep_st_release_gpu(ready + chunk, 1);
+    if (threadIdx.x == 0 && chunk < chunks - 1) {
+        ep_fence_and_store_gpu(ready + chunk, 1);
     }
-    // The wait has no peer: its "peer call" is this chunk's own flag, set
-    // to 1 above, so ep_wait_until's test for a peer in another call never
-    // fires.
+    // The wait has no peer: its "peer call" is this chunk's own flag, 1
+    // (the last chunk's stays 0), never ahead of 1, so ep_wait_until's test
+    // for a peer in another call never fires.
     const EpPeerCall no_peer{ready + chunk, 1};
     bool arrived = true;
     for (int earlier = threadIdx.x; earlier < chunk && arrived; earlier += blockDim.x) {
@@ -369,19 +387,39 @@ __device__ void ep_stage_chunk(const DispatchParams& p, int chunk, int chunks,
     __syncthreads();
     if (chunk == chunks - 1) {
         int* totals = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_totals);
+        const int* chunk_total = ep_chunk_total(shared, columns);
         for (int c = threadIdx.x; c < columns; c += blockDim.x) {
-            totals[c] = chunk_base[c] + chunk_counts[static_cast<int64_t>(chunk) * columns + c];
+            totals[c] = chunk_base[c] + chunk_total[c];
         }
     }
     const int warp = threadIdx.x / 32;
-    ep_push_records(p, chunk * EP_CHUNK_TOKENS + threadIdx.x, mine, warp_counts + warp * columns,
+    ep_push_records(p, chunk * EP_CHUNK_TOKENS + threadIdx.x, mine, shared + warp * columns,
                     chunk_base);
 }
 
-// The block's ticket (see "Dispatch 1"), by thread 0.
-__device__ __forceinline__ int ep_take_ticket(const DispatchParams& p) {
-    int* sync = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_sync);
-    return atomicAdd(sync + EP_CHUNK_SYNC_TICKET, 1);
+// The chunk this block counts (none when >= chunks), by the whole block,
+// with `stage_in_count` (see "Dispatch 1"): its ticket, or with one chunk
+// its index. The block that counts no chunk, or the only block, starts the
+// collective call (ep_device.cuh, "Collective calls"; the barriers carry
+// its word): the last ticket, or with one chunk the grid's last block.
+// `ticket` is a shared int.
+__device__ __forceinline__ int ep_block_chunk(const DispatchParams& p, int chunks, int& ticket) {
+    const int last = static_cast<int>(gridDim.x) - 1;
+    if (chunks == 1) {
+        if (threadIdx.x == 0 && static_cast<int>(blockIdx.x) == last) {
+            ep_begin_collective(p.peer_bases[p.rank], p.collective);
+        }
+        return blockIdx.x;
+    }
+    if (threadIdx.x == 0) {
+        int* sync = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_sync);
+        ticket = atomicAdd(sync + EP_CHUNK_SYNC_TICKET, 1);
+        if (ticket == last) {
+            ep_begin_collective(p.peer_bases[p.rank], p.collective);
+        }
+    }
+    __syncthreads();
+    return ticket;
 }
 
 // By the pull after a staging count (`stage_in_count`), with block 0: the
@@ -402,36 +440,24 @@ __device__ void ep_clear_chunk_sync(const DispatchParams& p) {
 
 extern "C" __global__ void ep_dispatch_count_kernel(const DispatchParams p) {
     ep_kernel_start();
-    // [EP_CHUNK_WARPS][world + experts]: the warps' masks, then bases;
-    // then [world + experts]: the chunk's bases.
-    extern __shared__ int warp_counts[];
+    // EP_COUNT_SHARED_ROWS rows of world + experts ints (see above).
+    extern __shared__ int shared[];
     __shared__ int ticket;
     EpCountedToken mine;
     const int chunks = ep_chunk_count(p.num_tokens);
-    // The dispatch's first kernel starts the collective call (ep_device.cuh,
-    // "Collective calls"); the barriers carry its word. Without staging,
-    // block 0 does it last, so that its other warps do not wait for its
-    // system-scope fence; with staging, the block of the last ticket at its
-    // start, which counts no chunk when the grid has more blocks than chunks.
+    // Without staging, block 0 starts the collective call last, so that its
+    // other warps do not wait for its system-scope fence.
     if (!p.stage_in_count) {
-        ep_count_chunk(p, blockIdx.x, warp_counts, mine);
+        ep_count_chunk(p, blockIdx.x, shared, mine);
         if (blockIdx.x == 0 && threadIdx.x == 0) {
             ep_begin_collective(p.peer_bases[p.rank], p.collective);
         }
         return;
     }
-    if (threadIdx.x == 0) {
-        ticket = ep_take_ticket(p);
-        if (ticket == static_cast<int>(gridDim.x) - 1) {
-            ep_begin_collective(p.peer_bases[p.rank], p.collective);
-        }
-    }
-    __syncthreads();
-    const int chunk = ticket;
+    const int chunk = ep_block_chunk(p, chunks, ticket);
     if (chunk < chunks) {
-        ep_count_chunk(p, chunk, warp_counts, mine);
-        int* const chunk_base = warp_counts + EP_CHUNK_WARPS * (p.world + p.num_experts);
-        ep_stage_chunk(p, chunk, chunks, warp_counts, chunk_base, mine);
+        ep_count_chunk(p, chunk, shared, mine);
+        ep_stage_chunk(p, chunk, chunks, shared, mine);
     }
     ep_stage_rows(p);
 }
@@ -502,13 +528,13 @@ __device__ long long ep_block_exclusive_scan(long long* values, int n, long long
     return sum;
 }
 
-// Fills `layout` from every source's totals for this rank (read over
-// NVLink), with the whole block: the source-order rows of each source, and
-// each local expert's rows from earlier sources, real rows and padded
-// segment start. Returns false (and records the error) when a total is out
-// of range, which only a peer that wrote garbage can cause; the sizes must
-// then not be used.
-__device__ bool ep_pull_layout(const DispatchParams& p, PullLayout& layout) {
+// Every source's totals for this rank (read over NVLink) into `layout`,
+// unscanned, with the whole block: its rows (source_offset[source + 1])
+// and its rows for each local expert (expert_base). The pull reads them
+// while it reads its barrier words, before it knows whether the barrier
+// passed: the barrier kernel has ended (stream order), so when it passed
+// they are every source's final totals; when it failed they go unused.
+__device__ __forceinline__ void ep_pull_read_totals(const DispatchParams& p, PullLayout& layout) {
     const int local_experts = p.num_experts / p.world;
     for (int i = threadIdx.x; i < p.world * local_experts; i += blockDim.x) {
         const int source = i / local_experts;
@@ -520,6 +546,16 @@ __device__ bool ep_pull_layout(const DispatchParams& p, PullLayout& layout) {
         const int* totals = ep_area<int>(p.peer_bases, threadIdx.x, p.normal.area, p.normal.off_totals);
         layout.source_offset[threadIdx.x + 1] = totals[p.rank];
     }
+}
+
+// Completes `layout` from the totals ep_pull_read_totals read, with the
+// whole block: the source-order rows of each source, and each local
+// expert's rows from earlier sources, real rows and padded segment start.
+// Returns false (and records the error) when a total is out of range,
+// which only a peer that wrote garbage can cause; the sizes must then not
+// be used.
+__device__ bool ep_pull_layout(const DispatchParams& p, PullLayout& layout) {
+    const int local_experts = p.num_experts / p.world;
     __syncthreads();
     // A thread per local expert: its rows from earlier sources, its total,
     // and its padded segment size, scanned into segment starts below.
@@ -714,7 +750,11 @@ extern "C" __global__ void __launch_bounds__(EP_MOVE_THREADS)
     ep_kernel_start();
     ep_clear_chunk_sync(p);
     __shared__ PullLayout layout;
-    if (!ep_last_barrier_passed(p.peer_bases[p.rank])) {
+    // The barrier words and the totals in one round trip (see
+    // ep_pull_read_totals).
+    const EpBarrierWords words = ep_barrier_words(p.peer_bases[p.rank]);
+    ep_pull_read_totals(p, layout);
+    if (!words.last_passed()) {
         return;
     }
     const int local_experts = p.num_experts / p.world;

@@ -70,6 +70,34 @@ __device__ __forceinline__ void ep_st_release_sys_u64(uint64_t* addr, uint64_t v
     asm volatile("st.release.sys.global.u64 [%0], %1;" : : "l"(addr), "l"(value) : "memory");
 }
 
+// A sequentially consistent fence, then a relaxed store: a release pattern
+// of the PTX memory model, for a store that must also publish what this
+// thread has not observed itself (the writes of the kernels before this one
+// on the stream, or of the block's other threads, which only a fence
+// orders). One fence: __threadfence_system() before a release store fences
+// twice (MEMBAR.SC, then the release's MEMBAR.ALL).
+__device__ __forceinline__ void ep_fence_and_store_sys(int* addr, int value) {
+    asm volatile("fence.sc.sys;\n\tst.relaxed.sys.global.s32 [%0], %1;"
+                 :
+                 : "l"(addr), "r"(value)
+                 : "memory");
+}
+
+__device__ __forceinline__ void ep_fence_and_store_sys_u64(uint64_t* addr, uint64_t value) {
+    asm volatile("fence.sc.sys;\n\tst.relaxed.sys.global.u64 [%0], %1;"
+                 :
+                 : "l"(addr), "l"(value)
+                 : "memory");
+}
+
+// The same at GPU scope, for flags that only blocks of this GPU read.
+__device__ __forceinline__ void ep_fence_and_store_gpu(int* addr, int value) {
+    asm volatile("fence.sc.gpu;\n\tst.relaxed.gpu.global.s32 [%0], %1;"
+                 :
+                 : "l"(addr), "r"(value)
+                 : "memory");
+}
+
 // Acquire load and release store at GPU scope: for flags that only blocks of
 // this GPU write and read (a fused kernel's row and tile signals). They are
 // cheaper than the system-scope ones, which must also order against peers
@@ -252,11 +280,9 @@ __device__ __forceinline__ int ep_begin_collective(uint64_t own_base, int op) {
     const int word = ep_call_word(op, *reinterpret_cast<volatile int*>(words) + 1);
     words[0] += 1;
     // The fence orders the earlier kernels' writes (which this thread has
-    // not observed itself) before the word, and the release store
-    // publishes them: a peer that reads this word sees every signal of the
-    // earlier calls.
-    __threadfence_system();
-    ep_st_release_sys(words + 1, word);
+    // not observed itself) before the word: a peer that reads this word
+    // with an acquire sees every signal of the earlier calls.
+    ep_fence_and_store_sys(words + 1, word);
     return word;
 }
 

@@ -69,6 +69,11 @@ abi_consts! {
     /// Normal mode: words of the count kernel's `chunk_sync` before its
     /// per-chunk ready flags (kernels/normal.cu, "Dispatch 1").
     CHUNK_SYNC_HEADER: usize = 1;
+    /// Normal mode: rows of `world + experts` ints in the count kernel's
+    /// dynamic shared memory: a row per warp (`CHUNK_TOKENS / 32`), the
+    /// chunk's bases, the chunk's own counts (kernels/normal.cu,
+    /// "Dispatch 1").
+    COUNT_SHARED_ROWS: usize = CHUNK_TOKENS / 32 + 2;
     /// Normal mode: threads per block of the pull, send and reduce kernels.
     MOVE_THREADS: usize = 512;
 

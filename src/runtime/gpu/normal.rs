@@ -10,8 +10,8 @@ use super::hierarchical::{HierHandle, Hierarchy};
 use super::{ptr, Bound, Runtime};
 use crate::abi::{
     CombineParams, DispatchParams, LayoutParams, NormalOffsets, BARRIER_CLOSING, BARRIER_MIDDLE,
-    CHUNK_SYNC_HEADER, CHUNK_TOKENS, EXCHANGE_COMBINE, EXCHANGE_DISPATCH, LAYOUT_THREADS,
-    MOVE_THREADS,
+    CHUNK_SYNC_HEADER, CHUNK_TOKENS, COUNT_SHARED_ROWS, EXCHANGE_COMBINE, EXCHANGE_DISPATCH,
+    LAYOUT_THREADS, MOVE_THREADS,
 };
 use crate::error::{Error, Result};
 use crate::reference::{normal::worst_case_rows, Dtype};
@@ -23,9 +23,6 @@ use crate::runtime::sequence::Call;
 use std::mem::ManuallyDrop;
 use std::ops::Deref;
 use std::sync::{Arc, Mutex, PoisonError};
-
-/// Warps per block of the count kernel (`EP_CHUNK_WARPS`).
-const CHUNK_WARPS: usize = CHUNK_TOKENS / 32;
 
 /// Blocks of the count kernel: one per chunk of `CHUNK_TOKENS` tokens, at
 /// least one.
@@ -651,7 +648,7 @@ impl NormalMode {
                 &rt.kernels.dispatch_count,
                 blocks,
                 CHUNK_TOKENS as u32,
-                ((CHUNK_WARPS + 1) * columns * 4) as u32,
+                (COUNT_SHARED_ROWS * columns * 4) as u32,
                 stream,
                 params,
             )
