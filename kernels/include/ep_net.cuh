@@ -153,10 +153,14 @@ __device__ __forceinline__ uint64_t* ep_net_signal_word(const EpNet& net, uint64
 // Emulation: publishes everything the calling thread has observed (its
 // block's or warp's copies, ordered before it by the caller's barrier, and
 // what was published to it through an acquire) at system scope, then adds
-// `value` to the word with release semantics.
+// `value` to the word: a sequentially consistent fence, then a relaxed add,
+// the PTX model's release pattern with one fence (as ep_fence_and_store_sys;
+// a release add after __threadfence_system() fenced twice).
 __device__ __forceinline__ void ep_net_release_add(uint64_t* word, uint64_t value) {
-    __threadfence_system();
-    asm volatile("red.release.sys.global.add.u64 [%0], %1;" : : "l"(word), "l"(value) : "memory");
+    asm volatile("fence.sc.sys;\n\tred.relaxed.sys.global.add.u64 [%0], %1;"
+                 :
+                 : "l"(word), "l"(value)
+                 : "memory");
 }
 
 // Adds `value` to signal `id` of rank `peer`, after every put the calling
