@@ -63,7 +63,8 @@
 // ---------------------------------------------------------------------------
 // Send (every block):
 //   1. wait until dispatch_acks[d] >= seq - 2 for every rank d: d has read
-//      everything of the set we are about to overwrite (call seq - 2 used it);
+//      everything of the set we are about to overwrite (call seq - 2 used it;
+//      each block's first look is taken while the call is numbered);
 //   2. every block reads the whole routing into shared memory (the effective
 //      expert of each (token, slot): -1 for dropped, invalid and repeated
 //      ids); it is a few KB, read from L2;
@@ -444,7 +445,21 @@ struct LlCall {
     int seq;
     int word;
     uint64_t deadline;
+    // This thread's look at the acknowledgement it waits for in the send
+    // phase (see acked_rank), taken while the call was numbered: whether
+    // it looked, and what it saw.
+    bool ack_looked;
+    int ack_seen;
 };
+
+// The rank whose acknowledgement thread threadIdx.x waits for in a send
+// phase (wait_for_acks; outside [0, world) for the others): the block's
+// last `world` threads, away from warp 0, whose thread 0 numbers the call
+// (begin_call) and whose first threads load the routing (dispatch_send),
+// so that their round trips overlap instead of following each other.
+__device__ __forceinline__ int acked_rank(const LlParams& p) {
+    return static_cast<int>(threadIdx.x) - (static_cast<int>(blockDim.x) - p.world);
+}
 
 // What a wait for rank `peer` in `call` compares against (ep_peer_call):
 // the peer's call word where its buffer is mapped here. A rank reached only
@@ -482,12 +497,15 @@ __device__ __forceinline__ bool wait_for_signal(const LlParams& p, int id, uint6
 // another node in its acknowledgement signal `ack_row` (which counts the
 // same). Returns false in every thread when a wait failed (the error is
 // recorded).
+// A thread whose look at the start (begin_call) already saw the
+// acknowledgement waits no more: acknowledgements only grow, and that look
+// was an ACQUIRE.
 template <bool kNet>
 __device__ bool wait_for_acks(const LlParams& p, const int* acks, int ack_row, const LlCall& call,
                               int phase) {
-    const int d = threadIdx.x;
+    const int d = acked_rank(p);
     bool failed = false;
-    if (d < p.world) {
+    if (d >= 0 && d < p.world && !(call.ack_looked && ep_reached(call.ack_seen, call.seq - 2))) {
         failed = on_net<kNet>(p, d)
                      ? !wait_for_signal(p, net_signal(p, ack_row, d),
                                         static_cast<uint64_t>(call.seq - 2), call, d, phase)
@@ -524,6 +542,14 @@ __device__ LlCall begin_call(const LlParams& p, int* seq_counter, int* arrivals,
                              int64_t off_acks, int ack_row) {
     __shared__ int s_seq, s_word;
     const uint64_t deadline = ep_deadline_after(p.timeout_ns);
+    // The acknowledgement this thread waits for in the send phase, looked
+    // at (ACQUIRE) while thread 0 numbers the call: mostly it is there
+    // already, and the send phase then needs no round trip for it. This
+    // rank's own array; a rank on another node signals instead.
+    const int acked = acked_rank(p);
+    const bool ack_looked =
+        p.do_send && acked >= 0 && acked < p.world && !on_net<kNet>(p, acked);
+    const int ack_seen = ack_looked ? ep_ld_acquire_sys(ll_at<int>(p, p.rank, off_acks) + acked) : 0;
     if (threadIdx.x == 0) {
         const uint64_t own_base = p.peer_bases[p.rank];
         const int seq = *reinterpret_cast<volatile int*>(seq_counter) + p.do_send;
@@ -538,7 +564,7 @@ __device__ LlCall begin_call(const LlParams& p, int* seq_counter, int* arrivals,
         }
     }
     __syncthreads();
-    const LlCall call{s_seq, s_word, deadline};
+    const LlCall call{s_seq, s_word, deadline, ack_looked, ack_seen};
     const int d = threadIdx.x;
     if (p.do_send && blockIdx.x == gridDim.x - 1 && d < p.world) {
         if (!on_net<kNet>(p, d)) {
