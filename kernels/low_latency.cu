@@ -1245,22 +1245,55 @@ __device__ void put_chunks(const LlParams& p, const EpNet& net, int set, int s, 
     }
 }
 
+// A combine send warp's item of the last dispatch: source s, token t, chunk
+// c, and in lane k < K the row of the token's slot k on this rank (-1 for
+// none, and in every lane when the source sent fewer tokens) and its
+// weight.
+struct ReturnItem {
+    int s, t, c;
+    int row;
+    float w;
+};
+
+// Item `item` (source-major, then token, then chunk; one node: the sources
+// in turn from this rank's next one), warp-wide. The source's token count
+// and the token's rows are read at once (every token slot is in bounds),
+// so the look-up costs one round trip.
+template <bool kNet>
+__device__ __forceinline__ ReturnItem return_item(const LlParams& p, int item, int lane) {
+    const int M = p.max_tokens, K = p.topk, C = chunks_per_row(p);
+    ReturnItem it;
+    it.c = item % C;
+    it.t = item / C % M;
+    it.s = kNet ? item / (C * M) % p.world : (item / (C * M) + p.rank + 1) % p.world;
+    const int sent = ll_at<int>(p, p.rank, p.off_dispatch_tokens)[it.s];
+    const int64_t entry = token_entry(p, it.s, it.t, lane);
+    const int row = lane < K ? ll_at<int>(p, p.rank, p.off_token_rows)[entry] : -1;
+    const float w = lane < K ? ll_at<float>(p, p.rank, p.off_token_weights)[entry] : 0.0f;
+    it.row = it.t < sent ? row : -1;
+    it.w = it.t < sent ? w : 0.0f;
+    return it;
+}
+
 // Block-wide send phase (expert side) of combine call `call`: a warp per
 // (source, token, chunk) of the last dispatch. To a source on another node
 // the chunks are staged in this rank's buffer (an expert row in its row of
 // the zero-copy combine buffer, a partial sum in net_partials) and put.
 template <bool kNet>
 __device__ bool combine_send(const LlParams& p, const LlCall& call) {
+    const int lane = threadIdx.x % 32;
+    const int M = p.max_tokens, K = p.topk, C = chunks_per_row(p), vecs = row_vecs(p);
+    const int items = p.world * M * C, stride = gridDim.x * EP_LL_WARPS;
+    const int first = blockIdx.x * EP_LL_WARPS + threadIdx.x / 32;
+    // The warp's first item is looked up before the wait: it reads this
+    // rank's own arrays of the last dispatch, which the acknowledgements
+    // do not guard.
+    const ReturnItem first_item = return_item<kNet>(p, first, lane);
     if (!wait_for_acks<kNet>(p, ll_at<int>(p, p.rank, p.off_combine_acks),
                              EP_LL_SIGNAL_COMBINE_ACK, call, EP_PHASE_LL_COMBINE)) {
         return false;
     }
     const int seq = call.seq, set = seq & 1;
-    const int lane = threadIdx.x % 32;
-    const int M = p.max_tokens, K = p.topk, C = chunks_per_row(p), vecs = row_vecs(p);
-    const int* dispatched = ll_at<int>(p, p.rank, p.off_dispatch_tokens);
-    const int* token_rows = ll_at<int>(p, p.rank, p.off_token_rows);
-    const float* token_weights = ll_at<float>(p, p.rank, p.off_token_weights);
     note_time(p, EP_LL_TIME_ACKED);
     if (threadIdx.x < 32) {
         for (int s = blockIdx.x; s < p.world; s += gridDim.x) {
@@ -1276,15 +1309,10 @@ __device__ bool combine_send(const LlParams& p, const LlCall& call) {
     // would write rank 0's return rows first, one NVLink port taking all
     // ranks' traffic (as ep_spread_row says of the normal mode). Across
     // nodes the order stays the sources' own (not measured there).
-    for (int item = blockIdx.x * EP_LL_WARPS + threadIdx.x / 32; item < p.world * M * C;
-         item += gridDim.x * EP_LL_WARPS) {
-        const int c = item % C, t = item / C % M;
-        const int s = kNet ? item / (C * M) : (item / (C * M) + p.rank + 1) % p.world;
-        if (t >= dispatched[s]) {
-            continue;
-        }
-        const int row = lane < K ? token_rows[token_entry(p, s, t, lane)] : -1;
-        const float w = lane < K ? token_weights[token_entry(p, s, t, lane)] : 0.0f;
+    for (int item = first; item < items; item += stride) {
+        const ReturnItem it = item == first ? first_item : return_item<kNet>(p, item, lane);
+        const int s = it.s, t = it.t, c = it.c, row = it.row;
+        const float w = it.w;
         const unsigned valid = __ballot_sync(0xffffffffu, row >= 0);
         if (valid == 0) {
             continue;  // no expert of this rank: the source expects nothing
