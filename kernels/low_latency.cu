@@ -1397,7 +1397,12 @@ __device__ void combine_receive(const LlParams& p, const LlCall& call) {
     const int K = p.topk, L = local_experts(p), C = chunks_per_row(p), vecs = row_vecs(p);
     const __nv_bfloat16* rows = ll_at<__nv_bfloat16>(p, p.rank, p.off_combine_rows);
     const int n = call_tokens(p, EP_PHASE_LL_COMBINE);
-    for (int item = blockIdx.x * EP_LL_WARPS + threadIdx.x / 32; item < n * C;
+    // The receiving warps start half a grid away from the sending ones
+    // (combine_send's items start at block 0): at a few tokens the blocks
+    // that send then do not also receive, and a receiver has read its
+    // token's routing while the rows are on their way.
+    const int first_block = (blockIdx.x + gridDim.x / 2) % gridDim.x;
+    for (int item = first_block * EP_LL_WARPS + threadIdx.x / 32; item < n * C;
          item += gridDim.x * EP_LL_WARPS) {
         const int t = item / C, c = item % C;
         const int expert =
