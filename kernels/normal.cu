@@ -255,13 +255,14 @@ __device__ __forceinline__ void ep_scan_warp_counts(int* warp_counts, int* chunk
 //   slot_rank[t][k]  position of (t, k) among the chunk's pairs of its
 //                    expert (effective experts).
 // Positions follow token order. Each warp first builds, in its row of
-// `warp_counts` (the kernel's dynamic shared memory, [warp][world +
-// experts], zeroed here), a mask per column: bit l when its token l goes
-// to that rank or expert (a token names an expert once, so OR-ing the
-// bits in any order gives the same masks). A token's position among its
-// warp's tokens of a column is then the number of lower bits set, and the
-// block scan turns the masks into per-warp bases.
-__device__ void ep_count_chunk(const DispatchParams& p, int chunk, int* warp_counts,
+// `shared` (the kernel's dynamic shared memory, whose first rows are the
+// warps', [warp][world + experts], zeroed here; see EP_COUNT_SHARED_ROWS),
+// a mask per column: bit l when its token l goes to that rank or expert (a
+// token names an expert once, so OR-ing the bits in any order gives the
+// same masks). A token's position among its warp's tokens of a column is
+// then the number of lower bits set, and the block scan turns the masks
+// into per-warp bases.
+__device__ void ep_count_chunk(const DispatchParams& p, int chunk, int* shared,
                                EpCountedToken& mine) {
     const int columns = p.world + p.num_experts;
     const int warp = threadIdx.x / 32;
@@ -271,7 +272,7 @@ __device__ void ep_count_chunk(const DispatchParams& p, int chunk, int* warp_cou
     const bool real = token < p.num_tokens;
     int* const chunk_counts = ep_area<int>(p.peer_bases, p.rank, p.normal.area, p.normal.off_chunk_counts);
     for (int i = threadIdx.x; i < EP_CHUNK_WARPS * columns; i += blockDim.x) {
-        warp_counts[i] = 0;
+        shared[i] = 0;
     }
 
     // The token's ids and effective experts, and its weights, each loaded
@@ -292,7 +293,7 @@ __device__ void ep_count_chunk(const DispatchParams& p, int chunk, int* warp_cou
     __syncthreads();
 
     // The warp's masks.
-    unsigned* const masks = reinterpret_cast<unsigned*>(warp_counts + warp * columns);
+    unsigned* const masks = reinterpret_cast<unsigned*>(shared + warp * columns);
     mine.ranks = 0;
 #pragma unroll
     for (int k = 0; k < EP_MAX_TOPK; ++k) {
@@ -316,11 +317,10 @@ __device__ void ep_count_chunk(const DispatchParams& p, int chunk, int* warp_cou
         in_warp[k] = e >= 0 ? __popc(masks[p.world + e] & ep_lanemask_lt()) : 0;
     }
     __syncthreads();
-    ep_scan_warp_counts(warp_counts, chunk_counts, ep_chunk_total(warp_counts, columns), chunk,
-                        columns);
+    ep_scan_warp_counts(shared, chunk_counts, ep_chunk_total(shared, columns), chunk, columns);
     __syncthreads();
 
-    const int* const warp_base = warp_counts + warp * columns;
+    const int* const warp_base = shared + warp * columns;
 #pragma unroll
     for (int k = 0; k < EP_MAX_TOPK; ++k) {
         const int e = mine.experts[k];

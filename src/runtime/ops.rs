@@ -245,7 +245,7 @@ impl CombineOp {
             start..start.saturating_add(rows.saturating_mul(row_bytes))
         };
         let written = span(self.out, num_tokens);
-        if input.is_null() || written.is_empty() {
+        if input.is_null() || self.out.is_null() || written.is_empty() {
             return Ok(());
         }
         let overlaps = match rows {
