@@ -137,8 +137,11 @@
 // most R * G <= SMs SMs: while some rank's grid waits to start, at least G
 // SMs hold no waiting kernel, and whatever else runs there (the normal
 // mode's copy kernels, the application's kernels) never waits for a peer
-// and finishes, after which the grid is resident. Waits are bounded all the
-// same (ep_wait_until_ge); kernels never trap.
+// and finishes, after which the grid is resident. (A rank with a GPU of its
+// own launches its kernels as programmatic dependents: blocks of the next
+// kernel may be resident early, but they wait only for the kernel ahead on
+// the stream, never for a peer; ranks that share a GPU do not.) Waits are
+// bounded all the same (ep_wait_until_ge); kernels never trap.
 //
 // Across nodes: with several nodes (ranks_per_node), what goes to a rank of
 // another node (bit r of net_mask) takes the network leg of

@@ -506,6 +506,10 @@ pub enum LaunchOrder {
     /// Stream order, and the driver starts the grid only with every block
     /// resident at once, so blocks may wait for each other.
     Cooperative,
+    /// Both: a cooperative grid launched as a programmatic dependent. Its
+    /// blocks may take SMs early, where they wait for the kernel ahead only
+    /// (`ep_kernel_start`); for a device whose SMs no other rank needs.
+    CooperativeProgrammatic,
 }
 
 /// One kernel of a [`Module`], whose single parameter is a `P` (a struct of
@@ -593,18 +597,26 @@ impl<P> Kernel<P> {
         }
         // SAFETY: an all-zero attribute is valid; the union member written
         // is the one the attribute id names.
-        let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        let mut attributes: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
         use sys::CUlaunchAttributeID_enum as Id;
-        match order {
-            LaunchOrder::Stream => {}
-            LaunchOrder::Programmatic => {
-                attribute.id = Id::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-                attribute.value.programmaticStreamSerializationAllowed = 1;
-            }
-            LaunchOrder::Cooperative => {
-                attribute.id = Id::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
-                attribute.value.cooperative = 1;
-            }
+        let (programmatic, cooperative) = match order {
+            LaunchOrder::Stream => (false, false),
+            LaunchOrder::Programmatic => (true, false),
+            LaunchOrder::Cooperative => (false, true),
+            LaunchOrder::CooperativeProgrammatic => (true, true),
+        };
+        let mut count = 0;
+        if programmatic {
+            attributes[count].id = Id::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attributes[count]
+                .value
+                .programmaticStreamSerializationAllowed = 1;
+            count += 1;
+        }
+        if cooperative {
+            attributes[count].id = Id::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+            attributes[count].value.cooperative = 1;
+            count += 1;
         }
         let config = sys::CUlaunchConfig {
             gridDimX: grid,
@@ -615,8 +627,8 @@ impl<P> Kernel<P> {
             blockDimZ: 1,
             sharedMemBytes: shared_bytes,
             hStream: stream,
-            attrs: &mut attribute,
-            numAttrs: (order != LaunchOrder::Stream) as u32,
+            attrs: attributes.as_mut_ptr(),
+            numAttrs: count as u32,
         };
         let mut param = params as *const P as *mut c_void;
         // SAFETY: the caller vouches for the module, the pointers inside

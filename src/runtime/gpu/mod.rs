@@ -609,7 +609,12 @@ pub struct Runtime {
 /// barrier that waits for a rank on the same GPU, they can hold the SMs
 /// that rank's cooperative kernel needs to start, and neither goes on (seen
 /// with two ranks on one GPU). Ranks on GPUs of their own need no SM of
-/// each other. Cooperative kernels are always launched in stream order.
+/// each other, and there the cooperative kernels are programmatic
+/// dependents too (`LaunchOrder::CooperativeProgrammatic`): the blocks of
+/// one that start early wait only for the kernel ahead on the same stream,
+/// which never waits for them, and the rest start as that kernel's blocks
+/// leave; so a low-latency pair's second kernel is resident when the first
+/// ends instead of being launched then.
 fn programmatic_launch(placement: &Placement) -> bool {
     let enabled = std::env::var("EP_PROGRAMMATIC_LAUNCH").map_or(true, |v| v.trim() != "0");
     enabled && placement.sharing.len() == 1
@@ -763,7 +768,9 @@ impl Bound<'_> {
         stream: Stream,
         params: &P,
     ) -> Result<()> {
-        let order = if cooperative {
+        let order = if cooperative && self.programmatic {
+            LaunchOrder::CooperativeProgrammatic
+        } else if cooperative {
             LaunchOrder::Cooperative
         } else if self.programmatic {
             LaunchOrder::Programmatic
