@@ -517,6 +517,20 @@ __device__ bool wait_for_acks(const LlParams& p, const int* acks, int ack_row, c
     return !__syncthreads_or(failed);
 }
 
+// The first item of this warp where a phase deals its items a warp each,
+// blocks first (item i to warp i / G of block i % G, for a grid of G
+// blocks), from the block at place `place` of the deal: consecutive items
+// land on different SMs, so the chunks of one token are moved by as many
+// SMs as it has chunks, not all by the warps of one SM. The next item of
+// the warp is EP_LL_WARPS * G further (deal_stride).
+__device__ __forceinline__ int dealt_item(int place) {
+    return static_cast<int>(threadIdx.x / 32 * gridDim.x) + place;
+}
+
+__device__ __forceinline__ int deal_stride() {
+    return static_cast<int>(gridDim.x) * EP_LL_WARPS;
+}
+
 // Warp-wide: lane 0 runs `wait` (an ACQUIRE wait); true in every lane when
 // it succeeded. The warp barrier orders the other lanes' later reads after
 // the acquire (a shuffle alone orders no memory).
@@ -1069,7 +1083,7 @@ __device__ void dispatch_receive(const LlParams& p, const LlCall& call) {
     __shared__ int s_first[EP_MAX_EXPERTS];
     __shared__ int s_tokens[EP_MAX_WORLD_SIZE];
     const int seq = call.seq, set = seq & 1;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int lane = threadIdx.x % 32;
     const int W = p.world, M = p.max_tokens, K = p.topk;
     const ReceivedRows rows = received_rows(p);
     if (!wait_for_counts<kNet>(p, call)) {
@@ -1080,8 +1094,7 @@ __device__ void dispatch_receive(const LlParams& p, const LlCall& call) {
 
     // Step 6: a warp per (source, token, chunk of the message data).
     const int chunks = (rows.data_vecs + EP_LL_CHUNK_VECS - 1) / EP_LL_CHUNK_VECS;
-    for (int item = blockIdx.x * EP_LL_WARPS + warp; item < W * M * chunks;
-         item += gridDim.x * EP_LL_WARPS) {
+    for (int item = dealt_item(blockIdx.x); item < W * M * chunks; item += deal_stride()) {
         const int c = item % chunks, t = item / chunks % M, s = item / (chunks * M);
         if (t >= s_tokens[s]) {
             continue;
@@ -1286,8 +1299,8 @@ template <bool kNet>
 __device__ bool combine_send(const LlParams& p, const LlCall& call) {
     const int lane = threadIdx.x % 32;
     const int M = p.max_tokens, K = p.topk, C = chunks_per_row(p), vecs = row_vecs(p);
-    const int items = p.world * M * C, stride = gridDim.x * EP_LL_WARPS;
-    const int first = blockIdx.x * EP_LL_WARPS + threadIdx.x / 32;
+    const int items = p.world * M * C, stride = deal_stride();
+    const int first = dealt_item(blockIdx.x);
     // The warp's first item is looked up before the wait: it reads this
     // rank's own arrays of the last dispatch, which the acknowledgements
     // do not guard.
@@ -1405,8 +1418,7 @@ __device__ void combine_receive(const LlParams& p, const LlCall& call) {
     // that send then do not also receive, and a receiver has read its
     // token's routing while the rows are on their way.
     const int first_block = (blockIdx.x + gridDim.x / 2) % gridDim.x;
-    for (int item = first_block * EP_LL_WARPS + threadIdx.x / 32; item < n * C;
-         item += gridDim.x * EP_LL_WARPS) {
+    for (int item = dealt_item(first_block); item < n * C; item += deal_stride()) {
         const int t = item / C, c = item % C;
         const int expert =
             ep_effective_expert_of_lane(p.topk_idx + static_cast<int64_t>(t) * K, K, p.num_experts);
