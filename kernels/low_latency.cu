@@ -92,11 +92,13 @@
 //      and src_info and notes (row, weight) per slot in token_rows /
 //      token_weights for the combine.
 // Start (every launch with a send phase, see begin_call): each block reads
-// counters.dispatch_seq and bumps an arrival counter; the last block to
-// arrive resets it and stores seq, and RELEASE-stores seq - 1 into
-// dispatch_acks[rank] of every rank: this rank's receive of call seq - 1
-// ended before this launch began (step 1 of their call seq + 1). Nothing
-// waits at the end of a kernel.
+// counters.dispatch_seq; the grid's last block (the keeper) RELEASE-stores
+// seq - 1 into dispatch_acks[rank] of every rank: this rank's receive of
+// call seq - 1 ended before this launch began (step 1 of their call seq +
+// 1). The other blocks count their arrival (a release add, not waited
+// for), and at the end of its launch the keeper, having seen them all,
+// stores seq for the next launch (end_call). No other block waits at the
+// end of a kernel.
 //
 // Combine mirrors it, in 512-channel chunks: the expert side waits
 // combine_acks >= seq - 2; a warp per (source, token, chunk) of the last
@@ -544,23 +546,38 @@ __device__ __forceinline__ bool warp_wait(Wait wait) {
     return __shfl_sync(0xffffffffu, arrived, 0);
 }
 
+// The block that keeps a launch's numbers (begin_call, end_call): the
+// grid's last one, and in it the thread that publishes and stores them,
+// away from warp 0 and from the acknowledging threads (acked_rank), whose
+// round trips it would otherwise follow. In the other blocks the same
+// thread counts the block's arrival.
+__device__ __forceinline__ bool keeper_block() {
+    return blockIdx.x == gridDim.x - 1;
+}
+
+__device__ __forceinline__ bool bookkeeping_thread() {
+    return threadIdx.x == blockDim.x / 2;
+}
+
 // Block-wide, at the start of every launch: the call this launch works on.
 // A launch with a send phase starts call `*seq_counter + 1`, which is also
-// a new collective call (ep_device.cuh): the last block to read the
-// counters stores the new numbers and publishes the call word, keeping it
-// in `*call_store` for the receive-only launch of a split call (every
-// block's reads are ordered before its arrival, so none reads the new
-// values), and the last block acknowledges the previous call's receive
-// phase to every rank (it ended before this launch started: the calls of a
-// context are ordered). All of it happens at the start so that nothing
-// waits at the end of the kernel.
+// a new collective call (ep_device.cuh). Every block reads the numbers at
+// its start. The keeper block then publishes the call word at once
+// (keeping it in `*call_store` for the receive-only launch of a split
+// call) and acknowledges the previous call's receive phase to every rank
+// (it ended before this launch started: the calls of a context are
+// ordered); every other block counts its arrival in `*arrivals`, a release
+// add it does not wait for. The new numbers are stored at the end of the
+// keeper's launch (end_call), when every block has read the old ones: so no
+// block's start waits for a round trip to a shared counter.
 template <bool kNet>
 __device__ LlCall begin_call(const LlParams& p, int* seq_counter, int* arrivals, int* call_store,
                              int64_t off_acks, int ack_row) {
     __shared__ int s_seq, s_word;
     const uint64_t deadline = ep_deadline_after(p.timeout_ns);
+    const uint64_t own_base = p.peer_bases[p.rank];
     // The acknowledgement this thread waits for in the send phase, looked
-    // at (ACQUIRE) while thread 0 numbers the call: mostly it is there
+    // at (ACQUIRE) while thread 0 reads the numbers: mostly it is there
     // already, and the send phase then needs no round trip for it. This
     // rank's own array; a rank on another node signals instead.
     const int acked = acked_rank(p);
@@ -568,22 +585,30 @@ __device__ LlCall begin_call(const LlParams& p, int* seq_counter, int* arrivals,
         p.do_send && acked >= 0 && acked < p.world && !on_net<kNet>(p, acked);
     const int ack_seen = ack_looked ? ep_ld_acquire_sys(ll_at<int>(p, p.rank, off_acks) + acked) : 0;
     if (threadIdx.x == 0) {
-        const uint64_t own_base = p.peer_bases[p.rank];
-        const int seq = *reinterpret_cast<volatile int*>(seq_counter) + p.do_send;
         const int calls = *reinterpret_cast<volatile int*>(ep_call_words(own_base));
-        s_seq = seq;
+        s_seq = *reinterpret_cast<volatile int*>(seq_counter) + p.do_send;
         s_word = p.do_send ? ep_call_word(p.collective, calls + 1)
                            : *reinterpret_cast<volatile int*>(call_store);
-        // The arrival orders the reads above before the last block's stores.
-        if (p.do_send && ep_last_block_to_arrive(arrivals)) {
-            *seq_counter = seq;
-            *call_store = ep_begin_collective(own_base, p.collective);
-        }
     }
+    // The barrier also orders thread 0's reads before the arrival below (a
+    // release is cumulative).
     __syncthreads();
     const LlCall call{s_seq, s_word, deadline, ack_looked, ack_seen};
+    if (!p.do_send) {
+        return call;
+    }
+    if (!keeper_block()) {
+        if (bookkeeping_thread()) {
+            ep_red_release_gpu(arrivals, 1);
+        }
+        return call;
+    }
+    if (bookkeeping_thread()) {
+        *call_store = call.word;
+        ep_publish_call(own_base, call.word);
+    }
     const int d = threadIdx.x;
-    if (p.do_send && blockIdx.x == gridDim.x - 1 && d < p.world) {
+    if (d < p.world) {
         if (!on_net<kNet>(p, d)) {
             ep_st_release_sys(ll_at<int>(p, d, off_acks) + p.rank, call.seq - 1);
         } else if (call.seq > 1) {
@@ -592,6 +617,25 @@ __device__ LlCall begin_call(const LlParams& p, int* seq_counter, int* arrivals,
         }
     }
     return call;
+}
+
+// The keeper's bookkeeping thread, at the end of a launch with a send
+// phase: waits until every other block has counted its arrival (each did
+// right after its start, so the first look mostly sees them all), then
+// stores the call's numbers for the next launch and resets the count. The
+// numbers are stored even when the wait failed (the error is recorded), as
+// every peer's launch stores its own.
+__device__ void end_call(const LlParams& p, const LlCall& call, int* seq_counter, int* arrivals,
+                         int phase) {
+    if (!p.do_send || !keeper_block() || !bookkeeping_thread()) {
+        return;
+    }
+    const uint64_t own_base = p.peer_bases[p.rank];
+    ep_wait_until_ge(arrivals, static_cast<int>(gridDim.x) - 1, call.deadline, p.abort_flag,
+                     p.status, p.rank, phase, ep_peer_call(own_base, call.word));
+    *arrivals = 0;
+    *seq_counter = call.seq;
+    ep_count_call(own_base);
 }
 
 // ---------------------------------------------------------------------------
@@ -1478,7 +1522,7 @@ __device__ void combine_receive(const LlParams& p, const LlCall& call) {
 // receive phase, or both; `send(call)` returns false when a wait failed.
 template <bool kNet, typename Send, typename Receive>
 __device__ void run_launch(const LlParams& p, int* seq_counter, int* arrivals, int* call_store,
-                           int64_t off_acks, int ack_row, Send send, Receive receive) {
+                           int64_t off_acks, int ack_row, int phase, Send send, Receive receive) {
     start_timeline(p);
     const LlCall call = begin_call<kNet>(p, seq_counter, arrivals, call_store, off_acks, ack_row);
     note_time(p, EP_LL_TIME_NUMBERED);
@@ -1487,6 +1531,7 @@ __device__ void run_launch(const LlParams& p, int* seq_counter, int* arrivals, i
         receive(call);
         note_time(p, EP_LL_TIME_RECEIVED);
     }
+    end_call(p, call, seq_counter, arrivals, phase);
 }
 
 template <bool kNet>
@@ -1494,7 +1539,8 @@ __device__ void ll_dispatch(const LlParams& p) {
     LlCounters* c = counters(p);
     run_launch<kNet>(
         p, &c->dispatch_seq, &c->dispatch_arrivals, &c->dispatch_call, p.off_dispatch_acks,
-        EP_LL_SIGNAL_DISPATCH_ACK, [&](const LlCall& call) { return dispatch_send<kNet>(p, call); },
+        EP_LL_SIGNAL_DISPATCH_ACK, EP_PHASE_LL_DISPATCH,
+        [&](const LlCall& call) { return dispatch_send<kNet>(p, call); },
         [&](const LlCall& call) { dispatch_receive<kNet>(p, call); });
 }
 
@@ -1503,7 +1549,8 @@ __device__ void ll_combine(const LlParams& p) {
     LlCounters* c = counters(p);
     run_launch<kNet>(
         p, &c->combine_seq, &c->combine_arrivals, &c->combine_call, p.off_combine_acks,
-        EP_LL_SIGNAL_COMBINE_ACK, [&](const LlCall& call) { return combine_send<kNet>(p, call); },
+        EP_LL_SIGNAL_COMBINE_ACK, EP_PHASE_LL_COMBINE,
+        [&](const LlCall& call) { return combine_send<kNet>(p, call); },
         [&](const LlCall& call) { combine_receive<kNet>(p, call); });
 }
 

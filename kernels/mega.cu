@@ -569,7 +569,7 @@ __device__ __forceinline__ void ep_mega_send_early_bands(const MegaParams& p, Me
 // before it are visible to a thread that reads a count including it and
 // then fences (ep_mega_wait).
 __device__ __forceinline__ void ep_mega_count(int* count, int n) {
-    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(count), "r"(n) : "memory");
+    ep_red_release_gpu(count, n);
 }
 
 // A combine's phase 2, whole block, after its GEMM (the kernel comment's

@@ -126,6 +126,14 @@ __device__ __forceinline__ void ep_fence_acquire_gpu() {
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
+// Add at GPU scope with release semantics, no value returned (the thread
+// does not wait for it): the stores this thread made or observed before it
+// (a block barrier's, too) are visible to a thread that reads a count
+// including it with an acquire, or reads it and then fences.
+__device__ __forceinline__ void ep_red_release_gpu(int* addr, int value) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(addr), "r"(value) : "memory");
+}
+
 // Atomic add at GPU scope with acquire and release semantics; returns the
 // old value. For arrival counters among the blocks of one grid: every
 // block's earlier accesses are ordered before its arrival, and the block
@@ -273,16 +281,29 @@ __device__ __forceinline__ int* ep_call_words(uint64_t base) {
     return reinterpret_cast<int*>(base + EP_CALL_WORDS_OFFSET);
 }
 
-// One thread, at the start of a call's first kernel: numbers this rank's
-// call of operation `op` and publishes its word, which it returns.
-__device__ __forceinline__ int ep_begin_collective(uint64_t own_base, int op) {
-    int* words = ep_call_words(own_base);
-    const int word = ep_call_word(op, *reinterpret_cast<volatile int*>(words) + 1);
-    words[0] += 1;
+// The two halves of starting a collective call of operation `op`, for a
+// kernel whose blocks read the call count (ep_call_words [0]) themselves:
+// one thread publishes the call's word, ep_call_word(op, count + 1), at
+// once (ep_publish_call), and the count grows only once every block has
+// read it (ep_count_call).
+__device__ __forceinline__ void ep_publish_call(uint64_t own_base, int word) {
     // The fence orders the earlier kernels' writes (which this thread has
     // not observed itself) before the word: a peer that reads this word
     // with an acquire sees every signal of the earlier calls.
-    ep_fence_and_store_sys(words + 1, word);
+    ep_fence_and_store_sys(ep_call_words(own_base) + 1, word);
+}
+
+__device__ __forceinline__ void ep_count_call(uint64_t own_base) {
+    ep_call_words(own_base)[0] += 1;
+}
+
+// One thread, at the start of a call's first kernel: numbers this rank's
+// call of operation `op` and publishes its word, which it returns.
+__device__ __forceinline__ int ep_begin_collective(uint64_t own_base, int op) {
+    const int word =
+        ep_call_word(op, *reinterpret_cast<volatile int*>(ep_call_words(own_base)) + 1);
+    ep_count_call(own_base);
+    ep_publish_call(own_base, word);
     return word;
 }
 
