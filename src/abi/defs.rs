@@ -457,7 +457,9 @@ abi_struct! {
         /// Dispatch calls whose send phase has run.
         dispatch_seq: i32,
         combine_seq: i32,
-        /// Blocks of the running launch that have read the call number.
+        /// Blocks of the running launch, but its last (the keeper), that
+        /// have read the call numbers: the keeper stores the new ones
+        /// once all have.
         dispatch_arrivals: i32,
         combine_arrivals: i32,
         /// The call word of the last send phase, which a receive-only
