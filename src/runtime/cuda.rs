@@ -492,24 +492,21 @@ impl Drop for Module {
     }
 }
 
-/// How a launch is ordered after the work ahead of it on its stream.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LaunchOrder {
-    /// Plain stream order: the grid starts once the work ahead has ended.
-    Stream,
+/// How a launch is ordered after the work ahead of it on its stream: two
+/// independent launch attributes; the default is neither (plain stream
+/// order, not cooperative).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LaunchOrder {
     /// Programmatic dependent launch: the grid's blocks may start while the
-    /// kernel ahead still runs (once that kernel allows it, or as it
-    /// ends). Only for ep kernels, each of which waits for the kernel ahead
-    /// before touching memory (`ep_kernel_start`,
-    /// kernels/include/ep_device.cuh).
-    Programmatic,
-    /// Stream order, and the driver starts the grid only with every block
-    /// resident at once, so blocks may wait for each other.
-    Cooperative,
-    /// Both: a cooperative grid launched as a programmatic dependent. Its
-    /// blocks may take SMs early, where they wait for the kernel ahead only
-    /// (`ep_kernel_start`); for a device whose SMs no other rank needs.
-    CooperativeProgrammatic,
+    /// kernel ahead still runs (once that kernel allows it, or as it ends).
+    /// Only for ep kernels, each of which waits for the kernel ahead before
+    /// touching memory (`ep_kernel_start`, kernels/include/ep_device.cuh).
+    /// Without it, plain stream order: the grid starts once the work ahead
+    /// has ended.
+    pub programmatic: bool,
+    /// The driver starts the grid only with every block resident at once,
+    /// so blocks may wait for each other.
+    pub cooperative: bool,
 }
 
 /// One kernel of a [`Module`], whose single parameter is a `P` (a struct of
@@ -562,7 +559,7 @@ impl<P> Kernel<P> {
         stream: CUstream,
         params: &P,
     ) -> Result<()> {
-        let order = LaunchOrder::Stream;
+        let order = LaunchOrder::default();
         // SAFETY: passed on from the caller.
         unsafe { self.launch_ex(bound, order, grid, block, shared_bytes, stream, params) }
     }
@@ -599,21 +596,15 @@ impl<P> Kernel<P> {
         // is the one the attribute id names.
         let mut attributes: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
         use sys::CUlaunchAttributeID_enum as Id;
-        let (programmatic, cooperative) = match order {
-            LaunchOrder::Stream => (false, false),
-            LaunchOrder::Programmatic => (true, false),
-            LaunchOrder::Cooperative => (false, true),
-            LaunchOrder::CooperativeProgrammatic => (true, true),
-        };
         let mut count = 0;
-        if programmatic {
+        if order.programmatic {
             attributes[count].id = Id::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
             attributes[count]
                 .value
                 .programmaticStreamSerializationAllowed = 1;
             count += 1;
         }
-        if cooperative {
+        if order.cooperative {
             attributes[count].id = Id::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
             attributes[count].value.cooperative = 1;
             count += 1;

@@ -603,14 +603,14 @@ pub struct Runtime {
 
 /// Whether the kernels of a context with `placement` are launched as
 /// programmatic dependents of the kernel ahead on their stream
-/// (`LaunchOrder::Programmatic`): yes unless `EP_PROGRAMMATIC_LAUNCH` is
+/// (`LaunchOrder::programmatic`): yes unless `EP_PROGRAMMATIC_LAUNCH` is
 /// `0`, or other ranks share this rank's GPU. A programmatic dependent's
 /// blocks may take their SMs while the kernel ahead still runs; behind a
 /// barrier that waits for a rank on the same GPU, they can hold the SMs
 /// that rank's cooperative kernel needs to start, and neither goes on (seen
 /// with two ranks on one GPU). Ranks on GPUs of their own need no SM of
 /// each other, and there the cooperative kernels are programmatic
-/// dependents too (`LaunchOrder::CooperativeProgrammatic`): the blocks of
+/// dependents too (both attributes of `LaunchOrder`): the blocks of
 /// one that start early wait only for the kernel ahead on the same stream,
 /// which never waits for them, and the rest start as that kernel's blocks
 /// leave; so a low-latency pair's second kernel is resident when the first
@@ -751,7 +751,7 @@ impl Bound<'_> {
     }
 
     /// Launches `kernel` on `stream`, cooperatively when `cooperative` (for
-    /// kernels whose blocks wait for each other), else as a programmatic
+    /// kernels whose blocks wait for each other), and as a programmatic
     /// dependent where the runtime allows it (see `programmatic_launch` and
     /// `Kernel::launch_ex`).
     ///
@@ -768,14 +768,9 @@ impl Bound<'_> {
         stream: Stream,
         params: &P,
     ) -> Result<()> {
-        let order = if cooperative && self.programmatic {
-            LaunchOrder::CooperativeProgrammatic
-        } else if cooperative {
-            LaunchOrder::Cooperative
-        } else if self.programmatic {
-            LaunchOrder::Programmatic
-        } else {
-            LaunchOrder::Stream
+        let order = LaunchOrder {
+            programmatic: self.programmatic,
+            cooperative,
         };
         // SAFETY: the runtime keeps the module loaded; the caller vouches
         // for the pointers.
