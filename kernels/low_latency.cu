@@ -85,8 +85,8 @@
 //   5. ACQUIRE-wait every source's flag; the prefix over sources of the
 //      counts gives the first row of each (local expert, source); block 0
 //      writes recv_count, recv_layout_range and dispatch_tokens;
-//   6. a warp per (source, token, 1 KB chunk of the row), as soon as the
-//      token's tag arrives: reads the header and copies its chunk to every
+//   6. a warp per (source, token, 1 KB chunk of the row), dealt from half a
+//      grid away from the sending blocks, as soon as the token's tag arrives: reads the header and copies its chunk to every
 //      local expert's row the header names (row = first row of (expert,
 //      source) + position); the first chunk's warp also copies the scales
 //      and src_info and notes (row, weight) per slot in token_rows /
@@ -115,6 +115,13 @@
 // started call seq - 1, which it does only after receiving seq - 2. Nothing is ever reset, values only grow, so a late reader sees a
 // stale value as "not yet" (ep_reached). A rank that stops calling makes its
 // peers time out (EP_STATUS_TIMEOUT), never read a half-written set.
+//
+// Scopes: RELEASE and ACQUIRE above are at system scope between ranks on
+// different GPUs, and at GPU scope between ranks whose kernels run on the
+// same GPU (LlParams::gpu_peers: ranks that share it, and a rank with
+// itself), where a release need not make the earlier writes visible beyond
+// this GPU (MEMBAR.GPU, not MEMBAR.SYS). Both ends of a signal agree on its
+// scope: both know the placement.
 //
 // Collective calls: a launch with a send phase is a new collective call of
 // the rank (ep_device.cuh, "Collective calls"): begin_call publishes its
@@ -327,6 +334,18 @@ __device__ __forceinline__ bool on_net(const LlParams& p, int rank) {
     return kNet && (p.net_mask >> rank & 1) != 0;
 }
 
+// Whether rank r's kernels run on this GPU (LlParams::gpu_peers): a signal
+// between this rank and r then needs release/acquire at GPU scope only
+// (ep_st_release, ep_ld_acquire).
+__device__ __forceinline__ bool on_this_gpu(const LlParams& p, int r) {
+    return (p.gpu_peers >> r & 1) != 0;
+}
+
+// Whether every rank runs on this GPU.
+__device__ __forceinline__ bool all_on_this_gpu(const LlParams& p) {
+    return p.gpu_peers == (p.world == 64 ? ~0ull : (1ull << p.world) - 1);
+}
+
 __device__ __forceinline__ EpNet net_of(const LlParams& p) {
     EpNet net;
     net.peer_bases = p.peer_bases;
@@ -486,7 +505,7 @@ __device__ __forceinline__ EpPeerCall ll_peer_call(const LlParams& p, int peer,
 __device__ __forceinline__ bool wait_for(const LlParams& p, const int* addr, int target,
                                          const LlCall& call, int from, int phase) {
     return ep_wait_until_ge(addr, target, call.deadline, p.abort_flag, p.status, from, phase,
-                            ll_peer_call(p, from, call));
+                            ll_peer_call(p, from, call), on_this_gpu(p, from));
 }
 
 // Waits until this rank's network signal `id`, which rank `from` adds to,
@@ -531,6 +550,15 @@ __device__ __forceinline__ int dealt_item(int place) {
 
 __device__ __forceinline__ int deal_stride() {
     return static_cast<int>(gridDim.x) * EP_LL_WARPS;
+}
+
+// This block's place in the deal of a receive phase: half a grid away from
+// the blocks of the send phase, whose items (and the dispatch's tokens,
+// after the counts' blocks) start at block 0. At a few tokens the blocks
+// that send then do not also receive: a receiver waits for its item while
+// the data is on its way, instead of after its own send.
+__device__ __forceinline__ int receiving_place() {
+    return static_cast<int>((blockIdx.x + gridDim.x / 2) % gridDim.x);
 }
 
 // Warp-wide: lane 0 runs `wait` (an ACQUIRE wait); true in every lane when
@@ -583,7 +611,9 @@ __device__ LlCall begin_call(const LlParams& p, int* seq_counter, int* arrivals,
     const int acked = acked_rank(p);
     const bool ack_looked =
         p.do_send && acked >= 0 && acked < p.world && !on_net<kNet>(p, acked);
-    const int ack_seen = ack_looked ? ep_ld_acquire_sys(ll_at<int>(p, p.rank, off_acks) + acked) : 0;
+    const int ack_seen =
+        ack_looked ? ep_ld_acquire(ll_at<int>(p, p.rank, off_acks) + acked, on_this_gpu(p, acked))
+                   : 0;
     if (threadIdx.x == 0) {
         const int calls = *reinterpret_cast<volatile int*>(ep_call_words(own_base));
         s_seq = *reinterpret_cast<volatile int*>(seq_counter) + p.do_send;
@@ -605,12 +635,12 @@ __device__ LlCall begin_call(const LlParams& p, int* seq_counter, int* arrivals,
     }
     if (bookkeeping_thread()) {
         *call_store = call.word;
-        ep_publish_call(own_base, call.word);
+        ep_publish_call(own_base, call.word, all_on_this_gpu(p));
     }
     const int d = threadIdx.x;
     if (d < p.world) {
         if (!on_net<kNet>(p, d)) {
-            ep_st_release_sys(ll_at<int>(p, d, off_acks) + p.rank, call.seq - 1);
+            ep_st_release(ll_at<int>(p, d, off_acks) + p.rank, call.seq - 1, on_this_gpu(p, d));
         } else if (call.seq > 1) {
             // The signal counts acknowledged calls: seq - 1 after this add.
             ep_net_signal(net_of(p), d, net_signal(p, ack_row, p.rank));
@@ -631,8 +661,9 @@ __device__ void end_call(const LlParams& p, const LlCall& call, int* seq_counter
         return;
     }
     const uint64_t own_base = p.peer_bases[p.rank];
+    // The other blocks of this grid count with GPU-scope adds.
     ep_wait_until_ge(arrivals, static_cast<int>(gridDim.x) - 1, call.deadline, p.abort_flag,
-                     p.status, p.rank, phase, ep_peer_call(own_base, call.word));
+                     p.status, p.rank, phase, ep_peer_call(own_base, call.word), true);
     *arrivals = 0;
     *seq_counter = call.seq;
     ep_count_call(own_base);
@@ -721,8 +752,8 @@ __device__ void send_counts_direct(const LlParams& p, int seq, int d, const int*
     // The barrier orders every thread's stores before thread 0's release.
     __syncthreads();
     if (threadIdx.x == 0) {
-        ep_st_release_sys(ll_at<int>(p, d, p.off_dispatch_flags) + (seq & 1) * p.world + p.rank,
-                          seq);
+        ep_st_release(ll_at<int>(p, d, p.off_dispatch_flags) + (seq & 1) * p.world + p.rank, seq,
+                      on_this_gpu(p, d));
     }
 }
 
@@ -932,7 +963,7 @@ __device__ bool dispatch_send(const LlParams& p, const LlCall& call) {
         // and before the puts.
         __syncthreads();
         if (tid < p.world && !on_net<kNet>(p, tid)) {
-            ep_st_release_sys(dispatch_tag(p, tid, set, p.rank, t), seq);
+            ep_st_release(dispatch_tag(p, tid, set, p.rank, t), seq, on_this_gpu(p, tid));
         }
         if constexpr (kNet) {
             put_token(p, set, t, net_dests);
@@ -1138,7 +1169,8 @@ __device__ void dispatch_receive(const LlParams& p, const LlCall& call) {
 
     // Step 6: a warp per (source, token, chunk of the message data).
     const int chunks = (rows.data_vecs + EP_LL_CHUNK_VECS - 1) / EP_LL_CHUNK_VECS;
-    for (int item = dealt_item(blockIdx.x); item < W * M * chunks; item += deal_stride()) {
+    for (int item = dealt_item(receiving_place()); item < W * M * chunks;
+         item += deal_stride()) {
         const int c = item % chunks, t = item / chunks % M, s = item / (chunks * M);
         if (t >= s_tokens[s]) {
             continue;
@@ -1436,9 +1468,9 @@ __device__ bool combine_send(const LlParams& p, const LlCall& call) {
         if (to_net) {
             put_chunks(p, net, set, s, t, first_vec, row, valid);
         } else if (p.weighted && row >= 0) {
-            ep_st_release_sys(combine_tag(p, s, set, t, lane, c), seq);
+            ep_st_release(combine_tag(p, s, set, t, lane, c), seq, on_this_gpu(p, s));
         } else if (!p.weighted && lane == 0) {
-            ep_st_release_sys(combine_tag(p, s, set, t, K + p.rank, c), seq);
+            ep_st_release(combine_tag(p, s, set, t, K + p.rank, c), seq, on_this_gpu(p, s));
         }
     }
     if constexpr (kNet) {
@@ -1457,12 +1489,8 @@ __device__ void combine_receive(const LlParams& p, const LlCall& call) {
     const int K = p.topk, L = local_experts(p), C = chunks_per_row(p), vecs = row_vecs(p);
     const __nv_bfloat16* rows = ll_at<__nv_bfloat16>(p, p.rank, p.off_combine_rows);
     const int n = call_tokens(p, EP_PHASE_LL_COMBINE);
-    // The receiving warps start half a grid away from the sending ones
-    // (combine_send's items start at block 0): at a few tokens the blocks
-    // that send then do not also receive, and a receiver has read its
-    // token's routing while the rows are on their way.
-    const int first_block = (blockIdx.x + gridDim.x / 2) % gridDim.x;
-    for (int item = dealt_item(first_block); item < n * C; item += deal_stride()) {
+    // A receiver reads its token's routing while the rows are on their way.
+    for (int item = dealt_item(receiving_place()); item < n * C; item += deal_stride()) {
         const int t = item / C, c = item % C;
         const int expert =
             ep_effective_expert_of_lane(p.topk_idx + static_cast<int64_t>(t) * K, K, p.num_experts);

@@ -126,6 +126,24 @@ __device__ __forceinline__ void ep_fence_acquire_gpu() {
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
+// Release store and acquire load at the narrowest scope that holds both
+// ends of a signal: GPU scope where the writer and the reader run on this
+// GPU (`same_gpu`: ranks that share a GPU, or a rank signalling itself),
+// else system scope (a peer GPU). A release at system scope makes the
+// thread's earlier writes visible to the whole system, peer GPUs and the
+// host (MEMBAR.SYS), one at GPU scope only to this GPU (MEMBAR.GPU).
+__device__ __forceinline__ void ep_st_release(int* addr, int value, bool same_gpu) {
+    if (same_gpu) {
+        ep_st_release_gpu(addr, value);
+    } else {
+        ep_st_release_sys(addr, value);
+    }
+}
+
+__device__ __forceinline__ int ep_ld_acquire(const int* addr, bool same_gpu) {
+    return same_gpu ? ep_ld_acquire_gpu(addr) : ep_ld_acquire_sys(addr);
+}
+
 // Add at GPU scope with release semantics, no value returned (the thread
 // does not wait for it): the stores this thread made or observed before it
 // (a block barrier's, too) are visible to a thread that reads a count
@@ -286,11 +304,18 @@ __device__ __forceinline__ int* ep_call_words(uint64_t base) {
 // one thread publishes the call's word, ep_call_word(op, count + 1), at
 // once (ep_publish_call), and the count grows only once every block has
 // read it (ep_count_call).
-__device__ __forceinline__ void ep_publish_call(uint64_t own_base, int word) {
+// `peers_on_this_gpu`: every rank runs on this GPU, so GPU scope holds
+// every reader of the word.
+__device__ __forceinline__ void ep_publish_call(uint64_t own_base, int word,
+                                                bool peers_on_this_gpu = false) {
     // The fence orders the earlier kernels' writes (which this thread has
     // not observed itself) before the word: a peer that reads this word
     // with an acquire sees every signal of the earlier calls.
-    ep_fence_and_store_sys(ep_call_words(own_base) + 1, word);
+    if (peers_on_this_gpu) {
+        ep_fence_and_store_gpu(ep_call_words(own_base) + 1, word);
+    } else {
+        ep_fence_and_store_sys(ep_call_words(own_base) + 1, word);
+    }
 }
 
 __device__ __forceinline__ void ep_count_call(uint64_t own_base) {
@@ -401,12 +426,14 @@ __device__ __forceinline__ bool ep_wait_until(Load load, int target, uint64_t de
     }
 }
 
-// ep_wait_until for the int at `addr`.
+// ep_wait_until for the int at `addr`, acquired at system scope, or at GPU
+// scope where its writer runs on this GPU (`same_gpu`, see ep_ld_acquire).
 __device__ __forceinline__ bool ep_wait_until_ge(const int* addr, int target, uint64_t deadline_ns,
                                                  const int* abort_flag, EpDeviceStatus* status,
-                                                 int rank, int phase, EpPeerCall call) {
-    return ep_wait_until([addr] { return ep_ld_acquire_sys(addr); }, target, deadline_ns,
-                         abort_flag, status, rank, phase, call);
+                                                 int rank, int phase, EpPeerCall call,
+                                                 bool same_gpu = false) {
+    return ep_wait_until([addr, same_gpu] { return ep_ld_acquire(addr, same_gpu); }, target,
+                         deadline_ns, abort_flag, status, rank, phase, call);
 }
 
 // ---------------------------------------------------------------------------

@@ -526,6 +526,11 @@ abi_struct! {
         /// Ranks on other nodes (bit r for rank r): their data takes the
         /// network leg (kernels/include/ep_net.cuh); 0 with one node.
         net_mask: u64,
+        /// Ranks whose kernels run on this GPU, this rank included (bit r
+        /// for rank r; ranks that are threads of one process may share a
+        /// GPU): signals between this rank and them take release/acquire at
+        /// GPU scope, cheaper than the system scope that a peer GPU needs.
+        gpu_peers: u64,
         /// The device communicator (`ncclDevComm`) and the buffer's window
         /// (`ncclWindow_t`), or 0 without NCCL; the first GIN signal of
         /// this mode (the hierarchical mode's come first).

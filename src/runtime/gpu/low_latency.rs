@@ -179,6 +179,15 @@ fn net_mask(cfg: &Config) -> u64 {
         .fold(0, |mask, r| mask | 1 << r)
 }
 
+/// The ranks whose kernels run on this rank's GPU, itself included (bit r
+/// for rank r).
+fn gpu_peers(rt: &Runtime) -> u64 {
+    rt.placement
+        .sharing
+        .iter()
+        .fold(0, |mask, &r| mask | 1 << r)
+}
+
 /// The parameters every launch of a context shares: its buffers, area
 /// offsets, shape and network leg.
 fn shared_params(rt: &Runtime, offset: usize, a: &Area) -> LlParams {
@@ -210,6 +219,7 @@ fn shared_params(rt: &Runtime, offset: usize, a: &Area) -> LlParams {
         off_combine_buffer: a.combine_buffer as i64,
         counts_stride: a.counts_stride as i64,
         net_mask: net_mask(cfg),
+        gpu_peers: gpu_peers(rt),
         dev_comm: nccl.as_ref().map_or(0, |n| n.dev_comm),
         window: nccl.as_ref().map_or(0, |n| n.window),
         gin_first_signal: hierarchical::gin_signals(cfg.nodes()) as i32,
