@@ -221,9 +221,27 @@ namespace {
 // Addresses
 // ---------------------------------------------------------------------------
 
+// Every rank's buffer as mapped here (LlParams::peer_bases; 0 for a rank
+// reached only over the network), copied into shared memory by each block
+// at the start of a launch (load_peer_bases): an address in a peer's area
+// then takes no round trip to global memory.
+__shared__ uint64_t s_peer_bases[EP_MAX_WORLD_SIZE];
+
+// Block-wide, first thing in a launch; begin_call's barrier orders it
+// before every use (ll_at, peer_base).
+__device__ __forceinline__ void load_peer_bases(const LlParams& p) {
+    for (int r = threadIdx.x; r < p.world; r += blockDim.x) {
+        s_peer_bases[r] = p.peer_bases[r];
+    }
+}
+
+__device__ __forceinline__ uint64_t peer_base(int rank) {
+    return s_peer_bases[rank];
+}
+
 template <typename T>
 __device__ __forceinline__ T* ll_at(const LlParams& p, int rank, int64_t offset) {
-    return reinterpret_cast<T*>(p.peer_bases[rank] + p.area + offset);
+    return reinterpret_cast<T*>(peer_base(rank) + p.area + offset);
 }
 
 __device__ __forceinline__ int local_experts(const LlParams& p) {
@@ -251,7 +269,9 @@ __device__ int call_tokens(const LlParams& p, int phase) {
 }
 
 __device__ __forceinline__ LlCounters* counters(const LlParams& p) {
-    return ll_at<LlCounters>(p, p.rank, p.off_counters);
+    // Read before load_peer_bases (the counters are the launch's first
+    // reads): from the parameters' array.
+    return reinterpret_cast<LlCounters*>(p.peer_bases[p.rank] + p.area + p.off_counters);
 }
 
 // Offset in the area of source `source`'s counts of set `set`: [L] rows per
@@ -491,11 +511,11 @@ __device__ __forceinline__ int acked_rank(const LlParams& p) {
 // status (this rank's own word, read again, is never elsewhere).
 __device__ __forceinline__ EpPeerCall ll_peer_call(const LlParams& p, int peer,
                                                    const LlCall& call) {
-    const uint64_t base = p.peer_bases[peer];
+    const uint64_t base = peer_base(peer);
     if (base != 0) {
         return ep_peer_call(base, call.word);
     }
-    const uint64_t own = p.peer_bases[p.rank];
+    const uint64_t own = peer_base(p.rank);
     return ep_peer_call(own, ep_current_call(own));
 }
 
@@ -603,6 +623,8 @@ __device__ LlCall begin_call(const LlParams& p, int* seq_counter, int* arrivals,
                              int64_t off_acks, int ack_row) {
     __shared__ int s_seq, s_word;
     const uint64_t deadline = ep_deadline_after(p.timeout_ns);
+    // From the parameters' array: s_peer_bases is complete only after the
+    // barrier below.
     const uint64_t own_base = p.peer_bases[p.rank];
     // The acknowledgement this thread waits for in the send phase, looked
     // at (ACQUIRE) while thread 0 reads the numbers: mostly it is there
@@ -612,7 +634,8 @@ __device__ LlCall begin_call(const LlParams& p, int* seq_counter, int* arrivals,
     const bool ack_looked =
         p.do_send && acked >= 0 && acked < p.world && !on_net<kNet>(p, acked);
     const int ack_seen =
-        ack_looked ? ep_ld_acquire(ll_at<int>(p, p.rank, off_acks) + acked, on_this_gpu(p, acked))
+        ack_looked ? ep_ld_acquire(reinterpret_cast<const int*>(own_base + p.area + off_acks) + acked,
+                                   on_this_gpu(p, acked))
                    : 0;
     if (threadIdx.x == 0) {
         const int calls = *reinterpret_cast<volatile int*>(ep_call_words(own_base));
@@ -660,7 +683,7 @@ __device__ void end_call(const LlParams& p, const LlCall& call, int* seq_counter
     if (!p.do_send || !keeper_block() || !bookkeeping_thread()) {
         return;
     }
-    const uint64_t own_base = p.peer_bases[p.rank];
+    const uint64_t own_base = peer_base(p.rank);
     // The other blocks of this grid count with GPU-scope adds.
     ep_wait_until_ge(arrivals, static_cast<int>(gridDim.x) - 1, call.deadline, p.abort_flag,
                      p.status, p.rank, phase, ep_peer_call(own_base, call.word), true);
@@ -1552,6 +1575,7 @@ template <bool kNet, typename Send, typename Receive>
 __device__ void run_launch(const LlParams& p, int* seq_counter, int* arrivals, int* call_store,
                            int64_t off_acks, int ack_row, int phase, Send send, Receive receive) {
     start_timeline(p);
+    load_peer_bases(p);
     const LlCall call = begin_call<kNet>(p, seq_counter, arrivals, call_store, off_acks, ack_row);
     note_time(p, EP_LL_TIME_NUMBERED);
     const bool sent = !p.do_send || send(call);
