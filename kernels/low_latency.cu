@@ -86,10 +86,11 @@
 //      counts gives the first row of each (local expert, source); block 0
 //      writes recv_count, recv_layout_range and dispatch_tokens;
 //   6. a warp per (source, token, 1 KB chunk of the row), dealt from half a
-//      grid away from the sending blocks, as soon as the token's tag arrives: reads the header and copies its chunk to every
-//      local expert's row the header names (row = first row of (expert,
-//      source) + position); the first chunk's warp also copies the scales
-//      and src_info and notes (row, weight) per slot in token_rows /
+//      grid away from the sending blocks, as soon as the token's tag
+//      arrives: reads the header and copies its chunk to every local
+//      expert's row the header names (row = first row of (expert, source) +
+//      position); the first chunk's warp also copies the scales and
+//      src_info and notes (row, weight) per slot in token_rows /
 //      token_weights for the combine.
 // Start (every launch with a send phase, see begin_call): each block reads
 // counters.dispatch_seq; the grid's last block (the keeper) RELEASE-stores
@@ -634,9 +635,10 @@ __device__ LlCall begin_call(const LlParams& p, int* seq_counter, int* arrivals,
     const bool ack_looked =
         p.do_send && acked >= 0 && acked < p.world && !on_net<kNet>(p, acked);
     const int ack_seen =
-        ack_looked ? ep_ld_acquire(reinterpret_cast<const int*>(own_base + p.area + off_acks) + acked,
-                                   on_this_gpu(p, acked))
-                   : 0;
+        ack_looked
+            ? ep_ld_acquire(reinterpret_cast<const int*>(own_base + p.area + off_acks) + acked,
+                            on_this_gpu(p, acked))
+            : 0;
     if (threadIdx.x == 0) {
         const int calls = *reinterpret_cast<volatile int*>(ep_call_words(own_base));
         s_seq = *reinterpret_cast<volatile int*>(seq_counter) + p.do_send;
