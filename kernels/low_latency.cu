@@ -362,9 +362,14 @@ __device__ __forceinline__ bool on_this_gpu(const LlParams& p, int r) {
     return (p.gpu_peers >> r & 1) != 0;
 }
 
+// Every rank of the world (bit r for rank r).
+__device__ __forceinline__ uint64_t all_ranks(const LlParams& p) {
+    return p.world == 64 ? ~0ull : (1ull << p.world) - 1;
+}
+
 // Whether every rank runs on this GPU.
 __device__ __forceinline__ bool all_on_this_gpu(const LlParams& p) {
-    return p.gpu_peers == (p.world == 64 ? ~0ull : (1ull << p.world) - 1);
+    return p.gpu_peers == all_ranks(p);
 }
 
 __device__ __forceinline__ EpNet net_of(const LlParams& p) {
@@ -977,7 +982,7 @@ __device__ bool dispatch_send(const LlParams& p, const LlCall& call) {
         // The staging slot is written once, as the lowest network
         // destination's.
         const uint64_t staged = net_dests & (~net_dests + 1);
-        const uint64_t in_node = ~p.net_mask & (p.world == 64 ? ~0ull : (1ull << p.world) - 1);
+        const uint64_t in_node = ~p.net_mask & all_ranks(p);
         // The header (the same for every rank) to every rank of this node
         // (those without an expert see only other ranks' experts) and the
         // staging slot.

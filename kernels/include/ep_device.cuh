@@ -126,8 +126,8 @@ __device__ __forceinline__ void ep_fence_acquire_gpu() {
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
-// Release store and acquire load at the narrowest scope that holds both
-// ends of a signal: GPU scope where the writer and the reader run on this
+// Release store, acquire load and fence-then-store at the narrowest scope
+// that holds both ends of a signal: GPU scope where the writer and the reader run on this
 // GPU (`same_gpu`: ranks that share a GPU, or a rank signalling itself),
 // else system scope (a peer GPU). A release at system scope makes the
 // thread's earlier writes visible to the whole system, peer GPUs and the
@@ -142,6 +142,14 @@ __device__ __forceinline__ void ep_st_release(int* addr, int value, bool same_gp
 
 __device__ __forceinline__ int ep_ld_acquire(const int* addr, bool same_gpu) {
     return same_gpu ? ep_ld_acquire_gpu(addr) : ep_ld_acquire_sys(addr);
+}
+
+__device__ __forceinline__ void ep_fence_and_store(int* addr, int value, bool same_gpu) {
+    if (same_gpu) {
+        ep_fence_and_store_gpu(addr, value);
+    } else {
+        ep_fence_and_store_sys(addr, value);
+    }
 }
 
 // Add at GPU scope with release semantics, no value returned (the thread
@@ -311,11 +319,7 @@ __device__ __forceinline__ void ep_publish_call(uint64_t own_base, int word,
     // The fence orders the earlier kernels' writes (which this thread has
     // not observed itself) before the word: a peer that reads this word
     // with an acquire sees every signal of the earlier calls.
-    if (peers_on_this_gpu) {
-        ep_fence_and_store_gpu(ep_call_words(own_base) + 1, word);
-    } else {
-        ep_fence_and_store_sys(ep_call_words(own_base) + 1, word);
-    }
+    ep_fence_and_store(ep_call_words(own_base) + 1, word, peers_on_this_gpu);
 }
 
 __device__ __forceinline__ void ep_count_call(uint64_t own_base) {
