@@ -505,6 +505,8 @@ fn dispatch_and_combine_match_the_reference() {
             (128, 16, 64, 256),
             (4096, 4, 64, 64),
             (16384, 8, 16, 32),
+            // A large maximum: the warps skip each source's empty slots.
+            (2048, 8, 32, 1024),
         ] {
             let topk = topk.min(experts - experts % world);
             let case = Case::new(world, hidden, topk, experts, m);
