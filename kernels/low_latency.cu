@@ -579,11 +579,10 @@ __device__ __forceinline__ int deal_stride() {
 }
 
 // The first item at or past `end` in the deal of the warp at `item` (item +
-// k * stride): how a combine send warp skips the rest of a source's token
-// slots once it meets one past the tokens the source sent. Without it the
-// warp looked up every slot up to the maximum, a round trip each, and the
-// 1-token pair took 3.5 us longer with M = 1024 than with M = 128
-// (bench/RESULTS.md).
+// k * stride): how a combine send warp steps over a source's token slots
+// past the tokens the source sent. Without it the warp looked up every slot
+// up to the maximum, a round trip each, and the 1-token pair took 3.5 us
+// longer with M = 1024 than with M = 128 (bench/RESULTS.md).
 __device__ __forceinline__ int skip_to(int item, int end, int stride) {
     const int gap = end - item;
     // Mostly the next item of the deal is past the end already: no division.
@@ -1386,37 +1385,23 @@ __device__ void put_chunks(const LlParams& p, const EpNet& net, int set, int s, 
 struct ReturnItem {
     int s, t, c;
     int sent;  // the tokens source s sent
-    int end;   // the first item past source s's
+    int end;   // the first item past source s's slots
     int row;
     float w;
 };
 
-// The source of combine send item `item`: items are source-major (then
-// token, then chunk), and on one node the sources come in turn from this
-// rank's next one.
-template <bool kNet>
-__device__ __forceinline__ int return_source(const LlParams& p, int item) {
-    const int source_items = chunks_per_row(p) * p.max_tokens;
-    return kNet ? item / source_items % p.world : (item / source_items + p.rank + 1) % p.world;
-}
-
-// The first item past the source of `item`, whose items are the
-// `source_items` from a multiple of them.
-__device__ __forceinline__ int source_end(int item, int source_items) {
-    return (item / source_items + 1) * source_items;
-}
-
-// Item `item`, warp-wide. The source's token count and the token's rows are
-// read at once (every token slot is in bounds), so the look-up costs one
-// round trip.
+// Item `item` (source-major, then token, then chunk; one node: the sources
+// in turn from this rank's next one), warp-wide. The source's token count
+// and the token's rows are read at once (every token slot is in bounds),
+// so the look-up costs one round trip.
 template <bool kNet>
 __device__ __forceinline__ ReturnItem return_item(const LlParams& p, int item, int lane) {
     const int M = p.max_tokens, K = p.topk, C = chunks_per_row(p);
     ReturnItem it;
     it.c = item % C;
     it.t = item / C % M;
-    it.s = return_source<kNet>(p, item);
-    it.end = source_end(item, C * M);
+    it.s = kNet ? item / (C * M) % p.world : (item / (C * M) + p.rank + 1) % p.world;
+    it.end = (item / (C * M) + 1) * C * M;
     const int sent = ll_at<int>(p, p.rank, p.off_dispatch_tokens)[it.s];
     const int64_t entry = token_entry(p, it.s, it.t, lane);
     const int row = lane < K ? ll_at<int>(p, p.rank, p.off_token_rows)[entry] : -1;
@@ -1461,26 +1446,14 @@ __device__ bool combine_send(const LlParams& p, const LlCall& call) {
     // would write rank 0's return rows first, one NVLink port taking all
     // ranks' traffic (as ep_spread_row says of the normal mode). Across
     // nodes the order stays the sources' own (not measured there).
-    // The last source looked up and the tokens it sent: a warp skips the
-    // rest of a source's token slots once it meets one past them, without
-    // a look-up when it is the source it knows. (The first item's
-    // arithmetic is done before the wait, in return_item.)
-    int known_source = -1, known_sent = 0;
     for (int item = first, next; item < items; item = next) {
-        next = item + stride;
-        ReturnItem it;
-        if (item == first) {
-            it = first_item;
-        } else if (return_source<kNet>(p, item) == known_source && item / C % M >= known_sent) {
-            next = skip_to(item, source_end(item, C * M), stride);
-            continue;
-        } else {
-            it = return_item<kNet>(p, item, lane);
-        }
-        known_source = it.s;
-        known_sent = it.sent;
+        const ReturnItem it = item == first ? first_item : return_item<kNet>(p, item, lane);
+        // The source's items past its last token are empty: the warp's next
+        // item skips them (and the first item's arithmetic is done before
+        // the wait, in return_item).
+        const int sent_end = it.end - (M - it.sent) * C;
+        next = item + stride < sent_end ? item + stride : skip_to(item, it.end, stride);
         if (it.t >= it.sent) {
-            next = skip_to(item, it.end, stride);
             continue;
         }
         const int s = it.s, t = it.t, c = it.c, row = it.row;
