@@ -4,12 +4,15 @@
 # minutes:
 #   bash .gpu/gpu-multi.sh PARTS [budget-seconds]   (default budget 540)
 # PARTS: a comma list of
-#   lanes   every GPU test binary with a GPU per rank (ranks as threads and
-#           as processes; the binaries in parallel lanes; gpu_normal only
-#           at the world sizes with a GPU per rank, the others are the
-#           shared part's), and beside them the long repeatability runs
-#           (10,000 randomized dispatch+combine iterations, normal and
-#           low-latency, twice, hashes compared);
+#   lanes   every GPU test binary but gpu_normal with a GPU per rank
+#           (ranks as threads and as processes; the binaries in parallel
+#           lanes), and beside them the long repeatability runs (10,000
+#           randomized dispatch+combine iterations, normal and low-latency,
+#           twice, hashes compared);
+#   normal  gpu_normal alone, at the world sizes with a GPU per rank (the
+#           others are the shared part's): its reference test takes
+#           minutes at world 4, more than a lane has beside the others
+#           (bench/RESULTS.md, 4 x H200 and 4 x H100);
 #   shared  the normal-mode suites with every rank on one GPU
 #           (CUDA_VISIBLE_DEVICES=0): gpu_normal a step per world size
 #           above 1, the others at every world size;
@@ -21,7 +24,7 @@
 #           beside an NCCL all-to-all of the same payload; W3 (the fused
 #           calls) at one rank and a rank per GPU; the hierarchical plans'
 #           bytes per leg;
-#   tests   lanes,shared,checks.
+#   tests   lanes,normal,shared,checks.
 # Logs and JSON results go to $OUT (default ./gpu-out), packed into
 # $OUT/logs-<parts>.tgz at the end (with summary-<parts>.txt beside it), so
 # that a runner that fetches only a few files gets them all. Never changes
@@ -55,7 +58,7 @@ REPEATS=()
 PER_GPU_WORLDS=$(for w in 1 2 4 8; do [ "$w" -le "$NGPU" ] && echo "$w"; done | paste -sd, -)
 
 NAME="$(echo "$PARTS" | tr ',' '-')"
-[ "$PARTS" = tests ] && PARTS=lanes,shared,checks
+[ "$PARTS" = tests ] && PARTS=lanes,normal,shared,checks
 # has PART: whether PART is one of the parts asked for.
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 
@@ -87,12 +90,12 @@ lanes_done() {
 }
 
 if has lanes; then
-  # 1. Every binary, in four lanes of about equal length, and beside them
+  # 1. Every binary but gpu_normal, in four lanes, and beside them
   # the repeatability tests (each runs its iterations twice and compares).
   LANE_LIMIT=$(( BUDGET * 6 / 10 ))
   t0=$(date +%s)
   lane gpu_low_latency gpu_collectives &
-  lane gpu_normal gpu_hierarchical gpu_nccl &
+  lane gpu_hierarchical gpu_nccl &
   lane gpu_mega gpu_moe gpu_kernels &
   lane gpu_contract gpu_context &
   LANES=$(jobs -p)
@@ -105,11 +108,18 @@ if has lanes; then
   # shellcheck disable=SC2086 # a list of process ids
   wait $LANES
   echo "=== lanes took $(( $(date +%s) - t0 ))s"
-  lanes_done gpu_low_latency gpu_collectives gpu_normal gpu_hierarchical gpu_nccl gpu_mega \
-    gpu_moe gpu_kernels gpu_contract gpu_context
+  lanes_done gpu_low_latency gpu_collectives gpu_hierarchical gpu_nccl gpu_mega gpu_moe \
+    gpu_kernels gpu_contract gpu_context
 fi
 
-# 2. Ranks sharing one GPU (threads of one process).
+# 2. gpu_normal alone, a GPU per rank.
+if has normal; then
+  LANE_LIMIT=$(( BUDGET * 9 / 10 ))
+  lane gpu_normal
+  lanes_done gpu_normal
+fi
+
+# 3. Ranks sharing one GPU (threads of one process).
 if has shared; then
   for bin in gpu_contract gpu_hierarchical; do
     step "shared GPU $bin" 40 150 env CUDA_VISIBLE_DEVICES=0 "$T/$bin" --ignored \
@@ -123,7 +133,7 @@ if has shared; then
   done
 fi
 
-# 3. Alone on the GPUs: the leak test, Python with torch, contexts from NCCL
+# 4. Alone on the GPUs: the leak test, Python with torch, contexts from NCCL
 # communicators, the C programs.
 if has checks; then
   step "leak test alone" 20 120 "$T/gpu_context" --ignored --test-threads=1 --show-output \
@@ -149,7 +159,7 @@ if has checks; then
   step "demo gpu $NGPU ranks" 10 60 env EP_BACKEND=gpu "$G/demo" "$NGPU"
 fi
 
-# 4. The repeatability tests' results (started with the lanes).
+# 5. The repeatability tests' results (started with the lanes).
 if has lanes; then
   for entry in "${REPEATS[@]}"; do
     bin=${entry%%:*}

@@ -396,8 +396,8 @@ fn gpu_multi_runs_each_part_and_packs_its_logs() {
         .output()
         .unwrap();
     let listing = String::from_utf8_lossy(&listing.stdout);
-    // gpu_normal runs with a GPU per rank in its lane (2 stub GPUs: worlds
-    // 1 and 2), and a world size per step on one GPU.
+    // gpu_normal runs alone with a GPU per rank (its own part; 2 stub
+    // GPUs: worlds 1 and 2), and a world size per step on one GPU.
     let lane_log = Command::new("tar")
         .arg("-xzOf")
         .arg(dir.join("out/logs-tests.tgz"))
