@@ -1412,6 +1412,96 @@ __device__ __forceinline__ ReturnItem return_item(const LlParams& p, int item, i
     return it;
 }
 
+// Row r of the expert rows the combine sends (the caller's x).
+__device__ __forceinline__ const __nv_bfloat16* expert_row(const LlParams& p, int r) {
+    return p.x + static_cast<int64_t>(r) * p.hidden;
+}
+
+// Where the chunks of return row j of item `it`'s token go: the source's
+// combine_rows, or, to a source on another node (`to_net`), this rank's
+// staging: expert row r's row of the zero-copy combine buffer (j < K), or
+// the token's row of net_partials.
+__device__ __forceinline__ __nv_bfloat16* return_target(const LlParams& p, int set,
+                                                        const ReturnItem& it, bool to_net, int j,
+                                                        int r) {
+    if (!to_net) {
+        return ll_at<__nv_bfloat16>(p, it.s, p.off_combine_rows) +
+               combine_slot(p, set, it.t, j) * p.hidden;
+    }
+    const int64_t off = j < p.topk
+                            ? chunk_offset(p, p.off_combine_buffer, r, 0)
+                            : chunk_offset(p, p.off_net_partials, partial_row(p, it.s, it.t), 0);
+    return ll_at<__nv_bfloat16>(p, p.rank, off);
+}
+
+// Warp-wide, weights at combine: the chunk at `first_vec` of each of the
+// token's rows here (the lanes of `valid`), to return row j = slot.
+__device__ __forceinline__ void send_slot_rows(const LlParams& p, int set, const ReturnItem& it,
+                                               bool to_net, unsigned valid, int first_vec) {
+    const int vecs = row_vecs(p);
+    for (uint64_t slots = valid; slots != 0;) {
+        int slot[EP_LL_ROWS_IN_FLIGHT];
+        int4 y[EP_LL_ROWS_IN_FLIGHT][EP_LL_LANE_VECS];
+        load_next_rows(slots, slot, y, first_vec, vecs, [&](int k) {
+            return expert_row(p, __shfl_sync(0xffffffffu, it.row, k));
+        });
+#pragma unroll
+        for (int g = 0; g < EP_LL_ROWS_IN_FLIGHT; ++g) {
+            if (slot[g] >= 0) {
+                const int r = __shfl_sync(0xffffffffu, it.row, slot[g]);
+                store_chunk(return_target(p, set, it, to_net, slot[g], r), y[g], first_vec, vecs);
+            }
+        }
+    }
+}
+
+// Warp-wide, weights at dispatch: the chunk at `first_vec` of one partial
+// sum over the token's rows here (the lanes of `valid`), rows ascending (=
+// local experts ascending), to return row j = K + rank. Term i is the lane
+// of the i-th smallest row.
+__device__ __forceinline__ void send_partial_sum(const LlParams& p, int set, const ReturnItem& it,
+                                                 bool to_net, unsigned valid, int first_vec) {
+    const int vecs = row_vecs(p);
+    const int row = it.row;
+    int order = 0;
+    for (int k = 0; k < p.topk; ++k) {
+        const int other = __shfl_sync(0xffffffffu, row, k);
+        order += row >= 0 && other >= 0 && other < row;
+    }
+    const uint64_t terms = (1ull << __popc(valid)) - 1;
+    const auto lane_of = [&](int i) {
+        return __ffs(__ballot_sync(0xffffffffu, row >= 0 && order == i)) - 1;
+    };
+    float acc[EP_LL_LANE_VECS][8];
+    sum_chunk(
+        acc, terms, true, first_vec, vecs,
+        [&](int i) { return expert_row(p, __shfl_sync(0xffffffffu, row, lane_of(i))); },
+        [&](int i) { return __shfl_sync(0xffffffffu, it.w, lane_of(i)); });
+    int4 sum[EP_LL_LANE_VECS];
+    pack_chunk(sum, acc);
+    store_chunk(return_target(p, set, it, to_net, p.topk + p.rank, -1), sum, first_vec, vecs);
+}
+
+// Warp-wide, once every lane has stored its share of item `it`'s chunk at
+// `first_vec`: publishes it, with the release stores of its tags (a tag per
+// row returned), or the puts to a source on another node.
+__device__ __forceinline__ void publish_chunk(const LlParams& p, const EpNet& net, int seq,
+                                              const ReturnItem& it, bool to_net, unsigned valid,
+                                              int first_vec) {
+    const int lane = threadIdx.x % 32, set = seq & 1;
+    // The warp barrier orders every lane's row stores before the release
+    // stores, which publish them, or before the puts.
+    __syncwarp();
+    if (to_net) {
+        put_chunks(p, net, set, it.s, it.t, first_vec, it.row, valid);
+    } else if (p.weighted && it.row >= 0) {
+        ep_st_release(combine_tag(p, it.s, set, it.t, lane, it.c), seq, on_this_gpu(p, it.s));
+    } else if (!p.weighted && lane == 0) {
+        ep_st_release(combine_tag(p, it.s, set, it.t, p.topk + p.rank, it.c), seq,
+                      on_this_gpu(p, it.s));
+    }
+}
+
 // Block-wide send phase (expert side) of combine call `call`: a warp per
 // (source, token, chunk) of the last dispatch. To a source on another node
 // the chunks are staged in this rank's buffer (an expert row in its row of
@@ -1419,7 +1509,7 @@ __device__ __forceinline__ ReturnItem return_item(const LlParams& p, int item, i
 template <bool kNet>
 __device__ bool combine_send(const LlParams& p, const LlCall& call) {
     const int lane = threadIdx.x % 32;
-    const int M = p.max_tokens, K = p.topk, C = chunks_per_row(p), vecs = row_vecs(p);
+    const int M = p.max_tokens, C = chunks_per_row(p);
     const int items = p.world * M * C, stride = deal_stride();
     const int first = dealt_item(blockIdx.x);
     // The warp's first item is looked up before the wait: it reads this
@@ -1456,75 +1546,18 @@ __device__ bool combine_send(const LlParams& p, const LlCall& call) {
         if (it.t >= it.sent) {
             continue;
         }
-        const int s = it.s, t = it.t, c = it.c, row = it.row;
-        const float w = it.w;
-        const unsigned valid = __ballot_sync(0xffffffffu, row >= 0);
+        const unsigned valid = __ballot_sync(0xffffffffu, it.row >= 0);
         if (valid == 0) {
             continue;  // no expert of this rank: the source expects nothing
         }
-        const int first_vec = c * EP_LL_CHUNK_VECS;
-        const bool to_net = on_net<kNet>(p, s);
-        __nv_bfloat16* rows = ll_at<__nv_bfloat16>(p, s, p.off_combine_rows);
-        const auto expert_row = [&](int r) { return p.x + static_cast<int64_t>(r) * p.hidden; };
-        // Where the chunk of the row returned as row j of the token goes:
-        // the source's combine_rows, or this rank's staging.
-        const auto target = [&](int j, int r) {
-            if (!to_net) {
-                return rows + combine_slot(p, set, t, j) * p.hidden;
-            }
-            const int64_t off = j < K
-                                    ? chunk_offset(p, p.off_combine_buffer, r, 0)
-                                    : chunk_offset(p, p.off_net_partials, partial_row(p, s, t), 0);
-            return ll_at<__nv_bfloat16>(p, p.rank, off);
-        };
+        const int first_vec = it.c * EP_LL_CHUNK_VECS;
+        const bool to_net = on_net<kNet>(p, it.s);
         if (p.weighted) {
-            // The chunk of each of the token's rows, to return row j = slot.
-            for (uint64_t slots = valid; slots != 0;) {
-                int slot[EP_LL_ROWS_IN_FLIGHT];
-                int4 y[EP_LL_ROWS_IN_FLIGHT][EP_LL_LANE_VECS];
-                load_next_rows(slots, slot, y, first_vec, vecs, [&](int k) {
-                    return expert_row(__shfl_sync(0xffffffffu, row, k));
-                });
-#pragma unroll
-                for (int g = 0; g < EP_LL_ROWS_IN_FLIGHT; ++g) {
-                    if (slot[g] >= 0) {
-                        store_chunk(target(slot[g], __shfl_sync(0xffffffffu, row, slot[g])), y[g],
-                                    first_vec, vecs);
-                    }
-                }
-            }
+            send_slot_rows(p, set, it, to_net, valid, first_vec);
         } else {
-            // One partial sum over the token's rows here, rows ascending
-            // (= local experts ascending), to return row j = K + rank. Term
-            // i is the lane of the i-th smallest row.
-            int order = 0;
-            for (int k = 0; k < K; ++k) {
-                const int other = __shfl_sync(0xffffffffu, row, k);
-                order += row >= 0 && other >= 0 && other < row;
-            }
-            const uint64_t terms = (1ull << __popc(valid)) - 1;
-            const auto lane_of = [&](int i) {
-                return __ffs(__ballot_sync(0xffffffffu, row >= 0 && order == i)) - 1;
-            };
-            float acc[EP_LL_LANE_VECS][8];
-            sum_chunk(
-                acc, terms, true, first_vec, vecs,
-                [&](int i) { return expert_row(__shfl_sync(0xffffffffu, row, lane_of(i))); },
-                [&](int i) { return __shfl_sync(0xffffffffu, w, lane_of(i)); });
-            int4 sum[EP_LL_LANE_VECS];
-            pack_chunk(sum, acc);
-            store_chunk(target(K + p.rank, -1), sum, first_vec, vecs);
+            send_partial_sum(p, set, it, to_net, valid, first_vec);
         }
-        // The warp barrier orders every lane's row stores before the
-        // release stores, which publish them, or before the puts.
-        __syncwarp();
-        if (to_net) {
-            put_chunks(p, net, set, s, t, first_vec, row, valid);
-        } else if (p.weighted && row >= 0) {
-            ep_st_release(combine_tag(p, s, set, t, lane, c), seq, on_this_gpu(p, s));
-        } else if (!p.weighted && lane == 0) {
-            ep_st_release(combine_tag(p, s, set, t, K + p.rank, c), seq, on_this_gpu(p, s));
-        }
+        publish_chunk(p, net, seq, it, to_net, valid, first_vec);
     }
     if constexpr (kNet) {
         ep_net_flush_warp(net);
