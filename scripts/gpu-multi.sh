@@ -66,12 +66,10 @@ has() { [[ ",$PARTS," == *",$1,"* ]]; }
 # time, but the repeatability and leak tests), each with its own timeout and log;
 # writes the result of each to $OUT/<binary>.result.
 lane() {
-  local bin worlds
+  local bin
   for bin in "$@"; do
     [ -x "$T/$bin" ] || { echo "missing" > "$OUT/$bin.result"; continue; }
-    worlds=()
-    [ "$bin" = gpu_normal ] && worlds=(EP_TEST_WORLDS="$PER_GPU_WORLDS")
-    timeout --kill-after=10 "$LANE_LIMIT" env "${worlds[@]}" "$T/$bin" --ignored \
+    timeout --kill-after=10 "$LANE_LIMIT" "$T/$bin" --ignored \
       --test-threads=1 --show-output --skip "$REPEAT_FILTER" --skip "$LEAK_TEST" \
       > "$OUT/test_$bin.log" 2>&1
     result_of $? > "$OUT/$bin.result"
@@ -112,10 +110,10 @@ if has lanes; then
     gpu_kernels gpu_contract gpu_context
 fi
 
-# 2. gpu_normal alone, a GPU per rank.
+# 2. gpu_normal alone, at the world sizes with a GPU per rank.
 if has normal; then
   LANE_LIMIT=$(( BUDGET * 9 / 10 ))
-  lane gpu_normal
+  EP_TEST_WORLDS="$PER_GPU_WORLDS" lane gpu_normal
   lanes_done gpu_normal
 fi
 
