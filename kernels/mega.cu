@@ -598,8 +598,8 @@ __device__ __forceinline__ void ep_mega_combine(const MegaParams& p, MegaLayout&
     }
 }
 
-// Records that a fused kernel ran on a GPU it was not built for, or without
-// the shared memory it needs.
+// Records that a fused kernel ran on a GPU it was not built for, without
+// the shared memory it needs, or with the other mode's parameters.
 __device__ __forceinline__ void ep_mega_unsupported(const MegaParams& p) {
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         ep_record_error(p.status, EP_STATUS_INVALID_ARGUMENT, -1,
@@ -942,9 +942,9 @@ __device__ __forceinline__ void load_stage_tiles(const MegaParams& p, typename G
 }
 
 // Producer warp: for every unit this block takes, wait for its rows
-// (dispatch), then load its k-blocks into the stages (load_stage_scales,
+// (kDispatch), then load its k-blocks into the stages (load_stage_scales,
 // load_stage_tiles).
-template <class G>
+template <class G, bool kDispatch>
 __device__ __forceinline__ void produce(const MegaParams& p, typename Gemm<G>::Shared& s, int seq,
                                         const MegaBands& bands, int total_units,
                                         const Cluster& cluster, int lane) {
@@ -963,7 +963,7 @@ __device__ __forceinline__ void produce(const MegaParams& p, typename Gemm<G>::S
         const MegaUnit u = ep_mega_unit(l, p.local_experts, unit, bands, cluster);
         const MegaWork work{unit, u, ep_mega_tile(p, l, u.m_tile)};
         const int n0 = u.n_tile * T::kBlockN;
-        if (p.mode == EP_MEGA_MODE_DISPATCH) {
+        if constexpr (kDispatch) {
             wait_for_tile_rows(p, l, work.tile, u.m_tile, seq, lane);
             // The rows were written by generic stores; TMA reads them
             // through the async proxy.
@@ -1384,10 +1384,11 @@ __device__ __forceinline__ void init_stages(typename Gemm<G>::Shared& s) {
 // Thread 0, once its block is done: the last block to finish zeroes the
 // call's counts (every block has taken its last unit and passed its last
 // wait) and publishes this call's sequence number.
+template <bool kDispatch>
 __device__ __forceinline__ void finish_call(const MegaParams& p, int seq) {
     if (threadIdx.x == 0 && ep_last_block_to_arrive(p.state + 1)) {
         p.state[2] = 0;
-        if (p.mode != EP_MEGA_MODE_DISPATCH) {
+        if constexpr (!kDispatch) {
             *p.gemm_count = 0;
             for (int band = 0; band < EP_MEGA_MAX_BANDS; ++band) {
                 p.band_count[band] = 0;
@@ -1397,9 +1398,14 @@ __device__ __forceinline__ void finish_call(const MegaParams& p, int seq) {
     }
 }
 
-// The whole fused kernel for one GEMM type, launched in clusters of
-// `kCluster` blocks (1, or 2 that share each weight tile).
-template <class G, int kCluster>
+// The whole fused kernel for one GEMM type and one mode (kMode: the
+// dispatch + GEMM, or the GEMM + combine), launched in clusters of
+// `kCluster` blocks (1, or 2 that share each weight tile). A kernel per
+// mode: each holds only its own mode's code, so that a change to one
+// mode's communication does not move the other's GEMM in the machine code
+// (a larger combine send once made the FP8 dispatch + GEMM 5 % slower,
+// bench/RESULTS.md).
+template <class G, int kCluster, int kMode>
 __device__ __forceinline__ void run(const MegaParams& p) {
     using T = Gemm<G>;
     extern __shared__ uint8_t smem_raw[];
@@ -1413,7 +1419,11 @@ __device__ __forceinline__ void run(const MegaParams& p) {
     MegaLayout& l = s.layout;
     static_assert(sizeof(typename T::Shared) + EP_MEGA_SHARED_ALIGN <= EP_MEGA_MAX_SHARED_BYTES,
                   "the stages do not fit the shared memory of an SM");
-    const bool dispatch = p.mode == EP_MEGA_MODE_DISPATCH;
+    constexpr bool dispatch = kMode == EP_MEGA_MODE_DISPATCH;
+    if (p.mode != kMode) {
+        ep_mega_unsupported(p);
+        return;
+    }
     const uint64_t own_base =
         dispatch ? p.dispatch.peer_bases[p.dispatch.rank] : p.combine.peer_bases[p.combine.rank];
     // A fused combine is its call's first kernel: it starts the collective
@@ -1458,7 +1468,7 @@ __device__ __forceinline__ void run(const MegaParams& p) {
     }
     if (producer_group) {
         if (warp == 0) {
-            produce<G>(p, s, seq, bands, total_units, cluster, lane);
+            produce<G, dispatch>(p, s, seq, bands, total_units, cluster, lane);
         } else if (dispatch && l.usable) {
             const int comm_warp = warp - 1;
             constexpr int unroll = G::kScaled ? EP_MEGA_FP8_COPY_UNROLL : EP_COPY_UNROLL;
@@ -1485,7 +1495,7 @@ __device__ __forceinline__ void run(const MegaParams& p) {
     } else {
         __syncthreads();
     }
-    finish_call(p, seq);
+    finish_call<dispatch>(p, seq);
 }
 
 }  // namespace ep_mega
@@ -1495,34 +1505,29 @@ __device__ __forceinline__ void run(const MegaParams& p) {
 // grid = at most one block per SM (a multiple of the cluster size, at most
 // the clusters that fit at once), EP_MEGA_THREADS threads, dynamic shared
 // memory: the device's maximum (at least sizeof(Gemm<G>::Shared) +
-// EP_MEGA_SHARED_ALIGN).
-// The *_pair kernels run in clusters of 2 blocks that share weight tiles.
+// EP_MEGA_SHARED_ALIGN). A kernel per GEMM type and mode:
+// ep_mega_{bf16,fp8}_{dispatch,combine}_kernel, and the *_pair kernels,
+// which run in clusters of 2 blocks that share weight tiles.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define EP_MEGA_RUN(G, CLUSTER) ep_mega::run<ep_mega::G, CLUSTER>(p)
+#define EP_MEGA_RUN(G, CLUSTER, MODE) ep_mega::run<ep_mega::G, CLUSTER, MODE>(p)
 #else
-#define EP_MEGA_RUN(G, CLUSTER) ep_mega_unsupported(p)
+#define EP_MEGA_RUN(G, CLUSTER, MODE) ep_mega_unsupported(p)
 #endif
 
-extern "C" __global__ void __launch_bounds__(EP_MEGA_THREADS, 1)
-    ep_mega_bf16_kernel(const __grid_constant__ MegaParams p) {
-    ep_kernel_start();
-    EP_MEGA_RUN(Bf16Gemm, 1);
-}
+// ep_mega_STEM_kernel (single blocks) and ep_mega_STEM_pair_kernel.
+#define EP_MEGA_KERNELS(STEM, G, MODE)                                                          \
+    extern "C" __global__ void __launch_bounds__(EP_MEGA_THREADS, 1)                            \
+        ep_mega_##STEM##_kernel(const __grid_constant__ MegaParams p) {                         \
+        ep_kernel_start();                                                                      \
+        EP_MEGA_RUN(G, 1, MODE);                                                                \
+    }                                                                                           \
+    extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(EP_MEGA_THREADS, 1) \
+        ep_mega_##STEM##_pair_kernel(const __grid_constant__ MegaParams p) {                    \
+        ep_kernel_start();                                                                      \
+        EP_MEGA_RUN(G, 2, MODE);                                                                \
+    }
 
-extern "C" __global__ void __launch_bounds__(EP_MEGA_THREADS, 1)
-    ep_mega_fp8_kernel(const __grid_constant__ MegaParams p) {
-    ep_kernel_start();
-    EP_MEGA_RUN(Fp8Gemm, 1);
-}
-
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(EP_MEGA_THREADS, 1)
-    ep_mega_bf16_pair_kernel(const __grid_constant__ MegaParams p) {
-    ep_kernel_start();
-    EP_MEGA_RUN(Bf16Gemm, 2);
-}
-
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(EP_MEGA_THREADS, 1)
-    ep_mega_fp8_pair_kernel(const __grid_constant__ MegaParams p) {
-    ep_kernel_start();
-    EP_MEGA_RUN(Fp8Gemm, 2);
-}
+EP_MEGA_KERNELS(bf16_dispatch, Bf16Gemm, EP_MEGA_MODE_DISPATCH)
+EP_MEGA_KERNELS(bf16_combine, Bf16Gemm, EP_MEGA_MODE_COMBINE)
+EP_MEGA_KERNELS(fp8_dispatch, Fp8Gemm, EP_MEGA_MODE_DISPATCH)
+EP_MEGA_KERNELS(fp8_combine, Fp8Gemm, EP_MEGA_MODE_COMBINE)

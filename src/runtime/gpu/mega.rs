@@ -29,7 +29,9 @@ use crate::reference::normal::worst_case_rows;
 use crate::reference::Dtype;
 use crate::runtime::backend::{HandleState, Stream};
 use crate::runtime::config::{Config, MAX_EXPERT_ALIGNMENT};
-use crate::runtime::cuda::{tensor_map, CUdevice_attribute, DeviceBuffer, TensorElement};
+use crate::runtime::cuda::{
+    tensor_map, CUdevice_attribute, DeviceBuffer, Kernel, Module, TensorElement,
+};
 use crate::runtime::ops::{CombineOp, MegaCombineOp, MegaDispatchOp, MegaOp};
 use crate::runtime::sequence::Call;
 
@@ -55,6 +57,71 @@ const DEFAULT_CLUSTER: u32 = 1;
 const BF16_BANDS: u32 = 4;
 const FP8_BANDS: u32 = 3;
 const BANDED_MIN_TOKENS: usize = 1024;
+
+/// The fused kernels (kernels/mega.cu): one per GEMM type, mode and
+/// cluster size, so that each holds only its own mode's code.
+pub struct MegaKernels {
+    /// Single blocks, indexed [GEMM type][mode] (`Self::index`).
+    single: [[Kernel<MegaParams>; 2]; 2],
+    /// Clusters of 2 blocks, the same way.
+    pair: [[Kernel<MegaParams>; 2]; 2],
+}
+
+impl MegaKernels {
+    pub fn load(module: &Module) -> Result<MegaKernels> {
+        Ok(MegaKernels {
+            single: [
+                [
+                    module.function(c"ep_mega_bf16_dispatch_kernel")?,
+                    module.function(c"ep_mega_bf16_combine_kernel")?,
+                ],
+                [
+                    module.function(c"ep_mega_fp8_dispatch_kernel")?,
+                    module.function(c"ep_mega_fp8_combine_kernel")?,
+                ],
+            ],
+            pair: [
+                [
+                    module.function(c"ep_mega_bf16_dispatch_pair_kernel")?,
+                    module.function(c"ep_mega_bf16_combine_pair_kernel")?,
+                ],
+                [
+                    module.function(c"ep_mega_fp8_dispatch_pair_kernel")?,
+                    module.function(c"ep_mega_fp8_combine_pair_kernel")?,
+                ],
+            ],
+        })
+    }
+
+    /// The [GEMM type][mode] place of a kernel (`mode`: `MEGA_MODE_*`).
+    fn index(dtype: Dtype, mode: i32) -> (usize, usize) {
+        (
+            usize::from(dtype == Dtype::Fp8E4m3),
+            usize::from(mode == MEGA_MODE_COMBINE),
+        )
+    }
+
+    /// The kernel of `dtype`'s GEMM in mode `mode`, for clusters of
+    /// `cluster` blocks.
+    fn pick(&self, dtype: Dtype, mode: i32, cluster: u32) -> &Kernel<MegaParams> {
+        let (t, m) = Self::index(dtype, mode);
+        if cluster > 1 {
+            &self.pair[t][m]
+        } else {
+            &self.single[t][m]
+        }
+    }
+
+    /// Every kernel.
+    fn all(&self) -> impl Iterator<Item = &Kernel<MegaParams>> {
+        self.single.iter().flatten().chain(self.pairs())
+    }
+
+    /// The kernels launched in clusters of 2.
+    fn pairs(&self) -> impl Iterator<Item = &Kernel<MegaParams>> {
+        self.pair.iter().flatten()
+    }
+}
 
 /// The fused kernels' state of one context.
 pub struct MegaMode {
@@ -137,19 +204,15 @@ impl MegaMode {
         if hopper {
             let k = &rt.kernels;
             let bound = device.bind()?;
-            for kernel in [
-                &k.mega_bf16,
-                &k.mega_fp8,
-                &k.mega_bf16_pair,
-                &k.mega_fp8_pair,
-            ] {
+            for kernel in k.mega.all() {
                 kernel.allow_dynamic_shared(&bound, shared)?;
             }
             if cluster > 1 {
                 // Not every SM can host half of a cluster (SMs come in
                 // groups): launch only the clusters that fit at once.
-                let clusters = [&k.mega_bf16_pair, &k.mega_fp8_pair]
-                    .iter()
+                let clusters = k
+                    .mega
+                    .pairs()
                     .map(|kernel| {
                         kernel.max_active_clusters(&bound, cluster, MEGA_THREADS as u32, shared)
                     })
@@ -391,12 +454,7 @@ impl MegaMode {
         stream: Stream,
     ) -> Result<()> {
         let k = &rt.kernels;
-        let kernel = match (gemm.dtype, self.cluster) {
-            (Dtype::Bf16, 1) => &k.mega_bf16,
-            (Dtype::Fp8E4m3, 1) => &k.mega_fp8,
-            (Dtype::Bf16, _) => &k.mega_bf16_pair,
-            (Dtype::Fp8E4m3, _) => &k.mega_fp8_pair,
-        };
+        let kernel = k.mega.pick(gemm.dtype, params.mode, self.cluster);
         let grid = (self.blocks(rt, gemm) / self.cluster).max(1) * self.cluster;
         let threads = MEGA_THREADS as u32;
         let cooperative = self.cluster == 1;

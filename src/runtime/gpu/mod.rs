@@ -45,8 +45,8 @@ use super::ops::{
 use super::sequence::{Call, Collective};
 use crate::abi::{
     self, BarrierParams, CombineParams, DispatchParams, HierParams, LayoutParams, LlParams,
-    MegaParams, MoeParams, NcclPeerBasesParams, BARRIER_COUNTER_OFFSET, BARRIER_PLAIN,
-    BARRIER_THREADS, EXCHANGE_NONE, OPEN_EXCHANGE_OFFSET,
+    MoeParams, NcclPeerBasesParams, BARRIER_COUNTER_OFFSET, BARRIER_PLAIN, BARRIER_THREADS,
+    EXCHANGE_NONE, OPEN_EXCHANGE_OFFSET,
 };
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
@@ -82,10 +82,7 @@ pub struct Kernels {
     /// The same with the network leg (contexts of several nodes).
     pub ll_dispatch_net: Kernel<LlParams>,
     pub ll_combine_net: Kernel<LlParams>,
-    pub mega_bf16: Kernel<MegaParams>,
-    pub mega_fp8: Kernel<MegaParams>,
-    pub mega_bf16_pair: Kernel<MegaParams>,
-    pub mega_fp8_pair: Kernel<MegaParams>,
+    pub mega: mega::MegaKernels,
     /// `ep_moe_forward`'s SwiGLU between its two fused calls.
     pub moe_activation: Kernel<MoeParams>,
     pub nccl_peer_bases: Kernel<NcclPeerBasesParams>,
@@ -110,10 +107,7 @@ impl Kernels {
             ll_combine: module.function(c"ep_ll_combine_kernel")?,
             ll_dispatch_net: module.function(c"ep_ll_dispatch_net_kernel")?,
             ll_combine_net: module.function(c"ep_ll_combine_net_kernel")?,
-            mega_bf16: module.function(c"ep_mega_bf16_kernel")?,
-            mega_fp8: module.function(c"ep_mega_fp8_kernel")?,
-            mega_bf16_pair: module.function(c"ep_mega_bf16_pair_kernel")?,
-            mega_fp8_pair: module.function(c"ep_mega_fp8_pair_kernel")?,
+            mega: mega::MegaKernels::load(module)?,
             moe_activation: module.function(c"ep_moe_activation_kernel")?,
             nccl_peer_bases: module.function(c"ep_nccl_peer_bases_kernel")?,
             hier_stage: module.function(c"ep_hier_stage_kernel")?,
