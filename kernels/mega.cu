@@ -19,7 +19,9 @@
 // 32 in BF16, the whole m-tile in FP8) as cover the tile's real rows; the
 // last box may reach past the segment into rows that hold anything, and the
 // MMAs read the stage's other rows as earlier stages left them: no such
-// row's result is stored.
+// row's result is stored. The last n-tile of a GEMM may be ragged too (TMA
+// fills the weight rows past n with zeros); an FP8 one of at most 64 real
+// columns runs 64-wide MMAs (consume_narrow).
 // Work units: a unit is an (m-tile, n-tile) pair (in clusters of 2, two
 // consecutive m-tiles of one expert, a block each, and one n-tile). Units
 // are numbered expert by expert (early experts first), and inside an
@@ -626,6 +628,9 @@ struct Bf16Gemm {
     static constexpr int kStages = 4;
     static constexpr bool kScaled = false;
     static constexpr int kABoxRows = EP_MEGA_BF16_A_BOX_ROWS;
+    // No narrow last n-tile (see Fp8Gemm).
+    using NarrowAtom = Atom;
+    static constexpr int kNarrowN = 0;
 };
 
 // FP8: 128 x 192 tiles, k-blocks of 128 (one scale block), 5 stages
@@ -644,6 +649,13 @@ struct Fp8Gemm {
     static constexpr int kStages = 5;
     static constexpr bool kScaled = true;
     static constexpr int kABoxRows = EP_MEGA_FP8_A_BOX_ROWS;
+    // The last n-tile of an n that is not a multiple of 192 (W3's 4096 and
+    // 7168 are 21 and 37 tiles and 64 columns) has its real columns in the
+    // first kNarrowN: its MMAs run that wide (consume_narrow), a third of
+    // a whole tile's tensor work, instead of over the zeros TMA fills in
+    // past n.
+    using NarrowAtom = SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>;
+    static constexpr int kNarrowN = 64;
 };
 
 // The m-tile, n-tile and band of a work unit for this block (ep_mega_unit).
@@ -706,6 +718,8 @@ struct Gemm {
 
     // Two consumer warpgroups stacked along M: 128 x kBlockN per k-step.
     using TiledMma = decltype(make_tiled_mma(typename G::Atom{}, Layout<Shape<_2, _1, _1>>{}));
+    using NarrowMma =
+        decltype(make_tiled_mma(typename G::NarrowAtom{}, Layout<Shape<_2, _1, _1>>{}));
     using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                                make_shape(Int<kBlockM>{}, Int<kBlockK>{},
                                                           Int<kStages>{})));
@@ -1083,13 +1097,13 @@ __device__ __forceinline__ bool in_second_scale_block(int col, int first_aligns)
 // MMA's accumulator layout, element i is in row `row1` when bit 1 of i is
 // set, else in `row0`, and in the group of 8 columns starting at column
 // 8 (i / 4) of the tile, all in one weight scale block.
-template <class G, class Frag, class FragA, class FragB, class Coords>
+template <class G, class TiledMma, class Frag, class FragA, class FragB, class Coords>
 __device__ __forceinline__ void mainloop_fp8(typename Gemm<G>::Shared& s, Ring& ring, int k_blocks,
                                              int n0, Frag& total, Frag& block, FragA& tCrA,
                                              FragB& tCrB, const Coords& tCcC, int consumer,
                                              const Cluster& cluster) {
     using T = Gemm<G>;
-    typename T::TiledMma tiled_mma;
+    TiledMma tiled_mma;
     const int row0 = get<0>(tCcC(0));
     const int row1 = get<0>(tCcC(2));
     const int first_aligns = (EP_MEGA_SCALE_BLOCK - n0 % EP_MEGA_SCALE_BLOCK) / T::kScaleAlign;
@@ -1268,6 +1282,48 @@ __device__ __forceinline__ MegaWork consumed_work(typename Gemm<G>::Shared& s, R
     return work;
 }
 
+// Stores a consumer warpgroup's rows of a tile's accumulator (`kBlockN`
+// columns from n0): with TMA when all its rows are real, else from its
+// registers.
+template <int kBlockN, class Frag, class Coords>
+__device__ __forceinline__ void store_unit(const MegaParams& p, uint8_t* box, const MegaTile& t,
+                                           int n0, int warpgroup, const Frag& accum,
+                                           const Coords& tCcC, int thread) {
+    if (t.rows >= (warpgroup + 1) * EP_MEGA_WARPGROUP_ROWS) {
+        store_rows_tma<kBlockN>(p, box, t, n0, warpgroup, accum, thread);
+    } else {
+        store_tile(p, t, n0, accum, tCcC);
+    }
+}
+
+// A consumer warpgroup's MMAs and epilogue of a unit whose n-tile has at
+// most G::kNarrowN real columns (Fp8Gemm): the MMAs read only the first
+// kNarrowN rows of each stage's weight tile.
+template <class G>
+__device__ __forceinline__ void consume_narrow(const MegaParams& p, typename Gemm<G>::Shared& s,
+                                               Ring& ring, int k_blocks, const MegaTile& t, int n0,
+                                               const Cluster& cluster, int consumer) {
+    using T = Gemm<G>;
+    using Narrow = Int<G::kNarrowN>;
+    typename T::NarrowMma tiled_mma;
+    Tensor sA = make_tensor(make_smem_ptr(s.a), typename T::SmemLayoutA{});
+    // (kNarrowN, kBlockK, stage): the first rows of every stage's tile.
+    Tensor sB = flat_divide(make_tensor(make_smem_ptr(s.b), typename T::SmemLayoutB{}),
+                            Shape<Narrow>{})(_, 0, _, _);
+    const int warpgroup = consumer / EP_MEGA_WARPGROUP;
+    auto wg_mma = tiled_mma.get_slice(warpgroup * EP_MEGA_WARPGROUP);
+    Tensor tCrA = wg_mma.make_fragment_A(wg_mma.partition_A(sA));
+    Tensor tCrB = wg_mma.make_fragment_B(wg_mma.partition_B(sB));
+    Tensor tCcC = tiled_mma.get_thread_slice(consumer).partition_C(
+        make_identity_tensor(make_shape(Int<T::kBlockM>{}, Narrow{})));
+    Tensor total = partition_fragment_C(tiled_mma, make_shape(Int<T::kBlockM>{}, Narrow{}));
+    Tensor block = partition_fragment_C(tiled_mma, make_shape(Int<T::kBlockM>{}, Narrow{}));
+    mainloop_fp8<G, typename T::NarrowMma>(s, ring, k_blocks, n0, total, block, tCrA, tCrB, tCcC,
+                                           consumer, cluster);
+    store_unit<G::kNarrowN>(p, s.store[warpgroup], t, n0, warpgroup, total, tCcC,
+                            consumer % EP_MEGA_WARPGROUP);
+}
+
 // Consumer warpgroups: the MMAs and the epilogue of every unit of this block.
 template <class G>
 __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::Shared& s,
@@ -1311,22 +1367,23 @@ __device__ __forceinline__ void consume(const MegaParams& p, typename Gemm<G>::S
         const int n0 = u.n_tile * T::kBlockN;
         if (t.rows <= warpgroup * EP_MEGA_WARPGROUP_ROWS) {
             mainloop_skip<G>(s, ring, k_blocks, consumer, cluster);
-        } else {
-            if constexpr (G::kScaled) {
-                Tensor block = partition_fragment_C(
-                    tiled_mma, make_shape(Int<T::kBlockM>{}, Int<T::kBlockN>{}));
-                mainloop_fp8<G>(s, ring, k_blocks, n0, accum, block, tCrA, tCrB, tCcC, consumer,
-                                cluster);
-            } else {
-                mainloop_bf16<G>(s, ring, k_blocks, accum, tCrA, tCrB, consumer, cluster);
-            }
-            if (t.rows >= (warpgroup + 1) * EP_MEGA_WARPGROUP_ROWS) {
-                store_rows_tma<T::kBlockN>(p, s.store[warpgroup], t, n0, warpgroup, accum,
-                                           thread);
-            } else {
-                store_tile(p, t, n0, accum, tCcC);
+            continue;
+        }
+        if constexpr (G::kNarrowN > 0) {
+            if (p.n - n0 <= G::kNarrowN) {
+                consume_narrow<G>(p, s, ring, k_blocks, t, n0, cluster, consumer);
+                continue;
             }
         }
+        if constexpr (G::kScaled) {
+            Tensor block = partition_fragment_C(
+                tiled_mma, make_shape(Int<T::kBlockM>{}, Int<T::kBlockN>{}));
+            mainloop_fp8<G, typename T::TiledMma>(s, ring, k_blocks, n0, accum, block, tCrA, tCrB,
+                                                  tCcC, consumer, cluster);
+        } else {
+            mainloop_bf16<G>(s, ring, k_blocks, accum, tCrA, tCrB, consumer, cluster);
+        }
+        store_unit<T::kBlockN>(p, s.store[warpgroup], t, n0, warpgroup, accum, tCcC, thread);
     }
     if (band_units > 0 && band + 1 < ep_mega_bands(p, T::kBlockN).count) {
         publish_band(p, band, band_units, warpgroup, thread);

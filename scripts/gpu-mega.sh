@@ -40,7 +40,7 @@ if [[ "$STEPS" == *,sanitizer,* ]]; then
   # API errors are not reported: the library looks each kernel up in every
   # kernel file's module in turn (src/runtime/cuda.rs, Module::function),
   # and each module without it answers CUDA_ERROR_NOT_FOUND, which the
-  # sanitizer would count as errors (75 of them) and fail the step.
+  # sanitizer would count as errors (dozens of them) and fail the step.
   mega_step "memcheck small cases" 30 180 compute-sanitizer --tool memcheck --report-api-errors no \
     --error-exitcode 1 "$T" --ignored --exact small_and_uneven_cases_match_the_reference --test-threads=1
 fi
