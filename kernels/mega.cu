@@ -1571,20 +1571,50 @@ __device__ __forceinline__ void run(const MegaParams& p) {
 #define EP_MEGA_RUN(G, CLUSTER, MODE) ep_mega_unsupported(p)
 #endif
 
-// ep_mega_STEM_kernel (single blocks) and ep_mega_STEM_pair_kernel.
-#define EP_MEGA_KERNELS(STEM, G, MODE)                                                          \
-    extern "C" __global__ void __launch_bounds__(EP_MEGA_THREADS, 1)                            \
-        ep_mega_##STEM##_kernel(const __grid_constant__ MegaParams p) {                         \
-        ep_kernel_start();                                                                      \
-        EP_MEGA_RUN(G, 1, MODE);                                                                \
-    }                                                                                           \
-    extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(EP_MEGA_THREADS, 1) \
-        ep_mega_##STEM##_pair_kernel(const __grid_constant__ MegaParams p) {                    \
-        ep_kernel_start();                                                                      \
-        EP_MEGA_RUN(G, 2, MODE);                                                                \
-    }
+extern "C" __global__ void __launch_bounds__(EP_MEGA_THREADS, 1)
+    ep_mega_bf16_dispatch_kernel(const __grid_constant__ MegaParams p) {
+    ep_kernel_start();
+    EP_MEGA_RUN(Bf16Gemm, 1, EP_MEGA_MODE_DISPATCH);
+}
 
-EP_MEGA_KERNELS(bf16_dispatch, Bf16Gemm, EP_MEGA_MODE_DISPATCH)
-EP_MEGA_KERNELS(bf16_combine, Bf16Gemm, EP_MEGA_MODE_COMBINE)
-EP_MEGA_KERNELS(fp8_dispatch, Fp8Gemm, EP_MEGA_MODE_DISPATCH)
-EP_MEGA_KERNELS(fp8_combine, Fp8Gemm, EP_MEGA_MODE_COMBINE)
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(EP_MEGA_THREADS, 1)
+    ep_mega_bf16_dispatch_pair_kernel(const __grid_constant__ MegaParams p) {
+    ep_kernel_start();
+    EP_MEGA_RUN(Bf16Gemm, 2, EP_MEGA_MODE_DISPATCH);
+}
+
+extern "C" __global__ void __launch_bounds__(EP_MEGA_THREADS, 1)
+    ep_mega_bf16_combine_kernel(const __grid_constant__ MegaParams p) {
+    ep_kernel_start();
+    EP_MEGA_RUN(Bf16Gemm, 1, EP_MEGA_MODE_COMBINE);
+}
+
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(EP_MEGA_THREADS, 1)
+    ep_mega_bf16_combine_pair_kernel(const __grid_constant__ MegaParams p) {
+    ep_kernel_start();
+    EP_MEGA_RUN(Bf16Gemm, 2, EP_MEGA_MODE_COMBINE);
+}
+
+extern "C" __global__ void __launch_bounds__(EP_MEGA_THREADS, 1)
+    ep_mega_fp8_dispatch_kernel(const __grid_constant__ MegaParams p) {
+    ep_kernel_start();
+    EP_MEGA_RUN(Fp8Gemm, 1, EP_MEGA_MODE_DISPATCH);
+}
+
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(EP_MEGA_THREADS, 1)
+    ep_mega_fp8_dispatch_pair_kernel(const __grid_constant__ MegaParams p) {
+    ep_kernel_start();
+    EP_MEGA_RUN(Fp8Gemm, 2, EP_MEGA_MODE_DISPATCH);
+}
+
+extern "C" __global__ void __launch_bounds__(EP_MEGA_THREADS, 1)
+    ep_mega_fp8_combine_kernel(const __grid_constant__ MegaParams p) {
+    ep_kernel_start();
+    EP_MEGA_RUN(Fp8Gemm, 1, EP_MEGA_MODE_COMBINE);
+}
+
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(EP_MEGA_THREADS, 1)
+    ep_mega_fp8_combine_pair_kernel(const __grid_constant__ MegaParams p) {
+    ep_kernel_start();
+    EP_MEGA_RUN(Fp8Gemm, 2, EP_MEGA_MODE_COMBINE);
+}
