@@ -15,7 +15,12 @@
 // it: no math, so the figure is the ceiling of the load pattern alone.
 // Variants: the box of the FP8 kernel (192 rows x 128 bytes, 5 stages) and
 // of the BF16 one (256 x 128, 4 stages); deeper rings; two k-blocks issued
-// back to back (the DRAM sees 256 bytes of a row at once); 256-byte boxes.
+// back to back (the DRAM sees 256 bytes of a row at once); 256-byte boxes;
+// the consumer keeping each stage a while (as the fused kernels' MMAs do);
+// an activation box loaded into each stage beside the weights, as the
+// fused kernels load their A rows, from [4096, k] rows whose tiles are
+// shared by the units of an expert (decode: 22 FP8 or 16 BF16 n-tiles read
+// one m-tile) or by fewer.
 // Beside them a plain read of the same bytes by every thread of the GPU
 // (16-byte loads, summed) as the read ceiling. Medians of 20 runs after 3,
 // CUDA events; GB/s are weight bytes per second.
@@ -41,7 +46,20 @@ struct Variant {
     int inner;      // bytes of a row per k-block (the box's inner size)
     int stages;
     int pair;       // k-blocks issued back to back (1 or 2)
+    int a_rows;     // rows of an activation box loaded into each stage too (0: none)
+    int hold_ns;    // how long the consumer keeps each stage before freeing it
+    int a_first;    // 1: the activation box is issued before the weight box
+    int a_share;    // units that read the same activation rows (1: each its own)
 };
+
+// Activations: [kARows, row_bytes] (all units read the same ones, from L2).
+constexpr int kARows = 4096;
+
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
 
 __device__ __forceinline__ void barrier_arrive(uint64_t* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(bar)) : "memory");
@@ -59,13 +77,15 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u
 // One block per SM: units (expert, n-tile) from `counter`, each streamed
 // k-block by k-block through the ring.
 __global__ void __launch_bounds__(kThreads, 1)
-    stream_weights(const __grid_constant__ CUtensorMap map, Variant v, int* counter) {
+    stream_weights(const __grid_constant__ CUtensorMap map, const __grid_constant__ CUtensorMap a_map,
+                   Variant v, int* counter) {
     extern __shared__ uint8_t stage_bytes[];
     __shared__ uint64_t full[kMaxStages], empty[kMaxStages];
     __shared__ int unit_of[kMaxStages];
     // The 128-byte swizzle wants stages on 1024-byte boundaries.
     uint8_t* base = stage_bytes + ((1024 - shared_address(stage_bytes) % 1024) % 1024);
-    const int stage_size = v.rows * v.inner;
+    const int b_size = v.rows * v.inner;
+    const int stage_size = b_size + v.a_rows * v.inner;
     const int k_blocks = v.row_bytes / v.inner;
     const int n_tiles = (kN + v.rows - 1) / v.rows;  // the last one ragged: rows past n come as zeros, not from memory
     const int units = kExperts * n_tiles;
@@ -101,8 +121,17 @@ __global__ void __launch_bounds__(kThreads, 1)
                 for (int i = 0; i < group; ++i) {
                     unit_of[stage] = unit;
                     barrier_expect(&full[stage], stage_size);
+                    const int a_row = (unit / max(v.a_share, 1) * v.a_rows) % kARows;
+                    if (v.a_rows > 0 && v.a_first) {
+                        tma_load_3d(base + stage * stage_size + b_size, &a_map, &full[stage],
+                                    (kb + i) * v.inner, a_row, 0);
+                    }
                     tma_load_3d(base + stage * stage_size, &map, &full[stage], (kb + i) * v.inner,
                                 row, expert);
+                    if (v.a_rows > 0 && !v.a_first) {
+                        tma_load_3d(base + stage * stage_size + b_size, &a_map, &full[stage],
+                                    (kb + i) * v.inner, a_row, 0);
+                    }
                     if (++stage == v.stages) stage = 0, parity ^= 1;
                 }
             }
@@ -113,6 +142,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (;;) {
             barrier_wait(&full[stage], parity);
             const int unit = unit_of[stage];
+            // The fused kernels' consumers keep a stage for their MMAs (and
+            // the A rows it waits for): a hold of that order.
+            for (const uint64_t until = globaltimer_ns() + v.hold_ns; globaltimer_ns() < until;) {
+            }
             barrier_arrive(&empty[stage]);
             if (++stage == v.stages) stage = 0, parity ^= 1;
             if (unit < 0) break;
@@ -151,23 +184,40 @@ int main() {
     int *counter, *sink;
     CHECK(cudaMalloc(&weights, max_bytes));
     CHECK(cudaMemset(weights, 1, max_bytes));
+    uint8_t* activations;
+    CHECK(cudaMalloc(&activations, int64_t(kARows) * 14336));
+    CHECK(cudaMemset(activations, 1, int64_t(kARows) * 14336));
     CHECK(cudaMalloc(&counter, sizeof(int)));
     CHECK(cudaMalloc(&sink, sizeof(int)));
     auto encode = encode_tiled();
     CHECK(cudaFuncSetAttribute(stream_weights, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               197 * 1024));
+                               220 * 1024));
 
+    // name, row bytes, box rows, box bytes per row, stages, pair, A rows,
+    // hold ns, A box first, units sharing A rows
     const Variant variants[] = {
-        {"FP8 box 192 x 128 B, 5 stages (the FP8 kernel)", 7168, 192, 128, 5, 1},
-        {"FP8 box 192 x 128 B, 8 stages", 7168, 192, 128, 8, 1},
-        {"FP8 box 192 x 128 B, 6 stages, pairs", 7168, 192, 128, 6, 2},
-        {"FP8 box 192 x 256 B, 3 stages", 7168, 192, 256, 3, 1},
-        {"FP8 box 256 x 128 B, 5 stages", 7168, 256, 128, 5, 1},
-        {"FP8 box 128 x 128 B, 8 stages", 7168, 128, 128, 8, 1},
-        {"BF16 box 256 x 128 B, 4 stages (the BF16 kernel)", 14336, 256, 128, 4, 1},
-        {"BF16 box 256 x 128 B, 6 stages", 14336, 256, 128, 6, 1},
-        {"BF16 box 256 x 128 B, 6 stages, pairs", 14336, 256, 128, 6, 2},
-        {"BF16 box 256 x 256 B, 3 stages", 14336, 256, 256, 3, 1},
+        {"FP8 box 192 x 128 B, 5 stages (the FP8 kernel)", 7168, 192, 128, 5, 1, 0, 0, 0, 1},
+        {"FP8 box 192 x 128 B, 8 stages", 7168, 192, 128, 8, 1, 0, 0, 0, 1},
+        {"FP8 box 192 x 128 B, 6 stages, pairs", 7168, 192, 128, 6, 2, 0, 0, 0, 1},
+        {"FP8 box 192 x 256 B, 3 stages", 7168, 192, 256, 3, 1, 0, 0, 0, 1},
+        {"FP8 box 256 x 128 B, 5 stages", 7168, 256, 128, 5, 1, 0, 0, 0, 1},
+        {"FP8 box 128 x 128 B, 8 stages", 7168, 128, 128, 8, 1, 0, 0, 0, 1},
+        {"FP8 the kernel's, each stage held 250 ns", 7168, 192, 128, 5, 1, 0, 250, 0, 1},
+        {"FP8 the kernel's, each stage held 500 ns", 7168, 192, 128, 5, 1, 0, 500, 0, 1},
+        {"FP8 the kernel's, each stage held 1000 ns", 7168, 192, 128, 5, 1, 0, 1000, 0, 1},
+        {"FP8 + 128-row A box per stage, 22 units per A tile (decode)", 7168, 192, 128, 5, 1, 128, 0, 0, 22},
+        {"FP8 + 128-row A box per stage, 22 units per A tile, A first", 7168, 192, 128, 5, 1, 128, 0, 1, 22},
+        {"FP8 + 128-row A box per stage, about 4 units per A tile", 7168, 192, 128, 5, 1, 128, 0, 0, 1},
+        {"FP8 + 128-row A box per stage, 22 units per A tile, held 250 ns", 7168, 192, 128, 5, 1, 128, 250, 0, 22},
+        {"FP8 + 32-row A box per stage, 22 units per A tile, 7 stages", 7168, 192, 128, 7, 1, 32, 0, 0, 22},
+        {"BF16 box 256 x 128 B, 4 stages (the BF16 kernel)", 14336, 256, 128, 4, 1, 0, 0, 0, 1},
+        {"BF16 box 256 x 128 B, 6 stages", 14336, 256, 128, 6, 1, 0, 0, 0, 1},
+        {"BF16 box 256 x 128 B, 6 stages, pairs", 14336, 256, 128, 6, 2, 0, 0, 0, 1},
+        {"BF16 box 256 x 256 B, 3 stages", 14336, 256, 256, 3, 1, 0, 0, 0, 1},
+        {"BF16 the kernel's, each stage held 500 ns", 14336, 256, 128, 4, 1, 0, 500, 0, 1},
+        {"BF16 + 32-row A box per stage, 16 units per A tile (decode)", 14336, 256, 128, 4, 1, 32, 0, 0, 16},
+        {"BF16 + 32-row A box per stage, 16 units per A tile, A first", 14336, 256, 128, 4, 1, 32, 0, 1, 16},
+        {"BF16 + 32-row A box per stage, about 1 unit per A tile", 14336, 256, 128, 4, 1, 32, 0, 0, 1},
     };
     printf("| load pattern (%d blocks) | weights MB | median us | GB/s |\n| --- | ---: | ---: | ---: |\n",
            sms);
@@ -186,10 +236,22 @@ int main() {
             printf("cuTensorMapEncodeTiled failed (%d) for %s\n", int(r), v.name);
             return 1;
         }
-        const int smem = v.rows * v.inner * v.stages + 1024;
+        CUtensorMap a_map;
+        const cuuint64_t a_dims[3] = {cuuint64_t(v.row_bytes), kARows, 1};
+        const cuuint64_t a_strides[2] = {cuuint64_t(v.row_bytes), cuuint64_t(v.row_bytes) * kARows};
+        const cuuint32_t a_box[3] = {cuuint32_t(v.inner), cuuint32_t(v.a_rows > 0 ? v.a_rows : 8), 1};
+        if (encode(&a_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, activations, a_dims, a_strides, a_box,
+                   unit_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                   v.inner == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+            printf("cuTensorMapEncodeTiled failed for the activations of %s\n", v.name);
+            return 1;
+        }
+        const int smem = (v.rows + v.a_rows) * v.inner * v.stages + 1024;
         const float us = median_us([&] {
             CHECK(cudaMemsetAsync(counter, 0, sizeof(int)));
-            stream_weights<<<sms, kThreads, smem>>>(map, v, counter);
+            stream_weights<<<sms, kThreads, smem>>>(map, a_map, v, counter);
         });
         printf("| %s | %.0f | %.1f | %.0f |\n", v.name, bytes / 1e6, us, bytes / (us * 1e3));
     }
