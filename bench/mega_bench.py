@@ -110,6 +110,7 @@ EP_BACKEND_HOST = abi.EP_BACKEND_HOST
 EP_DTYPE_BF16 = abi.EP_DTYPE_BF16
 EP_DTYPE_FP8_E4M3 = abi.EP_DTYPE_FP8_E4M3
 EP_DISPATCH_NO_HOST_SYNC = abi.EP_DISPATCH_NO_HOST_SYNC
+EP_DISPATCH_KEEP_PADDING = abi.EP_DISPATCH_KEEP_PADDING
 EP_COMBINE_EXPERT_MAJOR = abi.EP_COMBINE_EXPERT_MAJOR
 EP_UNIQUE_ID_BYTES = abi.EP_UNIQUE_ID_BYTES
 EP_MAX_WORLD_SIZE = abi.EP_MAX_WORLD_SIZE
@@ -130,7 +131,8 @@ GPU_DIMS = Dims(hidden=7168, n1=4096, k2=2048, experts=32, topk=8,
                 tokens={"w3": 4096, "decode": 128})
 HOST_DIMS = Dims(hidden=256, n1=256, k2=128, experts=8, topk=2,
                  tokens={"w3": 64, "decode": 8})
-# Expert-major segment alignment of every dispatch (rows).
+# Expert-major segment alignment of every dispatch (rows), unless
+# --alignment says otherwise.
 ALIGNMENT = 128
 # Rank r draws its tokens and weights from seed (tokens + r * RANK_SEED_STRIDE).
 RANK_SEED_STRIDE = 7919
@@ -368,7 +370,8 @@ class Ep:
     # The fused calls' SM budget (ep_mega_args_t.num_sms; 0: every SM).
     mega_sms = 0
 
-    def __init__(self, lib, group, backend, hidden, topk, experts, max_tokens, alignment):
+    def __init__(self, lib, group, backend, hidden, topk, experts, max_tokens, alignment,
+                 keep_padding=False):
         self.lib = lib
         self.cuda = backend == "gpu"
         cfg = init(lib, ep_config_t, "ep_config_init")
@@ -391,6 +394,7 @@ class Ep:
         self.capacity = cap.value
         local = experts // group.world
         self.hidden, self.experts, self.alignment = hidden, local, alignment
+        self.keep_padding = keep_padding
         dev = "cuda" if self.cuda else "cpu"
         self.expert_x = torch.empty(self.capacity * hidden * 2, dtype=torch.uint8, device=dev)
         self.expert_scales = torch.empty(self.capacity, hidden // 128, dtype=torch.float32, device=dev)
@@ -404,7 +408,7 @@ class Ep:
 
     def dispatch_args(self, x, x_scales, topk_idx, topk_weights, dtype):
         a = init(self.lib, ep_dispatch_args_t, "ep_dispatch_args_init")
-        a.flags = EP_DISPATCH_NO_HOST_SYNC
+        a.flags = EP_DISPATCH_NO_HOST_SYNC | (EP_DISPATCH_KEEP_PADDING if self.keep_padding else 0)
         a.num_tokens = x.shape[0]
         a.dtype = dtype
         a.x, a.x_scales = ptr(x), ptr(x_scales)
@@ -457,6 +461,7 @@ class Ep:
         c = init(self.lib, ep_combine_args_t, "ep_combine_args_init")
         c.input_layout = EP_COMBINE_EXPERT_MAJOR
         c.out = ptr(out)
+        a.flags &= ~EP_DISPATCH_KEEP_PADDING  # ep_moe_forward refuses it
         m = init(self.lib, ep_moe_args_t, "ep_moe_args_init")
         m.dispatch, m.combine = ctypes.addressof(a), ctypes.addressof(c)
         m.weight_dtype, m.intermediate = dtype, intermediate
@@ -707,7 +712,8 @@ def run(args, group):
         # library reads EP_MEGA_CLUSTER when a context is created.
         for cluster in args.clusters.split(","):
             os.environ["EP_MEGA_CLUSTER"] = cluster
-            ep = Ep(lib, group, args.backend, hidden, topk, experts, tokens, ALIGNMENT)
+            ep = Ep(lib, group, args.backend, hidden, topk, experts, tokens, args.alignment,
+                    args.keep_padding)
             ep.mega_sms = args.mega_sms
             y1 = torch.empty(ep.capacity, n1, dtype=torch.bfloat16, device=dev)
             y2 = torch.empty(ep.capacity, hidden, dtype=torch.bfloat16, device=dev)
@@ -839,9 +845,9 @@ def header(args, world):
         device = "%d x %s, %d ranks (one process each)" % (world, device, world)
     timing = "wall-clock" if args.backend == "host" else (
         "CUDA events, ungated" if args.ungated else "CUDA events, gated")
-    print("date: %s, device: %s, torch %s, timing: %s"
+    print("date: %s, device: %s, torch %s, timing: %s, expert alignment %d rows%s"
           % (time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), device, torch.__version__,
-             timing), flush=True)
+             timing, args.alignment, ", padding kept" if args.keep_padding else ""), flush=True)
 
 
 def watch_parent(parent):
@@ -934,6 +940,12 @@ def main():
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--shapes", default="w3,decode", help="comma list of w3, decode")
+    p.add_argument("--alignment", type=int, default=ALIGNMENT, metavar="ROWS",
+                   help="expert-major segment alignment of every dispatch (default %(default)s; "
+                        "the fused calls need none, and their padding rows are written as zeros)")
+    p.add_argument("--keep-padding", action="store_true",
+                   help="every dispatch but ep_moe_forward's with EP_DISPATCH_KEEP_PADDING: "
+                        "padding rows (expert-major x, the fused GEMM's y) left unwritten")
     p.add_argument("--clusters", default="1",
                    help="cluster sizes of the fused kernels to time (EP_MEGA_CLUSTER)")
     p.add_argument("--mega-sms", type=int, default=0, metavar="N",

@@ -82,7 +82,8 @@
 // the token from that first row once its flag holds the sequence number
 // (acquire); each task then release-stores the call's sequence number into
 // row_ready[row] (ep_mega_move_rows). A padding row gets zeros (and its y
-// row too). The producer acquire-loads row_ready of every real row of a tile
+// row too), or with EP_DISPATCH_KEEP_PADDING nothing: the GEMM stores real
+// rows only. The producer acquire-loads row_ready of every real row of a tile
 // until each holds the sequence number, and release-stores the number into
 // tile_ready[m-tile]; the producers of the tile's later units (other
 // n-tiles) acquire that flag instead (wait_for_tile_rows). Then it issues
@@ -460,6 +461,9 @@ __device__ __forceinline__ void ep_mega_move_rows(const MegaParams& p, MegaLayou
     for (int task = warp; task < total; task += warps) {
         const int j = ep_mega_spread_row(p, task);
         const int row = d.expert_src_row[j];
+        if (row < 0 && d.keep_padding) {
+            continue;  // padding left as it was (EP_DISPATCH_KEEP_PADDING)
+        }
         if (row < 0) {
             // Padding: zero row, zero scales, zero output row.
             ep_mega_zero_row(d.expert_x + static_cast<int64_t>(j) * d.row_bytes, d.row_bytes, lane);

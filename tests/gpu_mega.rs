@@ -152,6 +152,9 @@ impl Buffers {
         a.expert_src_row = self.expert_src_row.as_mut();
         a.expert_offsets = self.expert_offsets.as_mut();
         a.expert_counts = self.expert_counts.as_mut();
+        if case.keep_padding {
+            a.flags |= EP_DISPATCH_KEEP_PADDING;
+        }
         a
     }
 
@@ -304,15 +307,23 @@ fn check_rank(
     rng: &mut Rng,
     what: &str,
 ) -> (f32, f32) {
-    let (n, hidden) = (case.n, case.hidden);
+    let (n, hidden, keep) = (case.n, case.hidden, case.keep_padding);
     assert_eq!(r.offsets, d.expert_offsets, "{what}: offsets");
     assert_eq!(r.counts, d.expert_counts, "{what}: counts");
-    assert!(r.expert_x == d.expert_x, "{what}: expert_x");
-    assert_eq!(
-        bits(&r.expert_scales),
-        bits(&d.expert_scales),
-        "{what}: scales"
+    let row_bytes = case.dtype.row_bytes(hidden);
+    check_expert_rows(
+        d,
+        &r.expert_x,
+        &d.expert_x,
+        row_bytes,
+        keep,
+        &format!("{what}: expert_x"),
     );
+    if case.dtype == Dtype::Fp8E4m3 {
+        let cols = case.dtype.scales_per_row(hidden);
+        let scales = format!("{what}: scales");
+        check_expert_rows(d, &r.expert_scales, &d.expert_scales, cols, keep, &scales);
+    }
     assert_eq!(
         bits(&r.expert_weights),
         bits(&d.expert_weights),
@@ -321,10 +332,18 @@ fn check_rank(
     assert_eq!(r.expert_src_row, d.expert_src_row, "{what}: src rows");
     for j in 0..d.expert_rows {
         if d.expert_src_row[j] < 0 {
-            assert!(
-                r.y1[j * n..][..n].iter().all(|v| v.to_bits() == 0),
-                "{what}: padding row {j} of the first GEMM is not zero"
-            );
+            let y1 = &r.y1[j * n..][..n];
+            if keep {
+                assert!(
+                    is_poisoned(y1),
+                    "{what}: padding row {j} of the first GEMM was written"
+                );
+            } else {
+                assert!(
+                    y1.iter().all(|v| v.to_bits() == 0),
+                    "{what}: padding row {j} of the first GEMM is not zero"
+                );
+            }
             assert!(
                 is_poisoned(&r.y2[j * hidden..][..hidden]),
                 "{what}: padding row {j} of the second GEMM was written"
@@ -390,7 +409,7 @@ fn use_bands(bands: Option<usize>) {
 fn run_case(case: &MegaCase) {
     let start = Instant::now();
     let what = format!(
-        "cluster {} bands {} world {} hidden {} n {} k2 {} experts {} topk {} {:?} {:?} tokens {:?} alignment {}",
+        "cluster {} bands {} world {} hidden {} n {} k2 {} experts {} topk {} {:?} {:?} tokens {:?} alignment {}{}",
         std::env::var("EP_MEGA_CLUSTER").unwrap_or_default(),
         std::env::var("EP_MEGA_COMBINE_BANDS").unwrap_or_else(|_| "default".into()),
         case.world,
@@ -402,7 +421,8 @@ fn run_case(case: &MegaCase) {
         case.dtype,
         case.routing,
         case.tokens,
-        case.alignment
+        case.alignment,
+        if case.keep_padding { ", padding kept" } else { "" }
     );
     let all = all_tokens(case);
     let refs = dispatch_all(case.topo(), case.dtype, &all, case.alignment);
@@ -418,6 +438,7 @@ fn run_case(case: &MegaCase) {
     let results: Vec<(RankData, Results)> = run_gpu_world(case.world, &cfg, |rank, ctx| {
         let data = rank_data(case, rank);
         let b = Buffers::new(case, &data);
+        b.poison_outputs();
         let handle = ctx.handle();
         run_calls(ctx, &handle, case, &b, case.tokens[rank], &what);
         let r = b.download(case, &refs[rank], case.tokens[rank]);
@@ -481,6 +502,7 @@ fn case(
         alignment: 1,
         tokens: vec![tokens; world],
         seed,
+        keep_padding: false,
     }
 }
 
@@ -508,6 +530,11 @@ fn small_and_uneven_cases_match_the_reference() {
             let mut c = case(world, 2048, 1024, 1024, 8, dtype, 1000, 14);
             c.routing = Routing::OneExpert;
             run_case(&c);
+            // Padding rows kept (EP_DISPATCH_KEEP_PADDING), alignment 128.
+            let mut c = case(world, 2048, 1024, 1024, 16, dtype, 33, 15);
+            c.alignment = 128;
+            c.keep_padding = true;
+            run_case(&c);
         }
     }
 }
@@ -522,6 +549,14 @@ fn decode_shape_matches_the_reference() {
         for dtype in [Dtype::Bf16, Dtype::Fp8E4m3] {
             run_case(&case(1, 7168, 4096, 2048, 32, dtype, 128, 21));
         }
+    }
+    // As bench/mega_bench.py's decode with --keep-padding: alignment 128,
+    // padding rows kept.
+    for dtype in [Dtype::Bf16, Dtype::Fp8E4m3] {
+        let mut c = case(1, 7168, 4096, 2048, 32, dtype, 128, 22);
+        c.alignment = 128;
+        c.keep_padding = true;
+        run_case(&c);
     }
 }
 

@@ -142,8 +142,9 @@ pub const EP_DISPATCH_REUSE_LAYOUT: u32 = 2;
 /// skip padding rows, or whose results there are never read (the
 /// expert-major combine ignores them): with a large `expert_alignment` and
 /// few rows per expert, the padding is most of the output's bytes. Without
-/// the flag padding rows are zeros. Refused by `ep_mega_dispatch_gemm` and
-/// `ep_moe_forward`, whose fused kernel multiplies the padding rows.
+/// the flag padding rows are zeros. `ep_mega_dispatch_gemm` leaves the
+/// padding rows of its GEMM's output `y` as they were too (its GEMM stores
+/// the real rows only). Refused by `ep_moe_forward`.
 pub const EP_DISPATCH_KEEP_PADDING: u32 = 4;
 
 /// `ep_combine_args_t.input_layout`: one row per received source-order row
@@ -607,8 +608,9 @@ pub struct ep_mega_args_t {
     /// Required. The GEMM's BF16 output, one row of `n` per expert-major row.
     /// `ep_mega_dispatch_gemm`: `[expert_capacity, n]`; the dispatch's
     /// expert-major rows (`expert_offsets[local_experts]` of them) are
-    /// written, padding rows between experts with zeros; the rows after them
-    /// are left as they were. `ep_mega_gemm_combine`: `[expert_capacity, n]`, the expert
+    /// written, padding rows between experts with zeros (left as they were
+    /// with `EP_DISPATCH_KEEP_PADDING`); the rows after them are left as
+    /// they were. `ep_mega_gemm_combine`: `[expert_capacity, n]`, the expert
     /// outputs before the routing weights, which the combine then reduces;
     /// rows of real pairs are written, padding rows are left as they were.
     pub y: *mut c_void,

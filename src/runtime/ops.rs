@@ -161,18 +161,12 @@ impl DispatchOp {
 
     /// `validate`, and what a fused call (`call`, which `needs` the
     /// expert-major rows) asks of its dispatch besides: a layout of its
-    /// own, every padding row written (the fused kernel multiplies them),
-    /// and the expert-major rows with their source rows (the fused kernel
-    /// finds each row's token through its source row).
+    /// own, and the expert-major rows with their source rows (the fused
+    /// kernel finds each row's token through its source row).
     fn validate_fused(&self, cfg: &Config, call: &str, needs: &str) -> Result<()> {
         if self.reuse_layout {
             return Err(Error::invalid(format!(
                 "EP_DISPATCH_REUSE_LAYOUT: the dispatch of {call} cannot reuse a layout"
-            )));
-        }
-        if self.expert.is_some_and(|e| e.keep_padding) {
-            return Err(Error::invalid(format!(
-                "EP_DISPATCH_KEEP_PADDING: the fused kernel of {call} writes the padding rows it multiplies"
             )));
         }
         let null = |name: &str| {
@@ -549,6 +543,11 @@ impl MoeOp {
             "ep_moe_forward",
             "whose experts multiply the expert-major rows",
         )?;
+        if d.expert.is_some_and(|e| e.keep_padding) {
+            return Err(Error::invalid(
+                "EP_DISPATCH_KEEP_PADDING is not supported by ep_moe_forward",
+            ));
+        }
         let i = self.experts.intermediate;
         if i == 0 || !i.is_multiple_of(SCALE_BLOCK) || i > MAX_INTERMEDIATE {
             return Err(Error::invalid(format!(

@@ -5,7 +5,9 @@
 //! of `ep::reference::mega`.
 
 use super::normal::Input;
-use super::{bf16_to_bytes, random_bf16, routing, weights as routing_weights, Rng};
+use super::{
+    bf16_to_bytes, bytes_of, is_poisoned, random_bf16, routing, weights as routing_weights, Rng,
+};
 use ep::reference::fp8::quantize_rows;
 use ep::reference::mega::{tolerance, DecodedExpert, ExpertWeights, RowResult};
 use ep::reference::normal::Dispatched;
@@ -39,6 +41,9 @@ pub struct MegaCase {
     /// Tokens of each rank.
     pub tokens: Vec<usize>,
     pub seed: u64,
+    /// The fused dispatch with `EP_DISPATCH_KEEP_PADDING`: its padding rows
+    /// (expert-major x, scales, the first GEMM's y) keep what they held.
+    pub keep_padding: bool,
 }
 
 impl MegaCase {
@@ -260,4 +265,38 @@ pub fn reference_rows(
             )
         })
         .collect()
+}
+
+/// A fused dispatch's expert-major array `got` (rows of `row_len`
+/// elements) against the reference's `want` (its `d.expert_rows` rows):
+/// real rows bit for bit; padding rows zeros, or with `keep_padding` as
+/// they were (poisoned); nothing written past the rows.
+pub fn check_expert_rows<T: Copy>(
+    d: &Dispatched,
+    got: &[T],
+    want: &[T],
+    row_len: usize,
+    keep_padding: bool,
+    what: &str,
+) {
+    for j in 0..d.expert_rows {
+        let (g, w) = (
+            &got[j * row_len..][..row_len],
+            &want[j * row_len..][..row_len],
+        );
+        if d.expert_src_row[j] >= 0 {
+            assert!(bytes_of(g) == bytes_of(w), "{what}: row {j}");
+        } else if keep_padding {
+            assert!(is_poisoned(g), "{what}: padding row {j} was written");
+        } else {
+            assert!(
+                bytes_of(g).iter().all(|&b| b == 0),
+                "{what}: padding row {j} is not zero"
+            );
+        }
+    }
+    assert!(
+        is_poisoned(&got[d.expert_rows * row_len..]),
+        "{what}: written past the rows"
+    );
 }

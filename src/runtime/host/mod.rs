@@ -607,7 +607,11 @@ impl Backend for HostBackend {
         // dispatch that succeeded.
         unsafe {
             let y = self.gemm(&op.gemm, rows, d);
-            give(op.gemm.y as *mut bf16, &y);
+            if op.dispatch.expert.is_some_and(|e| e.keep_padding) {
+                give_real_rows(op.gemm.y as *mut bf16, &y, op.gemm.n, d);
+            } else {
+                give(op.gemm.y as *mut bf16, &y);
+            }
         }
         Ok(())
     }
