@@ -461,7 +461,6 @@ class Ep:
         c = init(self.lib, ep_combine_args_t, "ep_combine_args_init")
         c.input_layout = EP_COMBINE_EXPERT_MAJOR
         c.out = ptr(out)
-        a.flags &= ~EP_DISPATCH_KEEP_PADDING  # ep_moe_forward refuses it
         m = init(self.lib, ep_moe_args_t, "ep_moe_args_init")
         m.dispatch, m.combine = ctypes.addressof(a), ctypes.addressof(c)
         m.weight_dtype, m.intermediate = dtype, intermediate
@@ -944,8 +943,8 @@ def main():
                    help="expert-major segment alignment of every dispatch (default %(default)s; "
                         "the fused calls need none, and their padding rows are written as zeros)")
     p.add_argument("--keep-padding", action="store_true",
-                   help="every dispatch but ep_moe_forward's with EP_DISPATCH_KEEP_PADDING: "
-                        "padding rows (expert-major x, the fused GEMM's y) left unwritten")
+                   help="every dispatch with EP_DISPATCH_KEEP_PADDING: padding rows "
+                        "(expert-major x, the fused GEMMs' y and y1) left unwritten")
     p.add_argument("--clusters", default="1",
                    help="cluster sizes of the fused kernels to time (EP_MEGA_CLUSTER)")
     p.add_argument("--mega-sms", type=int, default=0, metavar="N",

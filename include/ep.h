@@ -91,7 +91,8 @@ struct ncclComm;
 // few rows per expert, the padding is most of the output's bytes. Without
 // the flag padding rows are zeros. `ep_mega_dispatch_gemm` leaves the
 // padding rows of its GEMM's output `y` as they were too (its GEMM stores
-// the real rows only). Refused by `ep_moe_forward`.
+// the real rows only), and `ep_moe_forward` those of `y1` (`act` and `y2`
+// have their padding rows left as they were in any case).
 #define EP_DISPATCH_KEEP_PADDING 4
 
 // `ep_combine_args_t.input_layout`: one row per received source-order row
@@ -569,8 +570,9 @@ typedef struct ep_mega_args_t {
 // row of the dispatch (`expert_capacity` rows): when the stream has run
 // the call, their rows of real (token, expert) pairs hold each step's
 // output. Padding rows: `y1` as `ep_mega_dispatch_gemm` writes it (zeros
-// between experts; rows after the last expert's segment left as they
-// were); `act`, `act_scales` and `y2` are left as they were.
+// between experts, or as they were with `EP_DISPATCH_KEEP_PADDING`; rows
+// after the last expert's segment left as they were); `act`, `act_scales`
+// and `y2` are left as they were.
 //
 // As for the fused calls: `I` is a multiple of 128 up to
 // `EP_MOE_MAX_INTERMEDIATE`; the call never synchronises with the host

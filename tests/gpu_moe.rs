@@ -26,7 +26,7 @@ mod common;
 
 use common::calls::combine_reference;
 use common::gpu::*;
-use common::mega::{check_row, reference_rows, Weights};
+use common::mega::{check_expert_rows, check_row, reference_rows, Weights};
 use common::moe::*;
 use common::normal::{dispatch_all, DeviceInput};
 use common::{bits, bytes_of, dtype_code, is_poisoned, last_error, Ctx, Handle, Rng};
@@ -145,6 +145,9 @@ impl Buffers {
         d.expert_src_row = self.expert_src_row.as_mut();
         d.expert_offsets = self.expert_offsets.as_mut();
         d.expert_counts = self.expert_counts.as_mut();
+        if case.keep_padding {
+            d.flags |= EP_DISPATCH_KEEP_PADDING;
+        }
         let mut c = common::combine_args();
         c.input_layout = EP_COMBINE_EXPERT_MAJOR;
         c.out = self.out.as_mut();
@@ -281,12 +284,20 @@ fn check_rank(
     let m = &r.moe;
     assert_eq!(m.offsets, d.expert_offsets, "{what}: offsets");
     assert_eq!(m.counts, d.expert_counts, "{what}: counts");
-    assert!(r.expert_x == d.expert_x, "{what}: expert_x");
-    assert_eq!(
-        bits(&r.expert_scales),
-        bits(&d.expert_scales),
-        "{what}: scales"
+    let keep = case.keep_padding;
+    let row_bytes = dtype.row_bytes(hidden);
+    check_expert_rows(
+        d,
+        &r.expert_x,
+        &d.expert_x,
+        row_bytes,
+        keep,
+        &format!("{what}: expert_x"),
     );
+    if dtype == Dtype::Fp8E4m3 {
+        let (cols, scales) = (dtype.scales_per_row(hidden), format!("{what}: scales"));
+        check_expert_rows(d, &r.expert_scales, &d.expert_scales, cols, keep, &scales);
+    }
     assert_eq!(
         bits(&r.expert_weights),
         bits(&d.expert_weights),
@@ -311,10 +322,15 @@ fn check_rank(
         let act = &m.act[j * act_bytes..][..act_bytes];
         let scales = &m.act_scales[j * act_cols..][..act_cols];
         if d.expert_src_row[j] < 0 {
-            assert!(
-                m.y1[j * 2 * i..][..2 * i].iter().all(|v| v.to_bits() == 0),
-                "{what}: padding row {j} of y1 is not zero"
-            );
+            let y1 = &m.y1[j * 2 * i..][..2 * i];
+            if keep {
+                assert!(is_poisoned(y1), "{what}: padding row {j} of y1 was written");
+            } else {
+                assert!(
+                    y1.iter().all(|v| v.to_bits() == 0),
+                    "{what}: padding row {j} of y1 is not zero"
+                );
+            }
             assert!(
                 is_poisoned(act),
                 "{what}: padding row {j} of act was written"
@@ -480,6 +496,7 @@ fn case(
         drop: 0.1,
         hot: None,
         seed,
+        keep_padding: false,
     }
 }
 
@@ -498,9 +515,12 @@ fn small_and_uneven_cases_match_the_reference() {
             c.alignment = 16;
             c.tokens = (0..world).map(|r| 5 - 2 * r).collect();
             run_case(&c);
-            // 64 experts, 17 tokens, alignment 128: mostly padding.
+            // 64 experts, 17 tokens, alignment 128: mostly padding; then
+            // the same with the padding rows kept (EP_DISPATCH_KEEP_PADDING).
             let mut c = case(world, 4096, 1024, 64, dtype, 17, 13);
             c.alignment = 128;
+            run_case(&c);
+            c.keep_padding = true;
             run_case(&c);
             // A hot expert, 256 experts: most of them without rows.
             let mut c = case(world, 2048, 512, 256, dtype, 17, 14);

@@ -16,6 +16,7 @@
 
 mod common;
 
+use common::mega::check_expert_rows;
 use common::moe::*;
 use common::walk::{expect_error, expect_null};
 use common::*;
@@ -98,6 +99,9 @@ impl Call {
         d.expert_src_row = self.ex_src.as_mut_ptr();
         d.expert_offsets = self.ex_offsets.as_mut_ptr();
         d.expert_counts = self.ex_counts.as_mut_ptr();
+        if case.keep_padding {
+            d.flags |= EP_DISPATCH_KEEP_PADDING;
+        }
         let c = &mut self.combine;
         c.input_layout = EP_COMBINE_EXPERT_MAJOR;
         // A rank without tokens may pass no output.
@@ -199,13 +203,13 @@ fn check_reference(case: &MoeCase, data: &[RankData], outs: &[MoeOutputs]) {
         assert_eq!(out.offsets, d.expert_offsets, "{what}: offsets");
         assert_eq!(out.counts, d.expert_counts, "{what}: counts");
         let rows = d.expert_rows;
-        assert!(
-            bytes_of(&out.y1[..rows * 2 * i]) == bytes_of(&s.y1),
-            "{what}: y1"
-        );
-        assert!(
-            is_poisoned(&out.y1[rows * 2 * i..]),
-            "{what}: y1 after the rows"
+        check_expert_rows(
+            d,
+            &out.y1,
+            &s.y1,
+            2 * i,
+            case.keep_padding,
+            &format!("{what}: y1"),
         );
         assert!(
             is_poisoned(&out.act[rows * act_bytes..]),
@@ -265,6 +269,7 @@ fn base(world: usize, dtype: Dtype, seed: u64) -> MoeCase {
         drop: 0.2,
         hot: None,
         seed,
+        keep_padding: false,
     }
 }
 
@@ -300,6 +305,12 @@ fn cases() -> Vec<MoeCase> {
             c.topk = 1;
             c.experts = 2 * world;
             c.alignment = 4;
+            cases.push(c);
+            // Padding rows kept (EP_DISPATCH_KEEP_PADDING), alignment 16.
+            let mut c = base(world, dtype, next());
+            c.experts = 4 * world;
+            c.alignment = 16;
+            c.keep_padding = true;
             cases.push(c);
         }
         // One token; then none anywhere.
@@ -381,6 +392,7 @@ impl Fixture {
             drop: 0.0,
             hot: None,
             seed: 0x6d6f_2000,
+            keep_padding: false,
         };
         let data = rank_data(&case, 0);
         let mut call = Call::new(&case, &data, case.capacity());
@@ -591,10 +603,6 @@ fn bad_inputs_are_refused_with_their_status() {
         (
             Box::new(|_, d, _| d.flags = EP_DISPATCH_REUSE_LAYOUT),
             &["EP_DISPATCH_REUSE_LAYOUT"],
-        ),
-        (
-            Box::new(|_, d, _| d.flags = EP_DISPATCH_KEEP_PADDING),
-            &["EP_DISPATCH_KEEP_PADDING"],
         ),
         (Box::new(|_, d, _| d.num_tokens = 4), &["num_tokens = 4"]),
         (Box::new(|a, _, _| a.num_sms = -1), &["num_sms = -1"]),

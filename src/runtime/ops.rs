@@ -543,11 +543,6 @@ impl MoeOp {
             "ep_moe_forward",
             "whose experts multiply the expert-major rows",
         )?;
-        if d.expert.is_some_and(|e| e.keep_padding) {
-            return Err(Error::invalid(
-                "EP_DISPATCH_KEEP_PADDING is not supported by ep_moe_forward",
-            ));
-        }
         let i = self.experts.intermediate;
         if i == 0 || !i.is_multiple_of(SCALE_BLOCK) || i > MAX_INTERMEDIATE {
             return Err(Error::invalid(format!(
