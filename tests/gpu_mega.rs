@@ -310,20 +310,8 @@ fn check_rank(
     let (n, hidden, keep) = (case.n, case.hidden, case.keep_padding);
     assert_eq!(r.offsets, d.expert_offsets, "{what}: offsets");
     assert_eq!(r.counts, d.expert_counts, "{what}: counts");
-    let row_bytes = case.dtype.row_bytes(hidden);
-    check_expert_rows(
-        d,
-        &r.expert_x,
-        &d.expert_x,
-        row_bytes,
-        keep,
-        &format!("{what}: expert_x"),
-    );
-    if case.dtype == Dtype::Fp8E4m3 {
-        let cols = case.dtype.scales_per_row(hidden);
-        let scales = format!("{what}: scales");
-        check_expert_rows(d, &r.expert_scales, &d.expert_scales, cols, keep, &scales);
-    }
+    let (x, scales) = (&r.expert_x, &r.expert_scales);
+    check_dispatched_rows(case.dtype, hidden, d, x, scales, keep, what);
     assert_eq!(
         bits(&r.expert_weights),
         bits(&d.expert_weights),

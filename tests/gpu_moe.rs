@@ -26,7 +26,7 @@ mod common;
 
 use common::calls::combine_reference;
 use common::gpu::*;
-use common::mega::{check_expert_rows, check_row, reference_rows, Weights};
+use common::mega::{check_dispatched_rows, check_row, reference_rows, Weights};
 use common::moe::*;
 use common::normal::{dispatch_all, DeviceInput};
 use common::{bits, bytes_of, dtype_code, is_poisoned, last_error, Ctx, Handle, Rng};
@@ -285,19 +285,8 @@ fn check_rank(
     assert_eq!(m.offsets, d.expert_offsets, "{what}: offsets");
     assert_eq!(m.counts, d.expert_counts, "{what}: counts");
     let keep = case.keep_padding;
-    let row_bytes = dtype.row_bytes(hidden);
-    check_expert_rows(
-        d,
-        &r.expert_x,
-        &d.expert_x,
-        row_bytes,
-        keep,
-        &format!("{what}: expert_x"),
-    );
-    if dtype == Dtype::Fp8E4m3 {
-        let (cols, scales) = (dtype.scales_per_row(hidden), format!("{what}: scales"));
-        check_expert_rows(d, &r.expert_scales, &d.expert_scales, cols, keep, &scales);
-    }
+    let (x, scales) = (&r.expert_x, &r.expert_scales);
+    check_dispatched_rows(dtype, hidden, d, x, scales, keep, what);
     assert_eq!(
         bits(&r.expert_weights),
         bits(&d.expert_weights),

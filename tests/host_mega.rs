@@ -108,18 +108,7 @@ fn run_case(case: &MegaCase) {
         assert_eq!(ex_off, d.expert_offsets, "{what}: offsets");
         assert_eq!(ex_cnt, d.expert_counts, "{what}: counts");
         let keep = case.keep_padding;
-        check_expert_rows(
-            d,
-            &ex_x,
-            &d.expert_x,
-            row_bytes,
-            keep,
-            &format!("{what}: expert_x"),
-        );
-        if dtype == Dtype::Fp8E4m3 {
-            let scales = format!("{what}: scales");
-            check_expert_rows(d, &ex_scales, &d.expert_scales, cols, keep, &scales);
-        }
+        check_dispatched_rows(dtype, hidden, d, &ex_x, &ex_scales, keep, &what);
         assert_eq!(
             bits(&ex_w[..rows]),
             bits(&d.expert_weights),

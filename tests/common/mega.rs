@@ -300,3 +300,37 @@ pub fn check_expert_rows<T: Copy>(
         "{what}: written past the rows"
     );
 }
+
+/// The expert-major rows and (FP8) scales a fused dispatch wrote, against
+/// the reference's (`check_expert_rows` for each).
+pub fn check_dispatched_rows(
+    dtype: Dtype,
+    hidden: usize,
+    d: &Dispatched,
+    x: &[u8],
+    scales: &[f32],
+    keep_padding: bool,
+    what: &str,
+) {
+    let row_bytes = dtype.row_bytes(hidden);
+    check_expert_rows(
+        d,
+        x,
+        &d.expert_x,
+        row_bytes,
+        keep_padding,
+        &format!("{what}: expert_x"),
+    );
+    if dtype == Dtype::Fp8E4m3 {
+        let cols = dtype.scales_per_row(hidden);
+        let scales_what = format!("{what}: scales");
+        check_expert_rows(
+            d,
+            scales,
+            &d.expert_scales,
+            cols,
+            keep_padding,
+            &scales_what,
+        );
+    }
+}
