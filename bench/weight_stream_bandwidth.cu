@@ -52,7 +52,8 @@ struct Variant {
     int a_share;    // units that read the same activation rows (1: each its own)
 };
 
-// Activations: [kARows, row_bytes] (all units read the same ones, from L2).
+// Activations: [kARows, row_bytes]; a unit reads the tile at row
+// (unit / a_share * a_rows) % kARows.
 constexpr int kARows = 4096;
 
 __device__ __forceinline__ uint64_t globaltimer_ns() {
@@ -121,16 +122,18 @@ __global__ void __launch_bounds__(kThreads, 1)
                 for (int i = 0; i < group; ++i) {
                     unit_of[stage] = unit;
                     barrier_expect(&full[stage], stage_size);
-                    const int a_row = (unit / max(v.a_share, 1) * v.a_rows) % kARows;
-                    if (v.a_rows > 0 && v.a_first) {
+                    const auto load_a = [&] {
+                        const int a_row = (unit / max(v.a_share, 1) * v.a_rows) % kARows;
                         tma_load_3d(base + stage * stage_size + b_size, &a_map, &full[stage],
                                     (kb + i) * v.inner, a_row, 0);
+                    };
+                    if (v.a_rows > 0 && v.a_first) {
+                        load_a();
                     }
                     tma_load_3d(base + stage * stage_size, &map, &full[stage], (kb + i) * v.inner,
                                 row, expert);
                     if (v.a_rows > 0 && !v.a_first) {
-                        tma_load_3d(base + stage * stage_size + b_size, &a_map, &full[stage],
-                                    (kb + i) * v.inner, a_row, 0);
+                        load_a();
                     }
                     if (++stage == v.stages) stage = 0, parity ^= 1;
                 }

@@ -129,9 +129,10 @@ __device__ __forceinline__ void ep_fence_acquire_gpu() {
 // Release store, acquire load and fence-then-store at the narrowest scope
 // that holds both ends of a signal: GPU scope where the writer and the
 // reader run on this GPU (`same_gpu`: ranks that share a GPU, or a rank
-// signalling itself), else system scope (a peer GPU). A release at system scope makes the
-// thread's earlier writes visible to the whole system, peer GPUs and the
-// host (MEMBAR.SYS), one at GPU scope only to this GPU (MEMBAR.GPU).
+// signalling itself), else system scope (a peer GPU). A release at system
+// scope makes the thread's earlier writes visible to the whole system, peer
+// GPUs and the host (MEMBAR.SYS), one at GPU scope only to this GPU
+// (MEMBAR.GPU).
 __device__ __forceinline__ void ep_st_release(int* addr, int value, bool same_gpu) {
     if (same_gpu) {
         ep_st_release_gpu(addr, value);

@@ -607,11 +607,8 @@ impl Backend for HostBackend {
         // dispatch that succeeded.
         unsafe {
             let y = self.gemm(&op.gemm, rows, d);
-            if op.dispatch.expert.is_some_and(|e| e.keep_padding) {
-                give_real_rows(op.gemm.y as *mut bf16, &y, op.gemm.n, d);
-            } else {
-                give(op.gemm.y as *mut bf16, &y);
-            }
+            let keep_padding = op.dispatch.expert.is_some_and(|e| e.keep_padding);
+            give_expert_rows(op.gemm.y as *mut bf16, &y, op.gemm.n, d, keep_padding);
         }
         Ok(())
     }
@@ -936,6 +933,26 @@ unsafe fn give_real_rows<T: Copy>(dst: *mut T, src: &[T], row_len: usize, d: &Di
     }
 }
 
+/// Copies the expert-major array `src` (rows of `row_len` elements, laid
+/// out as `d`'s expert-major rows) to the caller's `dst`: every row, or with
+/// `keep_padding` (`EP_DISPATCH_KEEP_PADDING`) the real rows only.
+///
+/// # Safety
+/// `dst` must have room for `d`'s expert-major rows.
+unsafe fn give_expert_rows<T: Copy>(
+    dst: *mut T,
+    src: &[T],
+    row_len: usize,
+    d: &Dispatched,
+    keep_padding: bool,
+) {
+    if keep_padding {
+        give_real_rows(dst, src, row_len, d);
+    } else {
+        give(dst, src);
+    }
+}
+
 /// Writes a dispatch's results to the caller's outputs. Counts are always
 /// written; rows only when they fit the capacity, else an error says how many
 /// rows were needed.
@@ -973,16 +990,10 @@ unsafe fn write_dispatch_outputs(op: &DispatchOp, d: &Dispatched, topo: &Topolog
                 op.dtype.row_bytes(topo.hidden),
                 op.dtype.scales_per_row(topo.hidden),
             );
-            if expert.keep_padding {
-                give_real_rows(expert.x, &d.expert_x, row_bytes, d);
-                if fp8 {
-                    give_real_rows(expert.scales, &d.expert_scales, row_scales, d);
-                }
-            } else {
-                give(expert.x, &d.expert_x);
-                if fp8 {
-                    give(expert.scales, &d.expert_scales);
-                }
+            give_expert_rows(expert.x, &d.expert_x, row_bytes, d, expert.keep_padding);
+            if fp8 {
+                let scales = &d.expert_scales;
+                give_expert_rows(expert.scales, scales, row_scales, d, expert.keep_padding);
             }
             give(expert.weights, &d.expert_weights);
             give(expert.src_row, &d.expert_src_row);
